@@ -1,0 +1,75 @@
+"""`DeepSeekDeployment.status`: what the operator (and later the autoscaler) observed."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field
+
+from fleet.schema import ApiModel
+
+ConditionType = Literal["Ready", "Progressing", "Degraded", "KVDirectoryReady", "RDMAReady", "ScalingReady"]
+
+
+class Condition(ApiModel):
+    """One aspect of the fleet's state, as Kubernetes API conventions describe conditions."""
+
+    type: str
+    """Ready, Progressing, Degraded, KVDirectoryReady, RDMAReady or ScalingReady."""
+    status: Literal["True", "False", "Unknown"]
+    """Whether the condition holds."""
+    reason: str
+    """CamelCase cause of the status."""
+    message: str = ""
+    """What happened and what to do about it."""
+    last_transition_time: str = Field(json_schema_extra={"format": "date-time"})
+    """When status last changed (not reason or message)."""
+    observed_generation: int | None = None
+    """metadata.generation the condition was computed for."""
+
+
+class ScalingEvent(ApiModel):
+    """One replica-count change made by the autoscaler."""
+
+    time: str = Field(json_schema_extra={"format": "date-time"})
+    """When the change was made."""
+    from_replicas: int
+    """Replica count before."""
+    to_replicas: int
+    """Replica count after."""
+    queue_depth: float | None = None
+    """Queue depth that led to it."""
+    reason: str = ""
+    """Why the autoscaler changed the count."""
+
+
+class DeepSeekDeploymentStatus(ApiModel):
+    """Observed state of the fleet."""
+
+    # Written by two controllers and read by tools: unknown keys are ignored, never refused.
+    model_config = ConfigDict(extra="ignore")
+
+    observed_generation: int | None = None
+    """metadata.generation the status was computed for."""
+    replicas: int | None = None
+    """Engine pods that exist (the scale subresource reads it)."""
+    ready_replicas: int | None = None
+    """Engine pods that are ready to serve."""
+    updated_replicas: int | None = None
+    """Engine pods that run the current pod template."""
+    selector: str | None = None
+    """Label selector of the engine pods (the scale subresource reads it)."""
+    endpoint: str | None = None
+    """OpenAI-compatible base URL of the fleet inside the cluster."""
+    conditions: list[Condition] = Field(
+        default_factory=list, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+    )
+    """Current conditions, one per type."""
+    desired_replicas: int | None = None
+    """Replica count the autoscaler last decided on."""
+    queue_depth: float | None = None
+    """Waiting requests summed over the replicas at the last autoscaler poll."""
+    last_scale_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
+    """When the autoscaler last changed the replica count."""
+    scaling_history: list[ScalingEvent] = Field(default_factory=list, max_length=20)
+    """The latest replica-count changes, newest last."""
