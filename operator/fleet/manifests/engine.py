@@ -1,0 +1,211 @@
+"""The engine Deployment: GPU pods running `deepseek-engine serve`."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from fleet import names
+from fleet.manifests import rdma
+from fleet.manifests.kv_directory import directory_env
+from fleet.manifests.model_source import MODEL_DIR, VOLUME, model_source
+from fleet.parent import Parent
+
+API_KEY_DIR = "/etc/deepseek/api-key"
+PRESTOP_SECONDS = 10  # lets Services drop the endpoint before SIGTERM starts the drain
+STARTUP_PERIOD_SECONDS = 10
+# Flags the operator owns; extraArgs may not repeat them.
+MANAGED_FLAGS = (
+    "--model", "--served-model-name", "--port", "--tensor-parallel-size", "--max-model-len", "--replica-id",
+    "--advertise-host", "--kv-directory", "--kv-transport", "--kv-transfer-port", "--api-key-file",
+)
+
+
+def tensor_parallel_size(parent: Parent) -> int:
+    """Tensor-parallel degree: as set, else all of the pod's GPUs."""
+    return parent.spec.engine.tensor_parallel_size or parent.spec.gpus_per_replica
+
+
+def engine_args(parent: Parent, model_path: str) -> list[str]:
+    """`deepseek-engine` arguments; $(VAR) references are expanded by the kubelet from the env."""
+    spec = parent.spec
+    args = [
+        "serve",
+        "--model", model_path,
+        "--served-model-name", spec.model.name,
+        "--port", str(names.HTTP_PORT),
+        "--tensor-parallel-size", str(tensor_parallel_size(parent)),
+    ]
+    if spec.engine.max_model_len is not None:
+        args += ["--max-model-len", str(spec.engine.max_model_len)]
+    args += [
+        "--replica-id", "$(POD_NAME)",
+        "--advertise-host", "$(POD_IP)",
+        "--kv-transport", rdma.kv_transport(spec),
+        "--kv-transfer-port", str(names.KV_TRANSFER_PORT),
+    ]
+    if spec.engine.api_key_secret_ref is not None:
+        args += ["--api-key-file", f"{API_KEY_DIR}/api-key"]
+    return args + list(spec.engine.extra_args)
+
+
+def _env(parent: Parent) -> list[dict[str, Any]]:
+    downward = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    user = [e.model_dump(by_alias=True, exclude_none=True) for e in parent.spec.engine.env]
+    return downward + directory_env(parent) + rdma.env(parent.spec.network.rdma) + user
+
+
+def _resources(parent: Parent) -> dict[str, Any]:
+    spec = parent.spec
+    devices = {spec.gpu_resource_name: spec.gpus_per_replica, **rdma.device_resources(spec.network.rdma)}
+    devices_text = {name: str(count) for name, count in devices.items()}
+    return {
+        "requests": {**spec.template.resources.requests, **devices_text},
+        "limits": {**spec.template.resources.limits, **devices_text},
+    }
+
+
+def _affinity(parent: Parent) -> dict[str, Any]:
+    affinity = copy.deepcopy(parent.spec.template.affinity or {})
+    spread = {
+        "weight": 100,
+        "podAffinityTerm": {
+            "labelSelector": {"matchLabels": names.engine_selector(parent.name)},
+            "topologyKey": "kubernetes.io/hostname",
+        },
+    }
+    anti = affinity.setdefault("podAntiAffinity", {})
+    anti.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []).append(spread)
+    return affinity
+
+
+def _probes(parent: Parent) -> dict[str, Any]:
+    startup_budget = parent.spec.engine.startup_timeout_seconds
+    return {
+        # Gates the others until the weights are loaded, which can take many minutes.
+        "startupProbe": {
+            "httpGet": {"path": "/ready", "port": "http"},
+            "periodSeconds": STARTUP_PERIOD_SECONDS,
+            "timeoutSeconds": 5,
+            "failureThreshold": math.ceil(startup_budget / STARTUP_PERIOD_SECONDS),
+        },
+        # /ready turns 503 while draining, taking the replica out of the Service quickly.
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": "http"},
+            "periodSeconds": 5,
+            "timeoutSeconds": 5,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+    }
+
+
+def _container(parent: Parent, model_path: str) -> dict[str, Any]:
+    spec = parent.spec
+    mounts = [
+        {"name": VOLUME, "mountPath": MODEL_DIR, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    if spec.engine.api_key_secret_ref is not None:
+        mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": spec.engine.image,
+        "command": ["deepseek-engine"],
+        "args": engine_args(parent, model_path),
+        "env": _env(parent),
+        "ports": [
+            {"name": "http", "containerPort": names.HTTP_PORT, "protocol": "TCP"},
+            {"name": "kv-transfer", "containerPort": names.KV_TRANSFER_PORT, "protocol": "TCP"},
+        ],
+        "resources": _resources(parent),
+        "volumeMounts": mounts,
+        **_probes(parent),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}},
+    }
+    if spec.engine.image_pull_policy:
+        container["imagePullPolicy"] = spec.engine.image_pull_policy
+    caps = rdma.capabilities(spec.network.rdma)
+    if caps:
+        container["securityContext"] = {"capabilities": {"add": caps}}
+    return container
+
+
+def _volumes(parent: Parent, model_volume: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = parent.spec
+    volumes = [
+        model_volume,
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.template.shared_memory_size}},
+    ]
+    ref = spec.engine.api_key_secret_ref
+    if ref is not None:
+        volumes.append(
+            {"name": "api-key", "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": "api-key"}],
+                                           "defaultMode": 0o440}}
+        )
+    return volumes
+
+
+def build_engine_deployment(parent: Parent, *, replicas: int | None, kv_auth_hash: str | None) -> dict[str, Any]:
+    """The engine Deployment; replicas=None leaves the count to whoever owns it (the autoscaler)."""
+    spec = parent.spec
+    source = model_source(spec.model, spec.engine)
+    template = spec.template
+    labels = names.common_labels(parent.name, "engine", "deepseek-engine")
+    annotations = {
+        **template.annotations,
+        **rdma.pod_annotations(spec.network.rdma),
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(names.HTTP_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+    if kv_auth_hash is not None:
+        annotations[names.KV_AUTH_HASH] = kv_auth_hash
+    pod_spec: dict[str, Any] = {
+        # Service links would inject e.g. DEEPSEEK_ENGINE_PORT for a Service named deepseek-engine,
+        # which the engine reads as its --port flag.
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": PRESTOP_SECONDS + spec.engine.drain_seconds + 5,
+        "affinity": _affinity(parent),
+        "containers": [_container(parent, source.path)],
+        "volumes": _volumes(parent, source.volume),
+    }
+    if source.init_containers:
+        pod_spec["initContainers"] = source.init_containers
+    if template.node_selector:
+        pod_spec["nodeSelector"] = dict(template.node_selector)
+    if template.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in template.tolerations]
+    if template.priority_class_name:
+        pod_spec["priorityClassName"] = template.priority_class_name
+    if template.service_account_name:
+        pod_spec["serviceAccountName"] = template.service_account_name
+    if spec.engine.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.engine.image_pull_secrets]
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": names.engine_selector(parent.name)},
+        "strategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": spec.rollout.max_surge, "maxUnavailable": spec.rollout.max_unavailable},
+        },
+        # Loading hundreds of GB must not read as a stuck rollout.
+        "progressDeadlineSeconds": spec.engine.startup_timeout_seconds + 600,
+        "template": {"metadata": {"labels": {**template.labels, **labels}, "annotations": annotations}, "spec": pod_spec},
+    }
+    if replicas is not None:
+        deployment_spec = {"replicas": replicas, **deployment_spec}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": names.engine_name(parent.name), "namespace": parent.namespace, "labels": labels},
+        "spec": deployment_spec,
+    }
