@@ -12,6 +12,7 @@ from fleet import names
 from fleet.schema import structural
 from fleet.spec import DeepSeekDeploymentSpec
 from fleet.status import DeepSeekDeploymentStatus
+from fleet.validation import NAME_RULE
 
 CRD_PATH = Path("crds") / f"{names.CRD_NAME}.yaml"
 
@@ -46,6 +47,7 @@ def build_crd() -> dict[str, Any]:
                             "description": "DeepSeekDeployment runs a fleet of DeepSeek inference replicas "
                             "with a shared KV-cache directory behind one OpenAI-compatible endpoint.",
                             "required": ["spec"],
+                            "x-kubernetes-validations": [NAME_RULE],
                             "properties": {
                                 "apiVersion": {"type": "string", "description": "API version of the object."},
                                 "kind": {"type": "string", "description": "Kind of the object."},

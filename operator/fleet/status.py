@@ -73,3 +73,27 @@ class DeepSeekDeploymentStatus(ApiModel):
     """When the autoscaler last changed the replica count."""
     scaling_history: list[ScalingEvent] = Field(default_factory=list, max_length=20)
     """The latest replica-count changes, newest last."""
+
+
+def merge_conditions(
+    current: list[dict], fresh: list[dict], *, now: str, generation: int
+) -> list[dict]:
+    """Conditions after an update: fresh ones replace theirs by type, the rest stay as they are.
+
+    lastTransitionTime moves only when a condition's status flips; conditions of types we did not
+    compute (another controller's, like ScalingReady) are kept untouched.
+    """
+    by_type = {c["type"]: c for c in current}
+    merged = []
+    for cond in fresh:
+        old = by_type.get(cond["type"])
+        flipped = old is None or old.get("status") != cond["status"]
+        stamp = now if flipped else old.get("lastTransitionTime", now)
+        merged.append({**cond, "lastTransitionTime": stamp, "observedGeneration": generation})
+    fresh_types = {c["type"] for c in fresh}
+    return merged + [c for c in current if c["type"] not in fresh_types]
+
+
+def condition(type_: str, ok: bool, reason: str, message: str) -> dict:
+    """A condition without its timestamps (merge_conditions adds them)."""
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}

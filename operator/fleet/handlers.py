@@ -1,0 +1,75 @@
+"""Kopf handlers (importing this module registers them): thin wrappers around Runtime.reconcile."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from fleet import names
+from fleet.kube import WATCHED_KINDS
+from fleet.runtime import Runtime
+
+RETRY_DELAY_SECONDS = 10
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Keep Kopf's bookkeeping in our annotations and build the shared runtime."""
+    # Structural schemas prune unknown status fields, so Kopf's progress lives in annotations.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=names.GROUP, key="last-handled-configuration"
+    )
+    settings.posting.reporting_component = names.MANAGER
+    settings.scanning.disabled = True  # no cluster-wide CRD watch (and no RBAC for it)
+    settings.watching.server_timeout = 300  # re-establish watches every few minutes
+    if getattr(memo, "runtime", None) is None:
+        memo.runtime = Runtime.from_environment()
+
+
+@kopf.on.resume(names.GROUP, names.VERSION, names.PLURAL)
+@kopf.on.create(names.GROUP, names.VERSION, names.PLURAL)
+@kopf.on.update(names.GROUP, names.VERSION, names.PLURAL)
+def reconcile_fleet(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    """A fleet appeared, changed or was found at startup: bring everything in line."""
+    try:
+        outcome = memo.runtime.reconcile(namespace, name, wait=True)
+    except ApiException as exc:
+        raise kopf.TemporaryError(f"API error {exc.status}: {exc.reason}", delay=RETRY_DELAY_SECONDS) from exc
+    if outcome is not None and outcome.invalid is not None:
+        # Reported in the status and an Event already; retrying cannot fix a spec.
+        raise kopf.PermanentError(str(outcome.invalid))
+
+
+def _owner(body: kopf.Body) -> str | None:
+    for ref in body.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("kind") == names.KIND and ref.get("apiVersion", "").startswith(f"{names.GROUP}/"):
+            return ref.get("name")
+    return None
+
+
+def child_changed(body: kopf.Body, namespace: str, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    """A child changed or vanished: repair drift and refresh the parent's status."""
+    owner = _owner(body)
+    if owner is None:
+        return
+    try:
+        memo.runtime.reconcile(namespace, owner, wait=False)
+    except ApiException as exc:
+        # No retry loop here: the next event, or the parent's own handlers, will come back to it.
+        logger.warning(f"Reconciling {namespace}/{owner} after a child event failed: {exc.status} {exc.reason}")
+
+
+def _watch_children() -> None:
+    # Kopf filters these labels client-side; only our children reach child_changed.
+    for kind in WATCHED_KINDS:
+        kopf.on.event(
+            kind.group, kind.api_version.rpartition("/")[2], kind.plural,
+            labels={"app.kubernetes.io/managed-by": names.MANAGER},
+            id=f"child-{kind.plural}",
+        )(child_changed)
+
+
+_watch_children()

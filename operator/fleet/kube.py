@@ -1,0 +1,105 @@
+"""The Kubernetes API as the reconcile needs it: plain-dict get/create/patch/list per kind."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from fleet import names
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One child kind and the typed client methods that serve it."""
+
+    api_version: str
+    kind: str
+    plural: str
+    api: str  # class in kubernetes.client
+    method_suffix: str  # e.g. "deployment" in read_namespaced_deployment
+    verbs: tuple[str, ...]  # what the operator does with it (RBAC is derived from this)
+
+    @property
+    def group(self) -> str:
+        return self.api_version.rpartition("/")[0]
+
+
+CHILD_KINDS = (
+    Kind("apps/v1", "Deployment", "deployments", "AppsV1Api", "deployment",
+         ("get", "list", "watch", "create", "patch")),
+    Kind("v1", "Service", "services", "CoreV1Api", "service", ("get", "list", "watch", "create", "patch")),
+    # Secrets are not watched: a watch would read every Secret in the namespace.
+    Kind("v1", "Secret", "secrets", "CoreV1Api", "secret", ("get", "create", "patch")),
+    Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies", "NetworkingV1Api", "network_policy",
+         ("get", "list", "watch", "create", "patch")),
+    Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets", "PolicyV1Api", "pod_disruption_budget",
+         ("get", "list", "watch", "create", "patch")),
+)
+KINDS = {(k.api_version, k.kind): k for k in CHILD_KINDS}
+WATCHED_KINDS = tuple(k for k in CHILD_KINDS if "watch" in k.verbs)
+
+
+class Kube:
+    """Blocking API access (the reconcile runs in Kopf's sync-handler threads)."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self._client = api_client
+        self._custom = client.CustomObjectsApi(api_client)
+        self._core = client.CoreV1Api(api_client)
+
+    def _method(self, api_version: str, kind: str, verb: str):  # noqa: ANN202
+        spec = KINDS[(api_version, kind)]
+        api = getattr(client, spec.api)(self._client)
+        return getattr(api, f"{verb}_namespaced_{spec.method_suffix}")
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object, or None if it does not exist."""
+        try:
+            response = self._method(api_version, kind, "read")(name, namespace, _preload_content=False)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return json.loads(response.data)
+
+    def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Create a namespaced object from its manifest."""
+        meta = manifest["metadata"]
+        create = self._method(manifest["apiVersion"], manifest["kind"], "create")
+        return json.loads(create(meta["namespace"], manifest, _preload_content=False).data)
+
+    def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """Apply a JSON merge patch."""
+        method = self._method(api_version, kind, "patch")
+        return json.loads(method(name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False).data)
+
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """Pods matching a label selector."""
+        response = self._core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
+        return json.loads(response.data).get("items", [])
+
+    def get_parent(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A DeepSeekDeployment, or None if it is gone."""
+        try:
+            response = self._custom.get_namespaced_custom_object(
+                names.GROUP, names.VERSION, namespace, names.PLURAL, name, _preload_content=False
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return json.loads(response.data)
+
+    def patch_parent_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """Merge-patch a DeepSeekDeployment's status subresource."""
+        response = self._custom.patch_namespaced_custom_object_status(
+            names.GROUP, names.VERSION, namespace, names.PLURAL, name, patch,
+            _content_type=MERGE_PATCH, _preload_content=False,
+        )
+        return json.loads(response.data)

@@ -1,0 +1,225 @@
+"""One level-based pass: read the parent and its children, write only what differs, report status."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from fleet import drift, names
+from fleet.kube import Kube
+from fleet.manifests import build_children
+from fleet.manifests.kv_directory import new_password, read_password
+from fleet.parent import Parent
+from fleet.readiness import Observed, status_fields
+from fleet.status import condition, merge_conditions
+from fleet.validation import InvalidSpec, validate
+
+# (parent body, event type, reason, message)
+EventSink = Callable[[dict[str, Any], str, str, str], None]
+URL_SAFE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+
+
+def utc_now() -> str:
+    """RFC 3339 time, second precision, as Kubernetes writes it."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Outcome:
+    """What a pass did: for events, for retries and for tests."""
+
+    actions: list[str] = field(default_factory=list)
+    invalid: InvalidSpec | None = None
+    gone: bool = False
+    status_written: bool = False
+
+
+class Reconciler:
+    """Makes a fleet's children match its spec and its status match its children."""
+
+    def __init__(self, kube: Kube, post_event: EventSink, now: Callable[[], str] = utc_now) -> None:
+        self.kube = kube
+        self.post_event = post_event
+        self.now = now
+
+    def reconcile(self, namespace: str, name: str) -> Outcome:
+        """One pass over the named DeepSeekDeployment, from a fresh read of it."""
+        body = self.kube.get_parent(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return Outcome(gone=True)  # the garbage collector removes the children through ownerReferences
+        try:
+            parent = validate(body)
+        except InvalidSpec as exc:
+            return self._report_invalid(body, exc)
+        return _Pass(self, body, parent).run()
+
+    def _report_invalid(self, body: dict[str, Any], exc: InvalidSpec) -> Outcome:
+        message = f"Spec rejected, nothing was created or changed: {exc}"
+        generation = body["metadata"].get("generation", 0)
+        fresh = [
+            condition("Ready", False, "InvalidSpec", message),
+            condition("Progressing", False, "InvalidSpec", "Waiting for a valid spec."),
+        ]
+        old_ready = _find(body.get("status", {}).get("conditions", []), "Ready")
+        if old_ready.get("reason") != "InvalidSpec" or old_ready.get("message") != message:
+            self.post_event(body, "Warning", "InvalidSpec", str(exc))
+        written = self._write_status(body, {"observedGeneration": generation}, fresh, generation)
+        return Outcome(invalid=exc, status_written=written)
+
+    def _write_status(self, body: dict[str, Any], counts: dict[str, Any], fresh: list[dict], generation: int) -> bool:
+        current = body.get("status") or {}
+        conditions = merge_conditions(current.get("conditions", []), fresh, now=self.now(), generation=generation)
+        wanted = {**counts, "conditions": conditions}
+        if all(current.get(k) == v for k, v in wanted.items()):
+            return False  # no churn: an unchanged fleet gets no write
+        meta = body["metadata"]
+        # resourceVersion makes the write fail (409) rather than overwrite another writer's conditions.
+        patch = {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": wanted}
+        self.kube.patch_parent_status(meta["namespace"], meta["name"], patch)
+        old_ready, new_ready = _find(current.get("conditions", []), "Ready"), _find(conditions, "Ready")
+        if old_ready.get("status") != new_ready.get("status") and new_ready.get("reason") != "InvalidSpec":
+            kind = "Normal" if new_ready["status"] == "True" else "Warning"
+            self.post_event(body, kind, new_ready["reason"], new_ready["message"])
+        return True
+
+
+class _Pass:
+    """State of one reconcile pass over one valid fleet."""
+
+    def __init__(self, owner: Reconciler, body: dict[str, Any], parent: Parent) -> None:
+        self.kube = owner.kube
+        self.owner = owner
+        self.body = body
+        self.parent = parent
+        self.outcome = Outcome()
+        self.blocked: list[str] = []
+        self.live: dict[tuple[str, str], dict[str, Any] | None] = {}
+
+    def _get(self, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
+        key = (kind, name)
+        if key not in self.live:
+            self.live[key] = self.kube.get(api_version, kind, self.parent.namespace, name)
+        return self.live[key]
+
+    def run(self) -> Outcome:
+        parent = self.parent
+        engine = self._get("apps/v1", "Deployment", names.engine_name(parent.name))
+        password, kv_problem = self._kv_password()
+        children = build_children(parent, kv_password=password, replicas=self._replicas(engine))
+        applied = {(c["kind"], c["metadata"]["name"]): self._apply(c) for c in children}
+        observed = Observed(
+            engine=applied.get(("Deployment", names.engine_name(parent.name))),
+            redis=applied.get(("Deployment", names.kv_name(parent.name))),
+            pods=self._pods() if parent.spec.network.rdma.enabled else [],
+            kv_problem=kv_problem,
+            blocked=self.blocked,
+        )
+        old_degraded = _find(self.body.get("status", {}).get("conditions", []), "Degraded")
+        counts, fresh = status_fields(parent, observed)
+        new_degraded = _find(fresh, "Degraded")
+        if new_degraded["status"] == "True" and new_degraded["message"] != old_degraded.get("message"):
+            self.owner.post_event(self.body, "Warning", new_degraded["reason"], new_degraded["message"])
+        self.outcome.status_written = self.owner._write_status(self.body, counts, fresh, parent.generation)
+        return self.outcome
+
+    def _replicas(self, engine: dict[str, Any] | None) -> int | None:
+        scaling = self.parent.spec.autoscaling
+        if not scaling.enabled:
+            return self.parent.spec.replicas
+        if engine is not None:
+            return None  # the autoscaler owns the count now
+        # A (re)created Deployment starts where the autoscaler last wanted it, within bounds.
+        wanted = (self.body.get("status") or {}).get("desiredReplicas", scaling.min_replicas)
+        return max(scaling.min_replicas, min(wanted, scaling.max_replicas or wanted))
+
+    def _kv_password(self) -> tuple[str | None, str | None]:
+        directory = self.parent.spec.kv_cache.directory
+        if directory.managed:
+            secret = self._get("v1", "Secret", names.kv_secret_name(self.parent.name))
+            existing = read_password(secret) if secret else None
+            return existing or new_password(), None
+        ref = directory.password_secret_ref
+        if ref is None:
+            return None, None
+        secret = self._get("v1", "Secret", ref.name)
+        if secret is None:
+            return None, f"Secret {ref.name} with the Redis password does not exist; create it with key {ref.key}."
+        password = read_password({"data": {"password": (secret.get("data") or {}).get(ref.key)}})
+        if password is None:
+            return None, f"Secret {ref.name} has no key {ref.key}; put the Redis password there."
+        if not set(password) <= URL_SAFE:
+            return None, (
+                f"The password in Secret {ref.name} has characters that are not URL-safe; "
+                "it is spliced into the redis:// URL, so use letters, digits and -._~ only."
+            )
+        return None, None
+
+    def _pods(self) -> list[dict[str, Any]]:
+        selector = names.selector_string(names.engine_selector(self.parent.name))
+        return self.kube.list_pods(self.parent.namespace, selector)
+
+    def _apply(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
+        api_version, kind, name = manifest["apiVersion"], manifest["kind"], manifest["metadata"]["name"]
+        desired = drift.with_record(manifest)
+        live = self._get(api_version, kind, name)
+        try:
+            if live is None:
+                created = copy.deepcopy(desired)
+                # Only the owner reference, not kopf.adopt(): adopt also copies the parent's labels,
+                # which would leak GitOps tracking labels onto the children.
+                kopf.append_owner_reference(created, owner=self.body)
+                result = self.kube.create(created)
+                self._did(f"Created {kind} {name}")
+                return result
+            controller = _controller(live)
+            uid = self.body["metadata"].get("uid")
+            if controller is not None and controller.get("uid") != uid:
+                self.blocked.append(
+                    f"{kind} {name} already exists and belongs to {controller.get('kind')} "
+                    f"{controller.get('name')}; delete or rename it"
+                )
+                return live
+            patch = drift.merge_patch(desired, live)
+            if controller is None:
+                adopted = copy.deepcopy(live)
+                kopf.append_owner_reference(adopted, owner=self.body)
+                patch = patch or {}
+                patch.setdefault("metadata", {})["ownerReferences"] = adopted["metadata"]["ownerReferences"]
+            if patch is None:
+                return live
+            result = self.kube.patch(api_version, kind, self.parent.namespace, name, patch)
+            self._did(f"{'Adopted' if controller is None else 'Updated'} {kind} {name}")
+            return result
+        except ApiException as exc:
+            if exc.status not in (400, 403, 422):
+                raise  # transient: the caller retries
+            self.blocked.append(f"{kind} {name} was rejected by the API server: {_reason(exc)}")
+            return live
+
+    def _did(self, action: str) -> None:
+        self.outcome.actions.append(action)
+        verb = action.split(" ", 1)[0]
+        self.owner.post_event(self.body, "Normal", verb, action)
+
+
+def _find(conditions: list[dict], type_: str) -> dict:
+    return next((c for c in conditions if c.get("type") == type_), {})
+
+
+def _controller(obj: dict[str, Any]) -> dict[str, Any] | None:
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return next((r for r in refs if r.get("controller")), None)
+
+
+def _reason(exc: ApiException) -> str:
+    try:
+        return json.loads(exc.body).get("message") or str(exc.reason)
+    except (TypeError, ValueError):
+        return str(exc.reason)

@@ -1,0 +1,40 @@
+"""What the handlers share for the operator's lifetime (kept on Kopf's memo, not in globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from kubernetes import client, config
+
+from fleet.kube import Kube
+from fleet.reconcile import Outcome, Reconciler
+from fleet.turns import Turns
+
+
+def post_kopf_event(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    """A Kubernetes Event about the parent, through Kopf's posting queue (safe from threads)."""
+    kopf.event(body, type=type_, reason=reason, message=message[:1024])
+
+
+@dataclass
+class Runtime:
+    """The reconciler and the per-fleet turns."""
+
+    reconciler: Reconciler
+    turns: Turns = field(default_factory=Turns)
+
+    @classmethod
+    def from_environment(cls) -> Runtime:
+        """Credentials as any Kubernetes client finds them: KUBECONFIG, ~/.kube/config or in-cluster."""
+        config.load_config()
+        return cls(Reconciler(Kube(client.ApiClient()), post_kopf_event))
+
+    def reconcile(self, namespace: str, name: str, *, wait: bool) -> Outcome | None:
+        """Reconcile one fleet in its turn; wait=False folds into a pass already running."""
+        key = (namespace, name)
+        outcome = self.turns.run(key, lambda: self.reconciler.reconcile(namespace, name), wait=wait)
+        if outcome is not None and outcome.gone:
+            self.turns.forget(key)
+        return outcome

@@ -1,0 +1,50 @@
+"""Operator settings: command-line flags over environment variables over defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+
+from pydantic import BaseModel, ConfigDict
+
+ENV_PREFIX = "DEEPSEEK_OPERATOR_"
+
+
+class OperatorSettings(BaseModel):
+    """How the operator runs."""
+
+    model_config = ConfigDict(frozen=True)
+
+    namespaces: tuple[str, ...] = ()
+    """Namespaces (or Kopf globs) to watch; empty means the whole cluster."""
+    liveness_endpoint: str | None = "http://0.0.0.0:8080/healthz"
+    """Where Kopf serves its liveness probe; None turns it off."""
+    verbose: bool = False
+    """Debug logging."""
+
+    @property
+    def clusterwide(self) -> bool:
+        return not self.namespaces
+
+    @classmethod
+    def load(cls, argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> OperatorSettings:
+        """Settings from flags, then DEEPSEEK_OPERATOR_* variables, then defaults."""
+        parser = argparse.ArgumentParser(
+            prog="deepseek-operator", description="Run the DeepSeekDeployment operator (Kopf)."
+        )
+        scope = parser.add_mutually_exclusive_group()
+        scope.add_argument("-n", "--namespace", action="append", dest="namespaces", metavar="NS",
+                           help="watch this namespace (repeatable; Kopf globs allowed); env DEEPSEEK_OPERATOR_NAMESPACES")
+        scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch the whole cluster (default)")
+        parser.add_argument("--liveness", metavar="URL", help="liveness endpoint; 'off' disables it")
+        parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+        args = parser.parse_args(list(argv))
+        env_namespaces = [n.strip() for n in environ.get(f"{ENV_PREFIX}NAMESPACES", "").split(",") if n.strip()]
+        namespaces = () if args.all_namespaces else tuple(args.namespaces or env_namespaces)
+        liveness = args.liveness or environ.get(f"{ENV_PREFIX}LIVENESS") or cls.model_fields["liveness_endpoint"].default
+        return cls(
+            namespaces=namespaces,
+            liveness_endpoint=None if liveness == "off" else liveness,
+            verbose=args.verbose or environ.get(f"{ENV_PREFIX}VERBOSE", "").lower() in ("1", "true", "yes"),
+        )
