@@ -1,0 +1,125 @@
+"""Prometheus metrics of one engine: exactly the contract the operator's autoscaler and dashboards read."""
+
+import time
+from collections.abc import Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.registry import Collector
+
+from engine.outputs import RequestOutput
+
+PREFIX = "deepseek_engine"
+FINISH_REASONS = ("stop", "length", "abort")
+CACHE_SOURCES = ("local", "remote")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+_DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+
+class _WithoutCreated(Collector):
+    """Drops the `*_created` samples prometheus-client adds, so the exposition is the contract alone."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator:
+        for family in self._registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+
+class EngineMetrics:
+    """The engine's metrics on a registry of their own; observed from the engine loop's thread."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests_waiting = Gauge(
+            f"{PREFIX}_requests_waiting", "Admitted requests not yet scheduled (queue depth).", registry=r
+        )
+        self.requests_running = Gauge(
+            f"{PREFIX}_requests_running", "Requests being prefilled or decoded.", registry=r
+        )
+        self.kv_cache_usage = Gauge(f"{PREFIX}_kv_cache_usage", "Fraction of KV blocks in use, 0..1.", registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated.", registry=r)
+        self.prefix_cache_hit_tokens = Counter(
+            f"{PREFIX}_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache, by where the cached blocks came from.",
+            ["source"],
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Time between two generated tokens of one request.",
+            buckets=_TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            f"{PREFIX}_request_duration_seconds",
+            "Time from arrival to the last token.",
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(f"{PREFIX}_requests", "Finished requests.", ["finish_reason"], registry=r)
+        # Every label value is exposed from the start: dashboards and alerts see zeros, not gaps.
+        for source in CACHE_SOURCES:
+            self.prefix_cache_hit_tokens.labels(source=source)
+        for reason in FINISH_REASONS:
+            self.requests.labels(finish_reason=reason)
+        # request_id -> time of its last token; lives on the engine loop's thread only.
+        self._last_token_time: dict[str, float] = {}
+        self._exposition = _WithoutCreated(self.registry)
+
+    def set_queue(self, num_waiting: int, num_running: int, kv_cache_usage: float) -> None:
+        self.requests_waiting.set(num_waiting)
+        self.requests_running.set(num_running)
+        self.kv_cache_usage.set(kv_cache_usage)
+
+    def observe_outputs(self, outputs: Iterable[RequestOutput], now: float | None = None) -> None:
+        """Counts the tokens and latencies of one engine step's outputs (`now`: time.monotonic())."""
+        now = time.monotonic() if now is None else now
+        for out in outputs:
+            self._observe(out, now)
+
+    def observe_abort(self, request_id: str) -> None:
+        """Counts a request aborted before the engine reported it finished."""
+        self._last_token_time.pop(request_id, None)
+        self.requests.labels(finish_reason="abort").inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self._exposition)
+
+    def _observe(self, out: RequestOutput, now: float) -> None:
+        num_new = len(out.new_token_ids)
+        last = self._last_token_time.get(out.request_id)
+        if num_new:
+            self.generation_tokens.inc(num_new)
+            if last is None:
+                self._observe_first_token(out, now)
+            else:
+                # Several tokens in one step (speculative decoding) share the step's latency.
+                gap = (now - last) / num_new
+                for _ in range(num_new):
+                    self.inter_token_latency.observe(gap)
+            self._last_token_time[out.request_id] = now
+        if out.finished:
+            self._last_token_time.pop(out.request_id, None)
+            self.requests.labels(finish_reason=out.finish_reason or "abort").inc()
+            if out.metrics is not None:
+                self.request_duration.observe(now - out.metrics.arrival_time)
+
+    def _observe_first_token(self, out: RequestOutput, now: float) -> None:
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.prefix_cache_hit_tokens.labels(source="local").inc(out.num_cached_tokens)
+        if out.metrics is not None:
+            first = out.metrics.first_token_time or now
+            self.time_to_first_token.observe(first - out.metrics.arrival_time)

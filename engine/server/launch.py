@@ -1,0 +1,206 @@
+"""`deepseek-engine serve`: its flags, and running uvicorn with a drain on SIGTERM."""
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+
+from engine.metrics import EngineMetrics
+from engine.server.app import create_app
+from engine.server.async_engine import AsyncEngine
+from engine.server.errors import ServiceUnavailable
+from engine.server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "DEEPSEEK_ENGINE_"
+DEFAULT_MODEL = "deepseek-tiny"
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The serve flags; each also reads DEEPSEEK_ENGINE_<FLAG> (flag on the command line wins)."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory, or the embedded deepseek-tiny")
+    model.add_argument("--served-model-name", help="name clients send as `model` (default: --model)")
+    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    model.add_argument("--max-model-len", type=_positive_int, help="context length (default: the model's)")
+    model.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    model.add_argument("--max-num-seqs", type=_positive_int, help="most requests decoded together")
+    http = parser.add_argument_group("server")
+    http.add_argument("--host", default="0.0.0.0")
+    http.add_argument("--port", type=_port, default=8000)
+    http.add_argument("--api-key-file", help="file holding the API key clients must send as a Bearer token")
+    http.add_argument(
+        "--max-waiting-requests", type=_positive_int, help="answer 429 beyond this queue depth (default: unbounded)"
+    )
+    http.add_argument(
+        "--drain-timeout", type=_non_negative_float, default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
+    fleet = parser.add_argument_group("fleet (set by the operator)")
+    fleet.add_argument("--replica-id", help="this replica's name (the pod name)")
+    fleet.add_argument("--advertise-host", help="address peers reach this replica at (the pod IP)")
+    fleet.add_argument("--kv-directory", help="redis URL of the KV-cache directory (absent: local prefix cache only)")
+    fleet.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "rdma"])
+    fleet.add_argument("--kv-transfer-port", type=_port, default=8100)
+    apply_env_defaults(parser)
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
+    """Makes DEEPSEEK_ENGINE_<FLAG_IN_CAPS> the default of each --flag (parsed and checked like the flag)."""
+    for action in parser._actions:  # argparse offers no public iterator over a parser's arguments
+        flags = [s for s in action.option_strings if s.startswith("--")]
+        if not flags or action.dest == "help":
+            continue
+        name = ENV_PREFIX + flags[0][2:].replace("-", "_").upper()
+        value = os.environ.get(name)
+        if value is None:
+            continue
+        try:
+            converted = action.type(value) if action.type else value
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+            parser.error(f"environment variable {name}={value!r}: {exc}")
+        if action.choices is not None and converted not in action.choices:
+            parser.error(f"environment variable {name}={value!r}: choose from {', '.join(map(str, action.choices))}")
+        action.default = converted
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(
+        served_model_name=args.served_model_name or args.model,
+        host=args.host,
+        port=args.port,
+        api_key=read_api_key(args.api_key_file) if args.api_key_file else None,
+        max_waiting_requests=args.max_waiting_requests,
+        drain_timeout=args.drain_timeout,
+        replica_id=args.replica_id,
+        advertise_host=args.advertise_host,
+        kv_directory=args.kv_directory,
+        kv_transport=args.kv_transport,
+        kv_transfer_port=args.kv_transfer_port,
+    )
+
+
+def read_api_key(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.read().strip()
+    except OSError as exc:
+        raise SystemExit(f"error: cannot read --api-key-file {path}: {exc.strerror}") from None
+    if not key:
+        raise SystemExit(f"error: --api-key-file {path} is empty")
+    return key
+
+
+def engine_factory(args: argparse.Namespace) -> Callable[[], Any]:
+    """Builds the LLMEngine (on the engine loop's thread) from the flags it understands."""
+    from engine.config import EngineConfig  # torch and the model code load only when serving starts
+    from engine.llm_engine import LLMEngine
+
+    wanted = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "tensor_parallel_size": args.tensor_parallel_size,
+    }
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    kwargs = {k: v for k, v in wanted.items() if v is not None and k in known}
+    if args.tensor_parallel_size != 1 and "tensor_parallel_size" not in known:
+        raise SystemExit("error: --tensor-parallel-size > 1 is not supported by this engine build")
+    config = EngineConfig(**kwargs)
+    return lambda: LLMEngine(config)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that SIGTERM drains: /ready and new requests answer 503, the requests in flight
+    finish (up to the drain timeout), then the process exits 0. A failed engine exits 1."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+        self.exit_code = 0
+        self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        watchdog = asyncio.create_task(self._exit_on_engine_failure())
+        try:
+            await super().serve(sockets)
+        finally:
+            watchdog.cancel()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if sig == signal.SIGTERM and not self.should_exit:
+            # Not handed to uvicorn: it would stop listening at once and re-raise SIGTERM on exit.
+            if not self._draining and self._loop is not None:
+                self._draining = True
+                self._loop.call_soon_threadsafe(self._start_drain)
+            return
+        super().handle_exit(sig, frame)
+        if self._loop is not None:  # Ctrl-C: do not wait for streams to run out
+            self._loop.call_soon_threadsafe(self.engine.abort_all, ServiceUnavailable("The server is shutting down."))
+
+    def _start_drain(self) -> None:
+        task = asyncio.create_task(self._drain())
+        self._tasks.add(task)
+
+    async def _drain(self) -> None:
+        logger.info("SIGTERM: draining %d request(s), up to %.0f s", self.engine.num_active, self.drain_timeout)
+        if not await self.engine.drain(self.drain_timeout):
+            logger.warning("drain timeout reached: the remaining requests were aborted")
+        self.should_exit = True
+
+    async def _exit_on_engine_failure(self) -> None:
+        await self.engine.failed.wait()
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serves until SIGTERM (drained, exit 0) or SIGINT; exit 1 when the engine fails."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings_from_args(args)
+    engine = AsyncEngine(engine_factory(args), EngineMetrics(), max_waiting_requests=settings.max_waiting_requests)
+    app = create_app(settings, engine)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,  # keep the logging set up above
+        timeout_graceful_shutdown=5,  # after the drain: time for the last bytes to reach clients
+    )
+    server = DrainingServer(config, engine, settings.drain_timeout)
+    server.run()
+    return server.exit_code
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port number 1..65535, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
