@@ -1,0 +1,136 @@
+"""Paged KV cache bookkeeping: free blocks, per-sequence block tables, and the local prefix cache.
+
+A block holds `block_size` consecutive raw tokens of one sequence. Pages stay in raw-token coordinates
+so a model with several cache kinds per layer (a sliding-window ring, r-times compressed caches) keeps
+one block table: block i covers tokens [i * block_size, (i + 1) * block_size) in every kind.
+
+Full blocks are keyed by a chained hash of their tokens (and the model), so a later request with the
+same prefix reuses them; blocks nobody references stay cached until evicted, least recently used first.
+"""
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.sequence import Sequence
+
+
+def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    """Chained hash: a block's key covers every token before it too."""
+    return hashlib.blake2b(parent + np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, salt: str = ""):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.enable_prefix_caching = enable_prefix_caching
+        self.root_hash = hashlib.blake2b(salt.encode(), digest_size=16).digest()
+        self.hash_to_block: dict[bytes, int] = {}
+        # unreferenced blocks, eviction order first; cached ones are kept towards the end
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.num_hashed_blocks: dict[str, int] = {}  # request id -> leading blocks already hashed
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / len(self.blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- admission ---------------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks that hold this sequence's leading full blocks (never the whole sequence:
+        the last token is always computed so the step yields logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent = [], self.root_hash
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for i in range(max_blocks):
+            tokens = seq.token_ids(i * self.block_size, (i + 1) * self.block_size)
+            parent = block_hash(parent, tokens)
+            block_id = self.hash_to_block.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_admit(self, seq: Sequence, num_new_tokens: int) -> tuple[bool, list[int]]:
+        hits = self.match_prefix(seq)
+        reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        need = self.blocks_needed(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        return need <= len(self.free) - reused_free, hits
+
+    def admit(self, seq: Sequence, hits: list[int]) -> None:
+        """Attach prefix-cache hits to a sequence that holds no blocks yet."""
+        assert not seq.block_table
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        self.num_hashed_blocks[seq.request_id] = len(hits)
+
+    # -- growth ------------------------------------------------------------------------------------
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) - len(seq.block_table) <= len(self.free)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Give the sequence blocks for its first `num_tokens` tokens."""
+        for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:  # evict its cached content
+                if self.hash_to_block.get(block.hash) == block_id:
+                    del self.hash_to_block[block.hash]
+                block.hash, block.token_ids = None, []
+            block.ref_count = 1
+            seq.block_table.append(block_id)
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the sequence's newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        done = self.num_hashed_blocks.get(seq.request_id, 0)
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        parent = self.blocks[seq.block_table[done - 1]].hash if done else self.root_hash
+        for i in range(done, full):
+            tokens = seq.token_ids(i * self.block_size, (i + 1) * self.block_size)
+            parent = block_hash(parent, tokens)
+            block = self.blocks[seq.block_table[i]]
+            block.hash, block.token_ids = parent, tokens
+            self.hash_to_block.setdefault(parent, block.block_id)
+        self.num_hashed_blocks[seq.request_id] = full
+
+    def release(self, seq: Sequence) -> None:
+        """Drop the sequence's references; unreferenced blocks become free (cached ones last)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                if block.hash is None:
+                    self.free.move_to_end(block_id, last=False)  # nothing worth keeping: reuse first
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self.num_hashed_blocks.pop(seq.request_id, None)

@@ -1,0 +1,213 @@
+"""Frozen configuration: the model's shape (read once from a HF config.json) and the engine's settings."""
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN parameters (DeepSeek's `rope_scaling` / transformers 5's `rope_parameters`)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """FP8 e4m3 weights with block scales (`weight_scale_inv`), as DeepSeek ships V3/R1."""
+
+    weight_block_size: tuple[int, int] = (128, 128)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The DeepSeek-V3-family shape; model code reads this, never the raw HF dict."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int | None
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    scoring_func: str  # "sigmoid" (V3) | "softmax" (V2)
+    topk_method: str  # "noaux_tc" (V3) | "greedy" | "group_limited_greedy" (V2)
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    num_nextn_predict_layers: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str  # the checkpoint's dtype, used for dtype="auto"
+    quant: QuantConfig | None = None
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Latent cache width per token and layer: compressed KV plus the shared rope key (576 for V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (
+            self.n_routed_experts is not None
+            and layer_idx >= self.first_k_dense_replace
+            and layer_idx % self.moe_layer_freq == 0
+        )
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported model architecture {archs or hf.get('model_type')!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        is_v3 = arch == "DeepseekV3ForCausalLM"
+        # DeepSeek publishes `rope_scaling` + `rope_theta`; transformers 5 writes `rope_parameters`.
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = None
+        if rope_type == "yarn":
+            scaling = RopeScaling(
+                factor=float(rope["factor"]),
+                original_max_position_embeddings=int(
+                    rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 4096))
+                ),
+                beta_fast=float(rope.get("beta_fast") or 32.0),
+                beta_slow=float(rope.get("beta_slow") or 1.0),
+                mscale=float(rope.get("mscale") or 0.0),
+                mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+                attention_factor=rope.get("attention_factor"),
+                truncate=bool(rope.get("truncate", True)),
+            )
+        elif rope_type not in ("default", None):
+            raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, yarn")
+        quant = None
+        qc = hf.get("quantization_config")
+        if qc:
+            if qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3":
+                raise ValueError(f"unsupported quantization_config {qc!r}; supported: fp8 e4m3 block-scaled")
+            quant = QuantConfig(weight_block_size=tuple(qc.get("weight_block_size", (128, 128))))
+        eos = hf.get("eos_token_id", 1)
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        n_routed = hf.get("n_routed_experts")
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            moe_intermediate_size=hf.get("moe_intermediate_size", hf["intermediate_size"]),
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=hf["num_attention_heads"],
+            q_lora_rank=hf.get("q_lora_rank"),
+            kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"],
+            qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"],
+            n_routed_experts=n_routed,
+            n_shared_experts=hf.get("n_shared_experts") or 0,
+            num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+            n_group=hf.get("n_group") or 1,
+            topk_group=hf.get("topk_group") or 1,
+            first_k_dense_replace=hf.get("first_k_dense_replace", 0),
+            moe_layer_freq=hf.get("moe_layer_freq", 1),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", is_v3)),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            scoring_func=hf.get("scoring_func", "sigmoid" if is_v3 else "softmax"),
+            topk_method=hf.get("topk_method", "noaux_tc" if is_v3 else "greedy"),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            num_nextn_predict_layers=hf.get("num_nextn_predict_layers", 0),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
+            quant=quant,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "ModelConfig":
+        cfg = Path(path) / "config.json"
+        if not cfg.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {path}")
+        try:
+            hf = json.loads(cfg.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg} is not valid JSON: {e}") from e
+        return cls.from_hf(hf)
+
+
+def resolve_model_path(model: str) -> Path:
+    """A directory path, or the name of a model embedded in the package (`deepseek-tiny`)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    embedded = Path(__file__).parent / "models" / model
+    if embedded.is_dir() and (embedded / "config.json").is_file():
+        return embedded
+    raise FileNotFoundError(f"model {model!r} is neither a directory nor an embedded model (deepseek-tiny)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine instance; derived values are properties."""
+
+    model: str = "deepseek-tiny"
+    dtype: str = "auto"
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 64  # running requests at once
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
+    block_size: int = 16  # tokens per KV page
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    seed: int = 0
+    attention_backend: str = "auto"  # auto | torch
+    enable_prefix_caching: bool = True
+    show_progress: bool = True
+    extra: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"invalid dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

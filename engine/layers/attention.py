@@ -1,0 +1,112 @@
+"""MLA attention over the paged latent KV cache (reference PyTorch backend).
+
+Cache layout per layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]; one row holds a
+token's normalized compressed KV (c_kv) followed by its rotated shared key (k_pe). A batch is laid
+out prefills first, then decodes (one query token each); fast kernels replace the two functions
+below without changing this contract.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset) for each new token
+    query_start_loc: torch.Tensor  # [B + 1] cumulative query lengths, batch order
+    context_lens: torch.Tensor  # [B] tokens in the cache after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] physical block ids, padded with 0
+    num_prefills: int  # the first num_prefills sequences are prefill chunks
+    num_prefill_tokens: int
+    block_size: int
+    # host copies, so the reference path never synchronizes on device tensors
+    query_start_loc_cpu: list[int]
+    query_lens_cpu: list[int]
+    context_lens_cpu: list[int]
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.context_lens_cpu) - self.num_prefills
+
+
+def write_kv_cache(kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """latent: [T, kv_cache_dim] -> kv_cache rows at slot_mapping."""
+    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, latent.to(kv_cache.dtype))
+
+
+def gather_kv_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """One sequence's first `length` cache rows: [length, kv_cache_dim]."""
+    num_blocks = (length + block_size - 1) // block_size
+    return kv_cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+
+
+def mla_prefill(
+    q_nope: torch.Tensor,  # [Tp, H, nope]
+    q_pe: torch.Tensor,  # [Tp, H, rope]
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    w_kv_b: torch.Tensor,  # [H * (nope + v), kv_lora]
+    kv_lora_rank: int,
+    v_head_dim: int,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Plain (un-absorbed) MLA: expand the cached latents to per-head K and V, causal attention.
+
+    Each chunk attends to the cached prefix plus itself; returns [Tp, H, v].
+    """
+    num_heads, nope = q_nope.shape[1], q_nope.shape[2]
+    outs = []
+    for i in range(meta.num_prefills):
+        q_start, q_len = int(meta.query_start_loc_cpu[i]), meta.query_lens_cpu[i]
+        ctx = meta.context_lens_cpu[i]
+        latent = gather_kv_cache(kv_cache, meta.block_tables[i], ctx, meta.block_size)
+        c_kv, k_pe = latent.split([kv_lora_rank, latent.shape[-1] - kv_lora_rank], dim=-1)
+        kv = F.linear(c_kv.to(w_kv_b.dtype), w_kv_b).view(ctx, num_heads, nope + v_head_dim)
+        k_nope, v = kv.split([nope, v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.to(k_nope.dtype).unsqueeze(1).expand(-1, num_heads, -1)], dim=-1)
+        q = torch.cat([q_nope[q_start : q_start + q_len], q_pe[q_start : q_start + q_len]], dim=-1)
+        # query j sits at position ctx - q_len + j and sees keys 0..that position
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
+        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * softmax_scale
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
+    return torch.cat(outs, dim=0)
+
+
+def mla_decode(
+    q_nope: torch.Tensor,  # [B, H, nope]
+    q_pe: torch.Tensor,  # [B, H, rope]
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    w_kv_b: torch.Tensor,  # [H * (nope + v), kv_lora]
+    kv_lora_rank: int,
+    v_head_dim: int,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Weight-absorbed MLA for one new token per sequence: attend over the latent cache directly.
+
+    q_nope is folded through W_UK into latent space, so the cache is read once as 576-wide rows shared
+    by all heads, and the latent output is lifted through W_UV. Returns [B, H, v].
+    """
+    num_decodes, num_heads, nope = q_nope.shape
+    w = w_kv_b.view(num_heads, nope + v_head_dim, kv_lora_rank)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, kv_lora], [H, v, kv_lora]
+    q_latent = torch.einsum("bhn,hnc->bhc", q_nope.float(), w_uk.float())  # [B, H, kv_lora]
+    first = meta.num_prefills
+    lens = meta.context_lens_cpu[first:]
+    max_len = max(lens)
+    latent = torch.stack(
+        [
+            F.pad(gather_kv_cache(kv_cache, meta.block_tables[first + b], n, meta.block_size), (0, 0, 0, max_len - n))
+            for b, n in enumerate(lens)
+        ]
+    ).float()  # [B, L, kv_lora + rope]
+    c_kv, k_pe = latent[..., :kv_lora_rank], latent[..., kv_lora_rank:]
+    scores = torch.einsum("bhc,blc->bhl", q_latent, c_kv) + torch.einsum("bhr,blr->bhl", q_pe.float(), k_pe)
+    valid = torch.arange(max_len, device=scores.device)[None, :] < torch.tensor(lens, device=scores.device)[:, None]
+    probs = (scores * softmax_scale).masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
+    out_latent = torch.einsum("bhl,blc->bhc", probs, c_kv)  # [B, H, kv_lora]
+    return torch.einsum("bhc,hvc->bhv", out_latent, w_uv.float()).to(q_nope.dtype)

@@ -1,0 +1,180 @@
+"""The serving loop: add requests, then `step()` = schedule -> run the model -> sample -> postprocess."""
+
+import logging
+import random
+import time
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig, resolve_model_path
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit the context window (or the KV cache)."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        path = resolve_model_path(config.model)
+        self.model_path = path
+        self.model_config = ModelConfig.from_dir(path)
+        self.tokenizer = Tokenizer(path)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.runner = ModelRunner(config, self.model_config, path, self.max_model_len)
+        capacity = self.runner.num_blocks * config.block_size
+        if self.max_model_len > capacity:
+            logger.warning("max_model_len %d exceeds the KV cache (%d tokens); lowering it", self.max_model_len, capacity)
+            self.max_model_len = capacity
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          salt=str(path.resolve()))
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.requests: dict[str, Sequence] = {}
+        self._rng = random.Random(config.seed)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+    # -- state the server and the autoscaler read ---------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- requests -----------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    collect_logits: bool = False) -> None:
+        """Queue a request; raises ValueError (PromptTooLongError for length) naming the problem."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params.validate()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens, but this model's context length (max_model_len) is "
+                f"{self.max_model_len} tokens, which leaves no room to generate")
+        if params.seed is not None:
+            gen = torch.Generator().manual_seed(params.seed)
+        else:
+            gen = torch.Generator().manual_seed(self._rng.getrandbits(63))
+        detok = IncrementalDetokenizer(self.tokenizer, ids)
+        seq = Sequence(request_id, ids, params, detok, gen)
+        seq.collect_logits = collect_logits
+        seq.prompt_logits = [] if collect_logits else None
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request at any point and free its KV blocks at once."""
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sample_seqs, logits, hidden = self.runner.run(batch)
+        offset = 0
+        for seq, n in batch.items:
+            if seq.collect_logits:
+                seq.prompt_logits.append(self.runner.model.compute_logits(hidden[offset : offset + n]))
+            offset += n
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+        outputs = []
+        if sample_seqs:
+            tokens, logprobs = self.sampler(logits, sample_seqs)
+            now = time.monotonic()
+            for seq, token, lp in zip(sample_seqs, tokens, logprobs):
+                if seq.metrics.first_token_time is None:
+                    seq.metrics.first_token_time = now
+                    seq.metrics.num_prefill_tokens = seq.num_prompt_tokens - seq.num_cached_tokens
+                self._append_token(seq, token, lp)
+                outputs.append(self._output(seq))
+                if seq.is_finished:
+                    seq.metrics.finished_time = now
+                    self.requests.pop(seq.request_id, None)
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        p = seq.params
+        seq.output_token_ids.append(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprobs)
+        num_out = len(seq.output_token_ids)
+        reason = None
+        if num_out > p.min_tokens and ((not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids):
+            reason = "stop"
+        else:
+            delta = seq.detokenizer.add(token)
+            if delta:
+                seq.text += delta
+                if p.stop and num_out > p.min_tokens:
+                    reason = self._check_stop_strings(seq, len(delta))
+        if reason is None and ((p.max_tokens is not None and num_out >= p.max_tokens)
+                               or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    @staticmethod
+    def _check_stop_strings(seq: Sequence, delta_len: int) -> str | None:
+        for stop in seq.params.stop:
+            # a stop string can straddle the new text and what came before
+            start = max(0, len(seq.text) - delta_len - len(stop) + 1)
+            idx = seq.text.find(stop, start)
+            if idx != -1:
+                end = idx + len(stop) if seq.params.include_stop_str_in_output else idx
+                seq.text = seq.text[:end]
+                return "stop"
+        return None
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        # hold back what could still turn out to be the start of a stop string
+        hold = 0 if seq.is_finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
+        visible = seq.text[: max(seq.num_emitted_chars, len(seq.text) - hold)]
+        out = RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=visible,
+            logprobs=seq.logprobs,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            new_token_ids=seq.output_token_ids[seq.num_emitted_tokens :],
+            new_text=visible[seq.num_emitted_chars :],
+            metrics=seq.metrics,
+        )
+        seq.num_emitted_tokens, seq.num_emitted_chars = len(seq.output_token_ids), len(visible)
+        return out

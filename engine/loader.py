@@ -1,0 +1,136 @@
+"""Load (sharded) safetensors checkpoints into the model by name, FP8 block-scaled weights included."""
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm import tqdm
+
+from engine.layers.fp8 import dequantize_fp8_block
+
+logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint on disk does not match the model (missing, corrupt, extra or mis-shaped tensors)."""
+
+
+def checkpoint_files(path: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, from model.safetensors.index.json or the files themselves."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+        files = {name: path / f for name, f in weight_map.items()}
+        missing = sorted({str(f.name) for f in files.values() if not f.is_file()})
+        if missing:
+            raise CheckpointError(f"checkpoint shard(s) listed in {index.name} are missing: {', '.join(missing)}")
+        return files
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    files = {}
+    for shard in shards:
+        for name in _open(shard).keys():
+            files[name] = shard
+    return files
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read checkpoint shard {file.name}: {e}") from e
+
+
+def load_weights(model: nn.Module, path: Path, num_hidden_layers: int, block_size: tuple[int, int] | None,
+                 show_progress: bool = True) -> None:
+    """Copy every checkpoint tensor into its parameter; raise CheckpointError naming what does not fit."""
+    files = checkpoint_files(path)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    handles: dict[Path, object] = {}
+    loaded: set[str] = set()
+    skipped_mtp = 0
+
+    def read(name: str) -> torch.Tensor:
+        file = files[name]
+        if file not in handles:
+            handles[file] = _open(file)
+        try:
+            return handles[file].get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read tensor {name} from {file.name}: {e}") from e
+
+    names = [n for n in files if not n.endswith("weight_scale_inv")]
+    for name in tqdm(names, desc="Loading weights", unit="tensor", disable=not show_progress):
+        m = _LAYER.match(name)
+        if m and int(m.group(1)) >= num_hidden_layers:
+            skipped_mtp += 1  # the multi-token-prediction layer: not used for plain decoding
+            continue
+        tensor = read(name)
+        if tensor.dtype == torch.float8_e4m3fn:
+            scale_name = name + "_scale_inv"
+            if scale_name not in files:
+                raise CheckpointError(f"FP8 tensor {name} has no {scale_name}")
+            # dequantized once at load; FP8 GEMM kernels keep the blocks as they are instead
+            tensor = dequantize_fp8_block(tensor, read(scale_name), block_size or (128, 128))
+        target, shard_id = _param_name(name, type(model))
+        param = params.get(target)
+        if param is None:
+            raise CheckpointError(f"unexpected tensor {name} in checkpoint: the model has no parameter {target}")
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if loader is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"shape mismatch: checkpoint tensor {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise CheckpointError(f"tensor {name}: {e}") from e
+        loaded.add(f"{target}#{shard_id}")
+
+    if skipped_mtp:
+        logger.info("skipped %d multi-token-prediction tensors (layers >= %d)", skipped_mtp, num_hidden_layers)
+    missing = [n for n in _expected(model) if n not in loaded]
+    if missing:
+        more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
+        raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s): {', '.join(missing[:10])}{more}")
+
+
+def _param_name(name: str, M: type) -> tuple[str, object]:
+    """Checkpoint tensor name -> (model parameter name, shard id for its weight_loader)."""
+    if m := _EXPERT.match(name):
+        param, which = M.expert_params[m.group(3)]
+        return f"{m.group(1)}.{param}", (int(m.group(2)), which)
+    for ckpt, (ours, shard) in M.stacked_params.items():
+        if f".{ckpt}." in name:
+            return name.replace(f".{ckpt}.", f".{ours}."), shard
+    return name, None
+
+
+def _expected(model: nn.Module) -> list[str]:
+    """Every (parameter, shard) the checkpoint must provide."""
+    out = []
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for name, param in model.named_parameters():
+        if tied and name == "lm_head.weight":
+            continue
+        if name.endswith("experts.w13"):
+            out += [f"{name}#{(e, w)}" for e in range(param.shape[0]) for w in ("w1", "w3")]
+        elif name.endswith("experts.w2"):
+            out += [f"{name}#{(e, 'w2')}" for e in range(param.shape[0])]
+        elif name.endswith("gate_up_proj.weight"):
+            out += [f"{name}#0", f"{name}#1"]
+        else:
+            out.append(f"{name}#None")
+    return out

@@ -1,0 +1,161 @@
+"""DeepSeek-V3 (also V2, R1, V3.1): MLA attention over a latent cache, MoE with shared experts.
+
+Module and parameter names follow the released checkpoints (model.layers.N.self_attn.kv_a_proj_with_mqa,
+mlp.experts.E.gate_proj, ...), so loading is a name map (see `stacked_params`).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers.attention import AttentionMetadata, mla_decode, mla_prefill, write_kv_cache
+from engine.layers.linear import (
+    SINGLE,
+    ColumnParallelLinear,
+    Linear,
+    MergedColumnParallelLinear,
+    ParallelContext,
+    RowParallelLinear,
+)
+from engine.layers.moe import FusedExperts, Gate
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding, yarn_softmax_scale
+
+
+class MLA(nn.Module):
+    """Multi-head Latent Attention: queries through an optional low-rank (q LoRA), keys and values
+    through one shared compressed latent c_kv (kv_lora_rank) plus a shared rotary key k_pe."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, par: ParallelContext = SINGLE):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads // par.tp_size
+        self.qk_nope_head_dim, self.qk_rope_head_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.v_head_dim, self.kv_lora_rank = cfg.v_head_dim, cfg.kv_lora_rank
+        self.q_lora_rank = cfg.q_lora_rank
+        q_out = cfg.num_attention_heads * cfg.qk_head_dim
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, q_out, par=par)
+        else:
+            self.q_a_proj = Linear(cfg.hidden_size, self.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_out, par=par)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_cache_dim)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), par=par
+        )
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size, par=par)
+        self.rotary = rotary
+        self.softmax_scale = yarn_softmax_scale(cfg.qk_head_dim, cfg.rope_scaling)
+        self.kv_cache: torch.Tensor | None = None  # set by the model runner
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(num_tokens, self.num_heads, -1)  # [T, H, nope + rope]
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_pe = self.rotary(positions, q_pe)
+        k_pe = self.rotary(positions, k_pe)
+        write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe], dim=-1), meta.slot_mapping)
+
+        out = torch.empty(num_tokens, self.num_heads, self.v_head_dim, dtype=x.dtype, device=x.device)
+        n = meta.num_prefill_tokens
+        args = (self.kv_cache, meta, self.kv_b_proj.weight, self.kv_lora_rank, self.v_head_dim, self.softmax_scale)
+        if meta.num_prefills:
+            out[:n] = mla_prefill(q_nope[:n], q_pe[:n], *args)
+        if meta.num_decodes:
+            out[n:] = mla_decode(q_nope[n:], q_pe[n:], *args)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (dense layers and shared experts)."""
+
+    def __init__(self, hidden: int, inter: int, par: ParallelContext = SINGLE):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], par=par)
+        self.down_proj = RowParallelLinear(inter, hidden, par=par)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, par: ParallelContext = SINGLE):
+        super().__init__()
+        self.gate = Gate(cfg)
+        self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, par) if cfg.n_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, par: ParallelContext = SINGLE):
+        super().__init__()
+        self.self_attn = MLA(cfg, rotary, par)
+        self.mlp = MoE(cfg, par) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size, par)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_position: int, par: ParallelContext = SINGLE):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        # one rope table shared by every layer: [max_position, qk_rope_head_dim // 2]
+        rotary = RotaryEmbedding(cfg.qk_rope_head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, par) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            h = layer(positions, h, meta)
+        return self.norm(h)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our parameter fragment, shard id)
+    stacked_params = {
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    expert_params = {"gate_proj": ("w13", "w1"), "up_proj": ("w13", "w3"), "down_proj": ("w2", "w2")}
+
+    def __init__(self, cfg: ModelConfig, max_position: int, par: ParallelContext = SINGLE):
+        super().__init__()
+        self.config = cfg
+        self.model = DeepseekV3Model(cfg, max_position, par)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] (the batch's new tokens, flattened) -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[MLA]:
+        return [layer.self_attn for layer in self.model.layers]

@@ -1,0 +1,111 @@
+"""Continuous batching: every step mixes decodes and (chunked) prefills under one token budget."""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+    decodes: list[Sequence] = field(default_factory=list)  # one token each
+    num_preempted: int = 0
+
+    @property
+    def items(self) -> list[tuple[Sequence, int]]:
+        """Batch order: prefill chunks first, then decodes."""
+        return self.prefills + [(s, 1) for s in self.decodes]
+
+    def __bool__(self) -> bool:
+        return bool(self.prefills or self.decodes)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order = priority order
+        self.num_preemptions = 0  # since start, for metrics and tests
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+
+        # 1. running sequences keep going; when blocks run out, the newest are preempted (recomputed later)
+        queue = list(self.running)
+        kept: list[Sequence] = []
+        while queue:
+            seq = queue.pop(0)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:
+                kept.append(seq)
+                continue
+            while not self.bm.can_grow(seq, seq.num_computed_tokens + n):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                batch.num_preempted += 1
+                self.num_preemptions += 1
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.bm.grow(seq, seq.num_computed_tokens + n)
+            scheduled.append((seq, n))
+            kept.append(seq)
+            budget -= n
+        self.running = kept
+
+        # 2. admit waiting sequences, oldest first, unless this step had to preempt
+        while self.waiting and not batch.num_preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.bm.match_prefix(seq)
+            n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
+            ok, hits = self.bm.can_admit(seq, n)
+            if not ok:
+                break
+            self.waiting.popleft()
+            self.bm.admit(seq, hits)
+            self.bm.grow(seq, seq.num_computed_tokens + n)
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = time.monotonic()
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+
+        for seq, n in scheduled:
+            if n == 1:  # one query token at the end of its context: the decode path
+                batch.decodes.append(seq)
+            else:
+                batch.prefills.append((seq, n))
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.release(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out of the queues and free its blocks (full blocks stay in the prefix cache)."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.bm.release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

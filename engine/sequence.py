@@ -1,0 +1,60 @@
+"""One request's state as it moves through the scheduler."""
+
+import enum
+import time
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import RequestMetrics
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 detokenizer: IncrementalDetokenizer | None, generator: torch.Generator):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first admission)
+        self.detokenizer = detokenizer
+        self.generator = generator
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.text = ""  # generated text, stop string trimmed
+        self.num_emitted_tokens = 0  # what the last RequestOutput already carried
+        self.num_emitted_chars = 0
+        self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        self.collect_logits = False  # keep every position's logits (LLM.score)
+        self.prompt_logits: list[torch.Tensor] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
+        n_prompt = len(self.prompt_token_ids)
+        end = self.num_tokens if end is None else end
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]

@@ -1,0 +1,1 @@
+"""Offline tools that build what the engine ships (for example the embedded default model)."""

@@ -1,0 +1,102 @@
+"""Our engine against HF transformers' DeepseekV3ForCausalLM on tiny random checkpoints (float32)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.tools.make_random_checkpoint import quantize_checkpoint
+from tests.engine.hf_oracle import YARN, build_hf_model, hf_greedy, hf_logits, prompts, save_hf_checkpoint
+
+NEW_TOKENS = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def check_parity(hf, path, batch, **engine_args):
+    llm = LLM(str(path), dtype="float32", **engine_args)
+    for ids, ours in zip(batch, llm.score(batch)):
+        ref = hf_logits(hf, ids)
+        assert (ours - ref).abs().max().item() <= 1e-4
+    outs = llm.generate(batch, GREEDY)
+    for ids, out in zip(batch, outs):
+        assert out.token_ids == hf_greedy(hf, ids, NEW_TOKENS)
+        assert out.finish_reason == "length"
+    assert llm.engine.kv_cache_usage == 0.0
+    return llm
+
+
+CASES = {
+    "q_lora-group_routing-yarn": dict(rope_parameters=YARN),
+    "no_q_lora": dict(q_lora_rank=None),
+    "single_group_routing": dict(n_group=1, topk_group=1, num_experts_per_tok=3),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_batch_of_prompts_matches_hf(tmp_path, case):
+    hf = build_hf_model(seed=1, **CASES[case])
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    check_parity(hf, path, prompts(0, [5, 17, 33, 64]))
+
+
+def test_chunked_prefill_matches_hf(tmp_path):
+    hf = build_hf_model(seed=2, rope_parameters=YARN)
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    # a 7-token budget splits every prompt into chunks that attend to their cached prefix
+    check_parity(hf, path, prompts(1, [30, 9, 45]), max_num_batched_tokens=7, block_size=4)
+
+
+def test_preemption_matches_hf(tmp_path):
+    hf = build_hf_model(seed=3)
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    batch = prompts(2, [20, 24, 28, 18])
+    # 30 blocks of 4 tokens hold ~2 of these sequences at full length: the rest get preempted
+    llm = check_parity(hf, path, batch, num_kv_blocks=30, block_size=4, enable_prefix_caching=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.num_free_blocks == 30
+
+
+def test_sharded_checkpoint_matches_hf(tmp_path):
+    hf = build_hf_model(seed=4)
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt", max_shard_size="40KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("*.safetensors"))) > 3
+    check_parity(hf, path, prompts(3, [11, 40]))
+
+
+def test_fp8_block_scaled_weights_match_hf_on_dequantized_weights(tmp_path):
+    hf = build_hf_model(seed=5, rope_parameters=YARN)
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    block = (16, 16)
+    tensors = quantize_checkpoint(load_file(str(path / "model.safetensors")), block)
+    assert any(t.dtype == torch.float8_e4m3fn for t in tensors.values())
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
+    (path / "config.json").write_text(json.dumps(cfg))
+    # the oracle runs the same FP8 values, dequantized
+    state = hf.state_dict()
+    with torch.no_grad():
+        for name, t in tensors.items():
+            if t.dtype == torch.float8_e4m3fn:
+                deq = t.float() * tensors[name + "_scale_inv"].repeat_interleave(16, 0)[: t.shape[0]].repeat_interleave(16, 1)[:, : t.shape[1]]
+                _set_hf_weight(hf, state, name, deq)
+    check_parity(hf, path, prompts(4, [13, 29]))
+
+
+def _set_hf_weight(hf, state, name, value):
+    """Write a published-layout tensor into HF's in-memory (fused-expert) layout."""
+    if ".experts." in name:
+        prefix, rest = name.split(".experts.")
+        e, proj = int(rest.split(".")[0]), rest.split(".")[1]
+        experts = hf.get_submodule(prefix + ".experts")
+        inter = experts.down_proj.shape[-1]
+        if proj == "down_proj":
+            experts.down_proj[e].copy_(value)
+        else:
+            rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+            experts.gate_up_proj[e, rows].copy_(value)
+    else:
+        state[name].copy_(value)
