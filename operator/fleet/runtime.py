@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +28,11 @@ class Runtime:
 
     @classmethod
     def from_environment(cls) -> Runtime:
-        """Credentials as any Kubernetes client finds them: KUBECONFIG, ~/.kube/config or in-cluster."""
-        config.load_config()
+        """Credentials in the order Kopf's login uses: in-cluster, then $KUBECONFIG or ~/.kube/config."""
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
         return cls(Reconciler(Kube(client.ApiClient()), post_kopf_event))
 
     def reconcile(self, namespace: str, name: str, *, wait: bool) -> Outcome | None:

@@ -1,0 +1,370 @@
+"""A real Kopf operator against kmock's Kubernetes API emulation, with the gaps of kmock 0.8 filled.
+
+kmock 0.8 (pinned in pyproject) serves a stateful API over HTTP but never stamps uid,
+resourceVersion, generation or creationTimestamp, answers a failed JSON-patch `test` with 500,
+and can lose events between a watch's snapshot and its subscription. `Emulator` fixes those, and
+also filters lists by label selector, honours resourceVersion preconditions (409), names
+generateName objects and keeps spec and status apart for resources with a status subresource.
+
+Still not emulated (covered by unit tests of the logic behind them instead): garbage collection
+(`collect_garbage()` below is an explicit, test-driven stand-in), admission (schema validation,
+defaulting, CEL), server-side apply, and every controller (no Deployment ever gets pods on its
+own: tests write Deployment status the way kube-controller-manager would).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import json
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import jsonpatch
+import kmock
+import kopf
+import yaml
+
+from fleet import names
+
+NAMESPACE = "fleet"
+RESOURCES = {
+    f"{names.API_VERSION}/{names.PLURAL}": dict(kind=names.KIND, subresources={"status", "scale"}),
+    "apps/v1/deployments": dict(kind="Deployment", subresources={"status", "scale"}),
+    "v1/services": dict(kind="Service", subresources={"status"}),
+    "v1/secrets": dict(kind="Secret"),
+    "v1/pods": dict(kind="Pod", subresources={"status"}),
+    "v1/events": dict(kind="Event"),
+    "networking.k8s.io/v1/networkpolicies": dict(kind="NetworkPolicy"),
+    "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", subresources={"status"}),
+}
+CLUSTER_RESOURCES = {  # present on every real cluster; Kopf waits for them in discovery
+    "apiextensions.k8s.io/v1/customresourcedefinitions": dict(kind="CustomResourceDefinition"),
+    "v1/namespaces": dict(kind="Namespace"),
+}
+VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(base) if isinstance(base, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merge(out.get(key), value)
+    return out
+
+
+def _matches_selector(obj: dict[str, Any], selector: str | None) -> bool:
+    """Equality-based label selectors: `k=v`, `k==v`, `k!=v`, `k`, `!k`, comma-separated."""
+    labels = obj.get("metadata", {}).get("labels") or {}
+    for term in filter(None, (selector or "").split(",")):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key) == value:
+                return False
+        elif "=" in term:
+            key, value = term.replace("==", "=").split("=", 1)
+            if labels.get(key) != value:
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+@attrs.define(kw_only=True)
+class Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus the object bookkeeping a real API server does."""
+
+    _revision: int = attrs.field(default=0, init=False)
+
+    def _next_revision(self) -> str:
+        self._revision += 1
+        return str(self._revision)
+
+    def _current(self, request: kmock.Request) -> dict[str, Any] | None:
+        key = (request.resource, request.namespace, request.name)
+        if key not in self._objects or self._objects[key].deleted:
+            return None
+        return self._objects[key].raw
+
+    def _has_status_subresource(self, resource: Any) -> bool:
+        for declared, info in self._resources.items():
+            if declared == resource:
+                return "status" in info.subresources
+        return False
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and isinstance(request.data, dict) and request.action == kmock.action.CREATE:
+            self._stamp_new(request.data)
+        elif request.resource is not None and request.action == kmock.action.UPDATE and request.name is not None:
+            async with self._lock:
+                self._stamp_patch(request)
+        return await super()._handle(request)
+
+    def _stamp_new(self, obj: dict[str, Any]) -> None:
+        meta = obj.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        meta["resourceVersion"] = self._next_revision()
+        meta["generation"] = 1
+
+    def _stamp_patch(self, request: kmock.Request) -> None:
+        current = self._current(request)
+        if current is None:
+            return  # kmock answers 404 itself
+        data = request.data
+        if isinstance(data, list):  # JSON patch: a failed `test` is 422, as on a real server
+            try:
+                patched = jsonpatch.apply_patch(current, data)
+            except jsonpatch.JsonPatchTestFailed as exc:
+                raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from None
+            data = _diff_as_merge(current, patched)
+        wanted = (data.get("metadata") or {}).get("resourceVersion")
+        if wanted and wanted != current["metadata"].get("resourceVersion"):
+            raise kmock.KubernetesError(
+                status=409, reason="Conflict",
+                message="the object has been modified; please apply your changes to the latest version",
+            )
+        if self._has_status_subresource(request.resource):
+            if request.subresource == "status":
+                data = {"status": data.get("status")} if "status" in data else {}
+            else:
+                data = {k: v for k, v in data.items() if k != "status"}
+        patched = _merge(current, data)
+        meta_patch = {"resourceVersion": self._next_revision()}
+        if patched.get("spec") != current.get("spec"):
+            meta_patch["generation"] = current["metadata"].get("generation", 1) + 1
+        for frozen in ("uid", "creationTimestamp"):
+            meta_patch[frozen] = current["metadata"].get(frozen)
+        final = _merge(current, {**data, "metadata": {**(data.get("metadata") or {}), **meta_patch}})
+        # Hand kmock a patch of the same type that produces exactly `final`.
+        if isinstance(request.data, list):
+            request.data[:] = jsonpatch.make_patch(current, final).patch
+        else:
+            request.data.clear()
+            request.data.update(_diff_as_merge(current, final))
+
+    async def _serve_list(self, request: kmock.Request) -> dict[str, Any]:
+        if not any(declared == request.resource for declared in self._get_resources()):
+            raise kmock.KubernetesResourceNotFoundError()
+        async with self._lock:
+            items = self._snapshot(request)
+        return {"metadata": {"resourceVersion": str(self._revision)}, "items": items}
+
+    def _snapshot(self, request: kmock.Request) -> list[dict[str, Any]]:
+        return [
+            copy.deepcopy(obj.raw)
+            for (resource, namespace, name), obj in self._objects.items()
+            if resource == request.resource and not obj.deleted
+            and (request.namespace is None or namespace == request.namespace)
+            and (request.name is None or name == request.name)
+            and _matches_selector(obj.raw, request.params.get("labelSelector"))
+        ]
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        yield b""
+        bus = self._buses[request.resource]
+        # Subscribe and snapshot under the lock every mutation takes: nothing slips in between.
+        async with self._lock:
+            marker = await bus.mark()
+            items = self._snapshot(request)
+        try:
+            for item in items:
+                yield {"type": "ADDED", "object": item}
+            async for event in bus.stream(since=marker):
+                obj = event.get("object", {})
+                meta = obj.get("metadata", {})
+                if request.namespace is not None and meta.get("namespace") != request.namespace:
+                    continue
+                if request.name is not None and meta.get("name") != request.name:
+                    continue
+                if _matches_selector(obj, request.params.get("labelSelector")):
+                    yield event
+        finally:
+            await bus.unmark(marker)
+
+
+def _diff_as_merge(old: Any, new: Any) -> Any:
+    """A merge patch that turns old into new."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return copy.deepcopy(new)
+    out: dict[str, Any] = {k: None for k in old if k not in new}
+    for key, value in new.items():
+        if key not in old:
+            out[key] = copy.deepcopy(value)
+        elif old[key] != value:
+            out[key] = _diff_as_merge(old[key], value)
+    return out
+
+
+def path_of(api_version: str, plural: str, name: str | None = None, namespace: str = NAMESPACE) -> str:
+    """REST path of a namespaced collection or object."""
+    root = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    return f"{root}/namespaces/{namespace}/{plural}" + (f"/{name}" if name else "")
+
+
+@attrs.define
+class Cluster:
+    """The emulated API server plus the helpers a test needs to act as users and controllers."""
+
+    emulator: Emulator
+    server: kmock.Server
+
+    async def _call(self, method: str, path: str, payload: Any = None, content_type: str | None = None) -> Any:
+        headers = {"Content-Type": content_type} if content_type else {}
+        data = json.dumps(payload) if payload is not None else None
+        async with self.server.client.request(method, path, data=data, headers=headers) as response:
+            body = await response.json()
+            if response.status >= 400:
+                raise AssertionError(f"{method} {path} -> {response.status}: {body.get('message')}")
+            return body
+
+    async def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        plural = manifest["kind"].lower() + "s"
+        if manifest["kind"] == names.KIND:
+            plural = names.PLURAL
+        return await self._call("POST", path_of(manifest["apiVersion"], plural), manifest, "application/json")
+
+    async def patch(self, api_version: str, plural: str, name: str, patch: Any, *, subresource: str = "") -> Any:
+        path = path_of(api_version, plural, name) + (f"/{subresource}" if subresource else "")
+        kind = "application/json-patch+json" if isinstance(patch, list) else "application/merge-patch+json"
+        return await self._call("PATCH", path, patch, kind)
+
+    async def delete(self, api_version: str, plural: str, name: str) -> Any:
+        return await self._call("DELETE", path_of(api_version, plural, name))
+
+    def get(self, api_version: str, plural: str, name: str) -> dict[str, Any] | None:
+        try:
+            obj = self.emulator.objects[f"{api_version}/{plural}", NAMESPACE, name]
+        except KeyError:
+            return None
+        return None if obj.deleted else copy.deepcopy(obj.raw)
+
+    def all_objects(self) -> list[dict[str, Any]]:
+        return [copy.deepcopy(o.raw) for _, o in self.emulator.objects.items() if not o.deleted]
+
+    def writes(self, since: int = 0) -> list[str]:
+        """Mutating requests after the `since`-th request, except Events (which are reports, not state)."""
+        return [
+            f"{r.method.value} {r.url.path}"
+            for r in list(self.emulator)[since:]
+            if r.method.value in ("POST", "PUT", "PATCH", "DELETE") and "/events" not in r.url.path
+        ]
+
+    def request_count(self) -> int:
+        return len(list(self.emulator))
+
+    def events(self) -> list[dict[str, Any]]:
+        return [o for o in self.all_objects() if o.get("kind") == "Event" or "involvedObject" in o]
+
+    async def collect_garbage(self) -> list[str]:
+        """Delete what the garbage collector would: objects whose controller owner no longer exists."""
+        alive = {o["metadata"].get("uid") for o in self.all_objects()}
+        collected = []
+        for (resource, namespace, name), obj in list(self.emulator.objects.items()):
+            if obj.deleted:
+                continue
+            refs = obj.raw.get("metadata", {}).get("ownerReferences") or []
+            if any(r.get("controller") for r in refs) and not any(r.get("uid") in alive for r in refs):
+                api_version = f"{resource.group}/{resource.version}" if resource.group else resource.version
+                await self.delete(api_version, resource.plural, name)
+                collected.append(f"{resource.plural}/{name}")
+        return collected
+
+
+def write_kubeconfig(path: Path, url: str) -> Path:
+    """A kubeconfig that points every Kubernetes client (Kopf's and ours) at the emulator."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "emulated", "cluster": {"server": url}}],
+        "users": [{"name": "tester", "user": {"token": "test-token"}}],
+        "contexts": [{"name": "emulated", "context": {"cluster": "emulated", "user": "tester", "namespace": NAMESPACE}}],
+        "current-context": "emulated",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def declare_resources(emulator: Emulator) -> None:
+    for key, info in RESOURCES.items():
+        emulator.resources[key] = kmock.ResourceInfo(namespaced=True, verbs=VERBS, **info)
+    for key, info in CLUSTER_RESOURCES.items():
+        emulator.resources[key] = kmock.ResourceInfo(namespaced=False, verbs=VERBS, **info)
+
+
+class RunningOperator:
+    """`deepseek-operator`'s Kopf operator, in a thread with its own event loop.
+
+    Kopf treats every task created in its loop after its start as its own and cancels it when
+    stopping, which would include the test's teardown; a thread keeps the two apart. The API
+    calls still cross a real socket to the emulator in the test's loop.
+    """
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        import fleet.handlers  # noqa: F401  (registers the handlers, as the CLI does)
+
+        try:
+            asyncio.run(kopf.operator(
+                namespaces=[NAMESPACE], standalone=True, stop_flag=self._stop, ready_flag=self._ready,
+            ))
+        except BaseException as exc:  # surfaced by stop()
+            self.error = exc
+
+    async def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kopf-operator", daemon=True)
+        self._thread.start()
+        await eventually(self._ready.is_set, timeout=15, what="the operator to start")
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 15)
+            assert not self._thread.is_alive(), "the operator did not stop"
+        if self.error is not None:
+            raise self.error
+
+
+async def eventually(check: Callable[[], Any], *, timeout: float = 10.0, what: str = "condition") -> Any:
+    """Poll until check() returns something truthy (no fixed sleeps), else fail with what."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def quiet(cluster: Cluster, *, settle: float = 0.6, timeout: float = 10.0) -> None:
+    """Wait until no mutating request has arrived for `settle` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    seen = -1
+    while asyncio.get_running_loop().time() < deadline:
+        count = len(cluster.writes())
+        if count == seen:
+            return
+        seen = count
+        await asyncio.sleep(settle)
+    raise AssertionError("the operator never settled")
