@@ -100,3 +100,17 @@ def _set_hf_weight(hf, state, name, value):
             experts.gate_up_proj[e, rows].copy_(value)
     else:
         state[name].copy_(value)
+
+
+def test_deepseek_v2_lite_shape_matches_hf(tmp_path):
+    """DeepseekV2ForCausalLM (V2-Lite's form: no q LoRA, softmax scoring, greedy top-k, 2 shared experts)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from tests.engine.hf_oracle import BASE
+
+    cfg = {k: v for k, v in BASE.items() if k not in ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor")}
+    cfg.update(q_lora_rank=None, n_shared_experts=2, topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0)
+    torch.manual_seed(6)
+    hf = DeepseekV2ForCausalLM(DeepseekV2Config(**cfg)).float().eval()
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    check_parity(hf, path, prompts(5, [12, 33]))
