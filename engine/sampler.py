@@ -31,6 +31,7 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 class Sampler:
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: [B, vocab] float32 for the sequences that sample this step."""
         raw_logprobs = None

@@ -106,3 +106,12 @@ def test_generation_stops_at_max_model_len(random_checkpoint):
     llm = LLM(str(random_checkpoint), dtype="float32", max_model_len=20)
     out = llm.generate(prompts(15, [15], vocab=512)[0], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_presence_and_frequency_penalties_discourage_repeats(llm):
+    p = "Hello world"  # this random model loops on it greedily
+    plain = llm.generate(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].token_ids
+    penalized = llm.generate(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                               presence_penalty=2.0, frequency_penalty=2.0))[0].token_ids
+    assert len(set(plain)) < len(plain) / 2
+    assert len(set(penalized)) > len(set(plain))
