@@ -1,0 +1,40 @@
+"""The least-privilege RBAC rules the operator needs (`python -m fleet.rbac` prints them as YAML)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from fleet import names
+from fleet.kube import CHILD_KINDS
+
+
+def rules() -> list[dict[str, Any]]:
+    """PolicyRules for a ClusterRole (cluster-wide) or a Role per watched namespace."""
+    out: list[dict[str, Any]] = [
+        # Kopf watches fleets and keeps its bookkeeping in their annotations; no delete: children
+        # go with their owner through garbage collection, and the operator never deletes a fleet.
+        {"apiGroups": [names.GROUP], "resources": [names.PLURAL], "verbs": ["get", "list", "watch", "patch"]},
+        {"apiGroups": [names.GROUP], "resources": [f"{names.PLURAL}/status"], "verbs": ["get", "patch"]},
+        # Owner references with blockOwnerDeletion need this where OwnerReferencesPermissionEnforcement is on.
+        {"apiGroups": [names.GROUP], "resources": [f"{names.PLURAL}/finalizers"], "verbs": ["update"]},
+    ]
+    for kind in CHILD_KINDS:
+        out.append({"apiGroups": [kind.group], "resources": [kind.plural], "verbs": list(kind.verbs)})
+    out += [
+        # RDMAReady reads Multus' network-status annotation from the engine pods.
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    ]
+    return out
+
+
+def cluster_role(name: str = names.MANAGER) -> dict[str, Any]:
+    """A ClusterRole holding the rules."""
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": name},
+            "rules": rules()}
+
+
+if __name__ == "__main__":
+    print(yaml.safe_dump(cluster_role(), sort_keys=False), end="")
