@@ -1,0 +1,31 @@
+"""Operator settings: namespace-scoped or cluster-wide, from flags or environment."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleet.settings import OperatorSettings
+
+
+def test_cluster_wide_by_default() -> None:
+    settings = OperatorSettings.load([], environ={})
+    assert settings.clusterwide and settings.namespaces == ()
+    assert settings.liveness_endpoint == "http://0.0.0.0:8080/healthz"
+
+
+def test_namespaces_from_flags_or_environment() -> None:
+    assert OperatorSettings.load(["-n", "a", "--namespace", "b"], environ={}).namespaces == ("a", "b")
+    from_env = OperatorSettings.load([], environ={"DEEPSEEK_OPERATOR_NAMESPACES": "a, team-*"})
+    assert from_env.namespaces == ("a", "team-*") and not from_env.clusterwide
+    forced = OperatorSettings.load(["-A"], environ={"DEEPSEEK_OPERATOR_NAMESPACES": "a"})
+    assert forced.clusterwide
+
+
+def test_liveness_and_verbosity() -> None:
+    settings = OperatorSettings.load(["--liveness", "off", "-v"], environ={})
+    assert settings.liveness_endpoint is None and settings.verbose
+
+
+def test_conflicting_scopes_are_refused() -> None:
+    with pytest.raises(SystemExit):
+        OperatorSettings.load(["-A", "-n", "x"], environ={})
