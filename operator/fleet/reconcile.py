@@ -23,6 +23,7 @@ from fleet.validation import InvalidSpec, validate
 
 # (parent body, event type, reason, message)
 EventSink = Callable[[dict[str, Any], str, str, str], None]
+CONFLICT_RETRIES = 3
 URL_SAFE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 
 
@@ -50,7 +51,20 @@ class Reconciler:
         self.now = now
 
     def reconcile(self, namespace: str, name: str) -> Outcome:
-        """One pass over the named DeepSeekDeployment, from a fresh read of it."""
+        """One pass over the named DeepSeekDeployment, from a fresh read of it.
+
+        A status write that loses a race with another writer (409) starts the pass over from a
+        fresh read; children already fixed are then found unchanged.
+        """
+        for attempt in range(CONFLICT_RETRIES):
+            try:
+                return self._reconcile_once(namespace, name)
+            except ApiException as exc:
+                if exc.status != 409 or attempt == CONFLICT_RETRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _reconcile_once(self, namespace: str, name: str) -> Outcome:
         body = self.kube.get_parent(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return Outcome(gone=True)  # the garbage collector removes the children through ownerReferences

@@ -281,3 +281,47 @@ async def test_autoscaled_replicas_are_left_to_the_autoscaler(cluster: Cluster, 
     await eventually(lambda: engine_container(cluster)["image"] == "e:2", what="image update")
     await converged(cluster)
     assert cluster.get("apps/v1", "deployments", "v3")["spec"]["replicas"] == 5
+
+
+async def test_foreign_objects_are_not_taken_over(cluster: Cluster, operator: RunningOperator) -> None:
+    await cluster.create({"apiVersion": "v1", "kind": "Service", "metadata": {
+        "name": "v3-peers", "namespace": NAMESPACE,
+        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "other", "uid": "u-1", "controller": True}],
+    }, "spec": {"ports": [{"port": 1}]}})
+    await cluster.create(fleet_manifest())
+    body = await eventually(lambda: parent_if(cluster, "Degraded", "True"), what="Degraded=True")
+    degraded = condition(body, "Degraded")
+    assert degraded["reason"] == "ChildBlocked" and "StatefulSet other" in degraded["message"]
+    assert condition(body, "Ready")["reason"] == "ChildBlocked"
+    assert cluster.get("v1", "services", "v3-peers")["spec"]["ports"] == [{"port": 1}]
+    await eventually(lambda: [e for e in cluster.events() if e.get("reason") == "ChildBlocked"], what="an Event")
+
+
+async def test_external_directory_reports_a_missing_password_secret(cluster: Cluster, operator: RunningOperator) -> None:
+    directory = {"url": "redis://kv.platform.svc:6379/0", "passwordSecretRef": {"name": "kv-redis", "key": "password"}}
+    await cluster.create(fleet_manifest(kvCache={"directory": directory}))
+    body = await eventually(lambda: parent_if(cluster, "KVDirectoryReady", "False"), what="KVDirectoryReady=False")
+    assert "Secret kv-redis" in condition(body, "KVDirectoryReady")["message"]
+    assert cluster.get("apps/v1", "deployments", "v3-kv") is None  # nothing managed for an external directory
+    await cluster.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "kv-redis", "namespace": NAMESPACE},
+                          "data": {"password": "c2VjcmV0"}})
+    # Secrets are not watched (least privilege): the next event on the fleet picks the fix up.
+    await cluster.patch(names.API_VERSION, names.PLURAL, "v3", {"metadata": {"labels": {"touch": "1"}}})
+    await eventually(lambda: parent_if(cluster, "KVDirectoryReady", "True"), what="KVDirectoryReady=True")
+
+
+async def test_rdma_readiness_follows_the_pods(cluster: Cluster, operator: RunningOperator) -> None:
+    rdma = {"rdma": {"enabled": True, "resourceName": "rdma/rdma_shared_device_a", "networks": ["rdma-net"]}}
+    await cluster.create(fleet_manifest(replicas=1, network=rdma))
+    await converged(cluster)
+    # Pods as the Deployment controller and Multus would leave them; only one is ours.
+    for name, labels, networks in [("v3-abc", {names.PARENT_LABEL: "v3"}, '[{"name":"fleet/rdma-net"}]'),
+                                   ("other", {"app": "x"}, "[]")]:
+        await cluster.create({"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": name, "namespace": NAMESPACE, "labels": labels,
+            "annotations": {"k8s.v1.cni.cncf.io/network-status": networks}},
+            "spec": {"containers": [{"name": "c", "image": "i"}]},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+    await make_ready(cluster, 1)
+    body = await eventually(lambda: parent_if(cluster, "Ready", "True"), what="Ready=True")
+    assert condition(body, "RDMAReady")["reason"] == "Attached"
