@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -86,13 +87,38 @@ def render_crd() -> str:
     return header + yaml.safe_dump(build_crd(), sort_keys=False, width=120)
 
 
+def render_reference() -> str:
+    """A Markdown table of every spec and status field (docs/crd.md embeds it)."""
+    root = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    lines = ["| field | type | default | description |", "|---|---|---|---|"]
+    for top in ("spec", "status"):
+        for path, node in _fields(root[top], top):
+            kind = "int or string" if node.get("x-kubernetes-int-or-string") else node.get("type", "")
+            if "enum" in node:
+                kind += " (" + " \\| ".join(map(str, node["enum"])) + ")"
+            default = json.dumps(node["default"]) if "default" in node and not isinstance(node["default"], dict) else ""
+            text = " ".join(node.get("description", "").split()).replace("|", "\\|")
+            lines.append(f"| `{path}` | {kind} | {default and f'`{default}`'} | {text} |")
+    return "\n".join(lines) + "\n"
+
+
+def _fields(node: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for name, prop in node.get("properties", {}).items():
+        out.append((f"{path}.{name}", prop))
+        child = prop.get("items", prop)
+        out += _fields(child, f"{path}.{name}" + ("[]" if "items" in prop else ""))
+    return out
+
+
 def main() -> None:
-    """Write the CRD file (run from the repository root), or print it with `-`."""
-    text = render_crd()
+    """Write the CRD file (run from the repository root); `-` prints it, `reference` prints the field table."""
     if sys.argv[1:] == ["-"]:
-        sys.stdout.write(text)
+        sys.stdout.write(render_crd())
+    elif sys.argv[1:] == ["reference"]:
+        sys.stdout.write(render_reference())
     else:
-        CRD_PATH.write_text(text)
+        CRD_PATH.write_text(render_crd())
 
 
 if __name__ == "__main__":

@@ -75,3 +75,11 @@ def test_rules_subresources_and_columns() -> None:
 def test_crd_file_is_one_yaml_document() -> None:
     docs = list(yaml.safe_load_all((ROOT / CRD_PATH).read_text()))
     assert len(docs) == 1 and docs[0]["metadata"]["name"] == names.CRD_NAME
+
+
+def test_field_reference_in_docs_is_current() -> None:
+    from fleet.crd import render_reference
+
+    text = (ROOT / "docs" / "crd.md").read_text()
+    block = text.split("<!-- fields:begin -->\n", 1)[1].split("<!-- fields:end -->", 1)[0]
+    assert block == render_reference(), "docs/crd.md is stale: paste `python -m fleet.crd reference`"
