@@ -57,7 +57,7 @@ def create_app(settings: ServerSettings, engine: AsyncEngine) -> FastAPI:
 
     @app.get("/v1/models", dependencies=v1)
     async def models() -> ModelList:
-        max_model_len = engine.engine.config.max_model_len if engine.is_ready else 0
+        max_model_len = engine.engine.max_model_len if engine.is_ready else 0
         return ModelList(data=[ModelCard(id=settings.served_model_name, max_model_len=max_model_len)])
 
     @app.get("/health")

@@ -2,7 +2,6 @@
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
@@ -50,6 +49,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument("--kv-directory", help="redis URL of the KV-cache directory (absent: local prefix cache only)")
     fleet.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "rdma"])
     fleet.add_argument("--kv-transfer-port", type=_port, default=8100)
+    parser.epilog = f"Every flag also reads {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}MAX_MODEL_LEN=8192)."
     apply_env_defaults(parser)
 
 
@@ -100,22 +100,20 @@ def read_api_key(path: str) -> str:
 
 
 def engine_factory(args: argparse.Namespace) -> Callable[[], Any]:
-    """Builds the LLMEngine (on the engine loop's thread) from the flags it understands."""
-    from engine.config import EngineConfig  # torch and the model code load only when serving starts
+    """Builds the LLMEngine (on the engine loop's thread) from the flags; bad flags fail here, at once."""
+    from engine.config import EngineConfig, resolve_model_path  # torch loads only when serving starts
     from engine.llm_engine import LLMEngine
 
-    wanted = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "tensor_parallel_size": args.tensor_parallel_size,
-    }
-    known = {f.name for f in dataclasses.fields(EngineConfig)}
-    kwargs = {k: v for k, v in wanted.items() if v is not None and k in known}
-    if args.tensor_parallel_size != 1 and "tensor_parallel_size" not in known:
-        raise SystemExit("error: --tensor-parallel-size > 1 is not supported by this engine build")
-    config = EngineConfig(**kwargs)
+    if args.tensor_parallel_size != 1:
+        raise SystemExit("error: --tensor-parallel-size > 1 is not supported by this engine build yet")
+    kwargs = {"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len}
+    if args.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    try:
+        resolve_model_path(args.model)
+        config = EngineConfig(**kwargs)
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
     return lambda: LLMEngine(config)
 
 

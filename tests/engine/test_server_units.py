@@ -1,0 +1,239 @@
+"""The server's pure parts: reasoning split, output merging, metrics exposition, request log, flags."""
+
+import argparse
+import asyncio
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.metrics import EngineMetrics
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.server.launch import add_serve_args, settings_from_args
+from engine.server.reasoning import ReasoningParser
+from engine.server.request_log import summarize
+from engine.server.request_stream import RequestStream
+from tests.engine.conftest_server import CONTRACT_METRICS
+
+# ---------------------------------------------------------------------------------------------- reasoning
+
+
+def split_all(parser: ReasoningParser, pieces: list[str]) -> tuple[str, str]:
+    reasoning = content = ""
+    for piece in pieces:
+        r, c = parser.feed(piece)
+        reasoning, content = reasoning + r, content + c
+    r, c = parser.finish()
+    return reasoning + r, content + c
+
+
+def every_split(text: str) -> list[list[str]]:
+    """The text cut into single characters, and into two pieces at every position."""
+    return [list(text)] + [[text[:i], text[i:]] for i in range(len(text) + 1)]
+
+
+@pytest.mark.parametrize(
+    ("prompt_tail", "text", "expected"),
+    [
+        ("<｜Assistant｜><think>", "weigh options</think>\n\nThe answer.", ("weigh options", "The answer.")),
+        ("<｜Assistant｜><think>\n", "still thinking <thi", ("still thinking <thi", "")),
+        ("<｜Assistant｜>", "<think>plan</think>Done", ("plan", "Done")),
+        ("<｜Assistant｜>", "  <think>plan</think> Done", ("plan", "Done")),
+        ("<｜Assistant｜>", "No thinking at all, a < b.", ("", "No thinking at all, a < b.")),
+        ("<｜Assistant｜>", "<thin", ("", "<thin")),
+        ("<｜Assistant｜><think>", "a</think>b</think>c", ("a", "b</think>c")),
+    ],
+)
+def test_reasoning_split_whatever_the_chunking(prompt_tail, text, expected):
+    for pieces in every_split(text):
+        parser = ReasoningParser.for_prompt("<｜User｜>hi" + prompt_tail)
+        assert split_all(parser, pieces) == expected, pieces
+
+
+def test_thinking_off_prompt_needs_no_parser():
+    assert ReasoningParser.for_prompt("<｜User｜>hi<｜Assistant｜></think>") is None
+
+
+def test_parser_reports_whether_it_saw_reasoning():
+    parser = ReasoningParser.for_prompt("<｜Assistant｜>")
+    split_all(parser, ["plain answer"])
+    assert not parser.saw_reasoning
+    parser = ReasoningParser.for_prompt("<｜Assistant｜>")
+    split_all(parser, ["<think>x</think>y"])
+    assert parser.saw_reasoning
+
+
+# ------------------------------------------------------------------------------------------ request stream
+
+
+def output(request_id: str, token_ids: list[int], new: list[int], finished: bool = False) -> RequestOutput:
+    text = "".join(f"<{t}>" for t in token_ids)
+    return RequestOutput(
+        request_id=request_id, prompt_token_ids=[1, 2, 3], token_ids=token_ids, text=text, logprobs=None,
+        finished=finished, finish_reason="length" if finished else None, num_cached_tokens=0,
+        new_token_ids=new, new_text="".join(f"<{t}>" for t in new),
+    )  # fmt: skip
+
+
+async def test_a_slow_reader_gets_outputs_merged_not_queued():
+    closed = []
+    stream = RequestStream("req", 2, closed.append)
+    tokens = []
+    for t in range(100):  # 100 engine steps before the reader looks once
+        tokens.append(t)
+        stream.put(0, output("req-0", list(tokens), [t], finished=t == 99))
+    stream.put(1, output("req-1", [7], [7], finished=True))
+    assert len(stream._pending) == 2  # one merged output per choice, however far behind
+    batches = [batch async for batch in stream]
+    assert len(batches) == 1
+    merged = batches[0][0]
+    assert merged.new_token_ids == list(range(100)) and merged.token_ids == list(range(100))
+    assert merged.new_text == merged.text and merged.finished
+    assert batches[0][1].token_ids == [7]
+    stream.close()
+    stream.close()
+    assert closed == [stream]  # close is idempotent
+
+
+async def test_stream_raises_the_failure_and_admission_refusal():
+    stream = RequestStream("req", 1, lambda s: None)
+    stream.admit(ValueError("prompt too long"))
+    with pytest.raises(ValueError, match="prompt too long"):
+        await stream.admitted()
+    assert stream.finished
+    stream = RequestStream("req", 1, lambda s: None)
+    stream.admit(None)
+    await stream.admitted()
+    stream.put(0, output("req-0", [1], [1]))
+    stream.fail(RuntimeError("engine died"))
+    with pytest.raises(RuntimeError, match="engine died"):
+        async for _ in stream:
+            pass
+
+
+async def test_cancelled_admission_wait_closes_the_stream():
+    closed = []
+    stream = RequestStream("req", 1, closed.append)
+    waiter = asyncio.ensure_future(stream.admitted())
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert closed == [stream]
+
+
+# ------------------------------------------------------------------------------------------------- metrics
+
+
+def test_metrics_exposition_is_exactly_the_contract():
+    metrics = EngineMetrics()
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    names = {f"{name}_total" if f.type == "counter" else name for name, f in families.items()}
+    assert names == CONTRACT_METRICS
+    text = metrics.render().decode()
+    assert 'source="local"' in text and 'source="remote"' in text
+    for reason in ("stop", "length", "abort"):
+        assert f'finish_reason="{reason}"' in text
+    assert "_created" not in text
+
+
+def sample(metrics: EngineMetrics, name: str, **labels) -> float:
+    return metrics.registry.get_sample_value(name, labels or None)
+
+
+def test_metrics_observe_a_request_lifecycle():
+    metrics = EngineMetrics()
+    m = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.1, first_token_time=100.5)
+    first = output("a", [5], [5])
+    first.num_cached_tokens, first.metrics = 2, m
+    metrics.observe_outputs([first], now=100.5)
+    metrics.observe_outputs([output("a", [5, 6], [6])], now=100.6)
+    last = output("a", [5, 6, 7, 8], [7, 8], finished=True)
+    last.metrics = m
+    metrics.observe_outputs([last], now=101.0)
+    metrics.set_queue(num_waiting=3, num_running=1, kv_cache_usage=0.25)
+    assert sample(metrics, "deepseek_engine_prompt_tokens_total") == 3
+    assert sample(metrics, "deepseek_engine_generation_tokens_total") == 4
+    assert sample(metrics, "deepseek_engine_prefix_cache_hit_tokens_total", source="local") == 2
+    assert sample(metrics, "deepseek_engine_prefix_cache_hit_tokens_total", source="remote") == 0
+    assert sample(metrics, "deepseek_engine_time_to_first_token_seconds_sum") == pytest.approx(0.5)
+    assert sample(metrics, "deepseek_engine_inter_token_latency_seconds_count") == 3
+    assert sample(metrics, "deepseek_engine_inter_token_latency_seconds_sum") == pytest.approx(0.1 + 0.4)
+    assert sample(metrics, "deepseek_engine_request_duration_seconds_sum") == pytest.approx(1.0)
+    assert sample(metrics, "deepseek_engine_requests_total", finish_reason="length") == 1
+    assert sample(metrics, "deepseek_engine_requests_waiting") == 3
+    assert sample(metrics, "deepseek_engine_kv_cache_usage") == 0.25
+    metrics.observe_abort("b")
+    assert sample(metrics, "deepseek_engine_requests_total", finish_reason="abort") == 1
+
+
+def test_request_summary_line():
+    out = output("chatcmpl-1-0", list(range(11)), [10], finished=True)
+    out.num_cached_tokens = 1
+    out.metrics = RequestMetrics(
+        arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, finished_time=12.0, num_prefill_tokens=2
+    )
+    assert summarize(out) == (
+        "request chatcmpl-1-0 finished (length): prompt_tokens=3 cached_tokens=1 generated_tokens=11 "
+        "ttft=1.000s prefill=4.0 tok/s decode=10.0 tok/s"
+    )
+
+
+# --------------------------------------------------------------------------------------------------- flags
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="serve")
+    add_serve_args(parser)
+    return parser
+
+
+def test_flag_defaults_serve_the_embedded_model():
+    args = serve_parser().parse_args([])
+    assert (args.model, args.port, args.kv_transfer_port, args.kv_transport) == ("deepseek-tiny", 8000, 8100, "auto")
+    settings = settings_from_args(args)
+    assert settings.served_model_name == "deepseek-tiny" and settings.api_key is None
+
+
+def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
+    key = tmp_path / "key"
+    key.write_text("secret\n")
+    env = {
+        "MODEL": "/models/v3", "SERVED_MODEL_NAME": "v3", "PORT": "9000", "HOST": "127.0.0.1",
+        "TENSOR_PARALLEL_SIZE": "1", "MAX_MODEL_LEN": "8192", "REPLICA_ID": "pod-0", "ADVERTISE_HOST": "10.0.0.7",
+        "KV_DIRECTORY": "redis://dir:6379/0", "KV_TRANSPORT": "rdma", "KV_TRANSFER_PORT": "8101",
+        "API_KEY_FILE": str(key), "MAX_WAITING_REQUESTS": "32", "MAX_NUM_SEQS": "8", "DRAIN_TIMEOUT": "12.5",
+        "DTYPE": "bfloat16",
+    }  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(f"DEEPSEEK_ENGINE_{name}", value)
+    parser = serve_parser()
+    flags = {a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"}
+    assert flags == {"--" + name.lower().replace("_", "-") for name in env}  # no flag without its variable
+    args = parser.parse_args([])
+    assert (args.port, args.max_model_len, args.drain_timeout, args.kv_transport) == (9000, 8192, 12.5, "rdma")
+    s = settings_from_args(args)
+    assert (s.served_model_name, s.api_key, s.max_waiting_requests) == ("v3", "secret", 32)
+    assert (s.replica_id, s.advertise_host, s.kv_directory, s.kv_transfer_port) == (
+        "pod-0", "10.0.0.7", "redis://dir:6379/0", 8101,
+    )  # fmt: skip
+    assert parser.parse_args(["--port", "9100"]).port == 9100  # the command line wins
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "words"),
+    [("PORT", "eighty", "DEEPSEEK_ENGINE_PORT"), ("KV_TRANSPORT", "carrier-pigeon", "choose from"),
+     ("MAX_NUM_SEQS", "0", "must be >= 1")],
+)  # fmt: skip
+def test_bad_environment_values_are_clear_errors(monkeypatch, capsys, name, value, words):
+    monkeypatch.setenv(f"DEEPSEEK_ENGINE_{name}", value)
+    with pytest.raises(SystemExit):
+        serve_parser()
+    assert words in capsys.readouterr().err
+
+
+def test_empty_or_missing_api_key_file_is_an_error(tmp_path):
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    for path in (empty, tmp_path / "missing"):
+        with pytest.raises(SystemExit, match="api-key-file"):
+            settings_from_args(serve_parser().parse_args(["--api-key-file", str(path)]))
