@@ -43,10 +43,10 @@ def reconcile_fleet(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> Non
         raise kopf.PermanentError(str(outcome.invalid))
 
 
-def _owner(body: kopf.Body) -> str | None:
+def _owner(body: kopf.Body) -> dict[str, Any] | None:
     for ref in body.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("kind") == names.KIND and ref.get("apiVersion", "").startswith(f"{names.GROUP}/"):
-            return ref.get("name")
+            return ref
     return None
 
 
@@ -56,10 +56,14 @@ def child_changed(body: kopf.Body, namespace: str, memo: kopf.Memo, logger: Any,
     if owner is None:
         return
     try:
-        memo.runtime.reconcile(namespace, owner, wait=False)
+        memo.runtime.reconcile(namespace, owner["name"], wait=False)
     except ApiException as exc:
         # No retry loop here: the next event, or the parent's own handlers, will come back to it.
-        logger.warning(f"Reconciling {namespace}/{owner} after a child event failed: {exc.status} {exc.reason}")
+        message = f"Reconciling after a change to {body.get('kind')} {body.metadata.name} failed: {exc.status} {exc.reason}"
+        logger.warning(message)
+        fleet = {"apiVersion": owner["apiVersion"], "kind": owner["kind"],
+                 "metadata": {"name": owner["name"], "namespace": namespace, "uid": owner.get("uid")}}
+        kopf.warn(fleet, reason="ReconcileFailed", message=message)
 
 
 def _watch_children() -> None:

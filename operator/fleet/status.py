@@ -8,9 +8,6 @@ from pydantic import ConfigDict, Field
 
 from fleet.schema import ApiModel
 
-ConditionType = Literal["Ready", "Progressing", "Degraded", "KVDirectoryReady", "RDMAReady", "ScalingReady"]
-
-
 class Condition(ApiModel):
     """One aspect of the fleet's state, as Kubernetes API conventions describe conditions."""
 
