@@ -49,7 +49,9 @@ class AsyncEngine:
         self._routes: dict[str, tuple[RequestStream, int]] = {}  # sub-request id -> (stream, choice index)
         self._active: set[RequestStream] = set()  # admitted and neither finished nor closed
         self._num_unacked = 0  # sub-requests sent to the loop thread, not yet acknowledged
-        self._num_waiting = 0  # the engine's waiting queue after the loop thread's last look
+        # The engine's waiting queue as the loop thread last saw it (it writes, the event loop reads).
+        # Admitted requests count here and in _num_unacked until their ack arrives: briefly too many.
+        self._num_waiting = 0
         self._idle = asyncio.Event()  # set while nothing is in flight
         self._idle.set()
         self._ready = asyncio.Event()  # set once the engine is built (or failed to build)
@@ -148,8 +150,7 @@ class AsyncEngine:
     def _on_ready(self) -> None:
         self._ready.set()
 
-    def _on_admitted(self, acks: list[tuple[RequestStream, int, BaseException | None]], num_waiting: int) -> None:
-        self._num_waiting = num_waiting
+    def _on_admitted(self, acks: list[tuple[RequestStream, int, BaseException | None]]) -> None:
         for stream, num_choices, error in acks:
             self._num_unacked -= num_choices
             if error is not None:
@@ -158,8 +159,7 @@ class AsyncEngine:
                 self._retire(stream)
             stream.admit(error)
 
-    def _on_outputs(self, outputs: list[RequestOutput], num_waiting: int) -> None:
-        self._num_waiting = num_waiting
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             route = self._routes.get(out.request_id)
             if route is None:  # aborted meanwhile
@@ -203,7 +203,7 @@ class AsyncEngine:
                         self._abort(engine, live, command[1])
                 self._publish_queue(engine)
                 if acks:
-                    self._post(self._on_admitted, acks, engine.num_waiting)
+                    self._post(self._on_admitted, acks)
                 if not engine.has_unfinished_requests():
                     continue
                 outputs = engine.step()
@@ -213,7 +213,7 @@ class AsyncEngine:
                         live.discard(out.request_id)
                 self._publish_queue(engine)
                 if outputs:
-                    self._post(self._on_outputs, outputs, engine.num_waiting)
+                    self._post(self._on_outputs, outputs)
         except BaseException as exc:  # noqa: BLE001 - same: the server must learn that its engine is gone
             logger.exception("the engine loop failed")
             self._post(self._on_fatal, exc)
@@ -250,4 +250,5 @@ class AsyncEngine:
                 self.metrics.observe_abort(sub_id)
 
     def _publish_queue(self, engine: Any) -> None:
-        self.metrics.set_queue(engine.num_waiting, engine.num_running, engine.kv_cache_usage)
+        self._num_waiting = engine.num_waiting
+        self.metrics.set_queue(self._num_waiting, engine.num_running, engine.kv_cache_usage)

@@ -1,0 +1,164 @@
+"""Start, drain and failure: SIGTERM while streaming, the drain limit, loading, and a broken engine."""
+
+import asyncio
+import json
+import signal
+import threading
+
+import httpx
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.metrics import EngineMetrics
+from engine.server.app import create_app
+from engine.server.async_engine import AsyncEngine
+from engine.server.settings import ServerSettings
+from tests.engine.conftest_server import MODEL_NAME, SERVE, ServerProcess, tiny_checkpoint  # noqa: F401
+
+
+def stream_body(max_tokens: int) -> dict:
+    return {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def open_streams(http: httpx.AsyncClient, num: int, max_tokens: int):
+    """Starts `num` streams; returns (tasks collecting each stream's events, event set once all generate)."""
+    generating = [asyncio.Event() for _ in range(num)]
+
+    async def collect(i: int) -> list[str]:
+        events = []
+        async with http.stream("POST", "/v1/chat/completions", json=stream_body(max_tokens)) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+                    if len(events) == 2:
+                        generating[i].set()
+        return events
+
+    tasks = [asyncio.create_task(collect(i)) for i in range(num)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in generating)), 120)
+    return tasks
+
+
+async def test_sigterm_drains_streams_then_exits_0(tiny_checkpoint, tmp_path):
+    server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--drain-timeout", "120").wait_ready()
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            streams = await open_streams(http, 4, 120)
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            assert not any(t.done() for t in streams), "the streams should still be running"
+            ready = await http.get("/ready")
+            assert ready.status_code == 503 and ready.json() == {"status": "draining"}
+            assert (await http.get("/health")).status_code == 200
+            refused = await http.post("/v1/chat/completions", json={**stream_body(4), "stream": False})
+            assert refused.status_code == 503
+            assert refused.json()["error"]["type"] == "service_unavailable"
+            for events in await asyncio.gather(*streams):
+                assert events[-1] == "[DONE]"
+                chunks = [json.loads(e) for e in events[:-1]]
+                assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+                assert chunks[-1]["usage"]["completion_tokens"] == 120
+        assert server.proc.wait(60) == 0
+        assert "draining 4 request(s)" in server.log()
+    finally:
+        server.stop()
+
+
+async def test_drain_timeout_ends_streams_with_an_error_and_exits_0(tiny_checkpoint, tmp_path):
+    server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--drain-timeout", "0.5").wait_ready()
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            streams = await open_streams(http, 2, 1800)
+            server.proc.send_signal(signal.SIGTERM)
+            for events in await asyncio.wait_for(asyncio.gather(*streams), 30):
+                error = json.loads(events[-1])["error"]
+                assert error["code"] == "service_unavailable" and "shut down" in error["message"]
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+
+
+def test_a_model_that_does_not_exist_is_a_clear_error_at_once(tmp_path):
+    import subprocess
+
+    done = subprocess.run([*SERVE, "--model", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "neither a directory nor an embedded model" in done.stderr
+
+
+def test_an_engine_that_fails_to_build_exits_1(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    server = ServerProcess(tmp_path, tmp_path / "server.log")
+    assert server.proc.wait(120) == 1
+    assert "building the engine failed" in server.log()
+
+
+async def test_not_ready_while_loading_then_ready(tiny_checkpoint):
+    loading = threading.Event()
+
+    def build() -> LLMEngine:
+        loading.wait()  # the model "loads" until the test lets it
+        return LLMEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", show_progress=False))
+
+    engine = AsyncEngine(build, EngineMetrics())
+    app = create_app(ServerSettings(served_model_name=MODEL_NAME), engine)
+    body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}
+    engine.start()  # what the app's lifespan does under uvicorn
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            assert (await http.get("/health")).status_code == 200
+            assert (await http.get("/ready")).json() == {"status": "loading"}
+            refused = await http.post("/v1/completions", json=body)
+            assert refused.status_code == 503 and "not loaded" in refused.json()["error"]["message"]
+            loading.set()
+            await asyncio.wait_for(engine.wait_ready(), 120)
+            assert (await http.get("/ready")).status_code == 200
+            assert (await http.post("/v1/completions", json=body)).json()["usage"]["completion_tokens"] == 2
+    finally:
+        loading.set()
+        await engine.stop()
+
+
+async def test_an_engine_failure_fails_requests_and_health(tiny_checkpoint):
+    crash = threading.Event()
+
+    def build() -> LLMEngine:
+        engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", show_progress=False))
+        step = engine.step
+
+        def step_until_crash():
+            if crash.is_set():
+                raise RuntimeError("device lost")
+            return step()
+
+        engine.step = step_until_crash
+        return engine
+
+    engine = AsyncEngine(build, EngineMetrics())
+    app = create_app(ServerSettings(served_model_name=MODEL_NAME), engine)
+    engine.start()
+    try:
+        await asyncio.wait_for(engine.wait_ready(), 120)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 1800, "ignore_eos": True}
+            pending = asyncio.create_task(http.post("/v1/completions", json=body))
+            await asyncio.sleep(0.2)
+            crash.set()
+            failed = await asyncio.wait_for(pending, 60)
+            assert failed.status_code == 500
+            assert "device lost" in failed.json()["error"]["message"]
+            assert engine.failed.is_set()
+            health = await http.get("/health")
+            assert health.status_code == 503 and "device lost" in health.json()["error"]
+            assert (await http.post("/v1/completions", json=body)).status_code == 503
+    finally:
+        await engine.stop()
