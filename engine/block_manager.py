@@ -10,6 +10,7 @@ same prefix reuses them; blocks nobody references stay cached until evicted, lea
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +29,7 @@ class Block:
     ref_count: int = 0
     hash: bytes | None = None
     token_ids: list[int] = field(default_factory=list)
+    generation: int = 0  # bumped whenever the block's content is dropped, so readers can detect reuse
 
 
 class BlockManager:
@@ -40,6 +42,9 @@ class BlockManager:
         # unreferenced blocks, eviction order first; cached ones are kept towards the end
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.num_hashed_blocks: dict[str, int] = {}  # request id -> leading blocks already hashed
+        # observers of the prefix cache's content (the cross-replica KV directory)
+        self.on_cached: Callable[[list[bytes]], None] | None = None
+        self.on_evicted: Callable[[list[bytes]], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -98,14 +103,21 @@ class BlockManager:
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Give the sequence blocks for its first `num_tokens` tokens."""
         for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
-            block_id, _ = self.free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.hash is not None:  # evict its cached content
-                if self.hash_to_block.get(block.hash) == block_id:
-                    del self.hash_to_block[block.hash]
-                block.hash, block.token_ids = None, []
+            block = self._take_free()
             block.ref_count = 1
-            seq.block_table.append(block_id)
+            seq.block_table.append(block.block_id)
+
+    def _take_free(self) -> Block:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict its cached content
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+                if self.on_evicted:
+                    self.on_evicted([block.hash])
+            block.hash, block.token_ids = None, []
+        block.generation += 1
+        return block
 
     def commit(self, seq: Sequence) -> None:
         """Register the sequence's newly completed full blocks in the prefix cache."""
@@ -114,23 +126,85 @@ class BlockManager:
         done = self.num_hashed_blocks.get(seq.request_id, 0)
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         parent = self.blocks[seq.block_table[done - 1]].hash if done else self.root_hash
+        new = []
         for i in range(done, full):
             tokens = seq.token_ids(i * self.block_size, (i + 1) * self.block_size)
             parent = block_hash(parent, tokens)
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids = parent, tokens
-            self.hash_to_block.setdefault(parent, block.block_id)
+            if self.hash_to_block.setdefault(parent, block.block_id) == block.block_id:
+                new.append(parent)
         self.num_hashed_blocks[seq.request_id] = full
+        if new and self.on_cached:
+            self.on_cached(new)
 
-    def release(self, seq: Sequence) -> None:
-        """Drop the sequence's references; unreferenced blocks become free (cached ones last)."""
-        for block_id in reversed(seq.block_table):
+    def prefix_hashes(self, seq: Sequence) -> list[bytes]:
+        """Chained hashes of the sequence's full blocks, leaving at least its last token out."""
+        hashes, parent = [], self.root_hash
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            parent = block_hash(parent, seq.token_ids(i * self.block_size, (i + 1) * self.block_size))
+            hashes.append(parent)
+        return hashes
+
+    def install(self, hashes: list[bytes], token_ids: list[list[int]]) -> list[int] | None:
+        """Take free blocks for content that arrived from elsewhere (a peer), cached under `hashes` and
+        pinned (ref_count 1) until `unpin`; the caller writes the KV rows. None if space is short."""
+        if len(hashes) > len(self.free):
+            return None
+        ids = []
+        for h, tokens in zip(hashes, token_ids):
+            if h in self.hash_to_block:  # appeared locally meanwhile: pin that one
+                block = self.blocks[self.hash_to_block[h]]
+                if block.ref_count == 0:
+                    del self.free[block.block_id]
+                block.ref_count += 1
+                ids.append(block.block_id)
+                continue
+            block = self._take_free()
+            block.ref_count, block.hash, block.token_ids = 1, h, tokens
+            self.hash_to_block[h] = block.block_id
+            ids.append(block.block_id)
+        return ids
+
+    def announce(self, hashes: list[bytes]) -> None:
+        """Tell the observers that installed blocks now hold their content."""
+        if hashes and self.on_cached:
+            self.on_cached(hashes)
+
+    def unpin(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[block_id] = None
                 if block.hash is None:
-                    self.free.move_to_end(block_id, last=False)  # nothing worth keeping: reuse first
+                    self.free.move_to_end(block_id, last=False)
+
+    def lookup_cached(self, hashes: list[bytes]) -> list[tuple[int, int]]:
+        """(block id, generation) of the leading hashes held here; safe to call from another thread
+        (the caller re-checks the generations after copying the rows)."""
+        out = []
+        for h in hashes:
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.hash != h:
+                break
+            out.append((block_id, block.generation))
+        return out
+
+    def still_valid(self, held: list[tuple[int, int]]) -> int:
+        """How many of the leading (block id, generation) pairs were not reused since lookup_cached."""
+        for n, (block_id, gen) in enumerate(held):
+            if self.blocks[block_id].generation != gen:
+                return n
+        return len(held)
+
+    def release(self, seq: Sequence) -> None:
+        """Drop the sequence's references; unreferenced blocks become free (cached ones last, and
+        blocks without cached content first in line for reuse)."""
+        self.unpin(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
         self.num_hashed_blocks.pop(seq.request_id, None)

@@ -1,5 +1,6 @@
 """Frozen configuration: the model's shape (read once from a HF config.json) and the engine's settings."""
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -171,6 +172,18 @@ class ModelConfig:
         return cls.from_hf(hf)
 
 
+def model_fingerprint(path: Path, dtype: str, block_size: int) -> str:
+    """Identifies what a KV block means: the same checkpoint, cache dtype and page size on every replica
+    (wherever the checkpoint is mounted) gives the same key."""
+    h = hashlib.blake2b(digest_size=12)
+    for name in ("config.json", "model.safetensors.index.json"):
+        f = path / name
+        if f.is_file():
+            h.update(f.read_bytes())
+    h.update(f"{dtype}/{block_size}".encode())
+    return h.hexdigest()
+
+
 def resolve_model_path(model: str) -> Path:
     """A directory path, or the name of a model embedded in the package (`deepseek-tiny`)."""
     path = Path(model).expanduser()
@@ -199,6 +212,14 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch
     enable_prefix_caching: bool = True
     show_progress: bool = True
+    # cross-replica KV reuse (None: local prefix cache only)
+    kv_directory: str | None = None  # redis://...
+    replica_id: str | None = None
+    advertise_host: str = "127.0.0.1"
+    kv_transport: str = "auto"
+    kv_transfer_port: int = 8100
+    kv_min_prefix_tokens: int = 64
+    kv_pull_policy: str = "auto"  # auto | always | never
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -209,5 +230,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_pull_policy not in ("auto", "always", "never"):
+            raise ValueError(f"kv_pull_policy must be auto, always or never, got {self.kv_pull_policy!r}")
+        if self.kv_transport not in ("auto", "tcp", "rdma"):
+            raise ValueError(f"kv_transport must be auto, tcp or rdma, got {self.kv_transport!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

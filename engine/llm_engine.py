@@ -3,11 +3,13 @@
 import logging
 import random
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as futures_wait
 
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig, resolve_model_path
+from engine.config import EngineConfig, ModelConfig, model_fingerprint, resolve_model_path
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
@@ -37,8 +39,9 @@ class LLMEngine:
         if self.max_model_len > capacity:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); lowering it", self.max_model_len, capacity)
             self.max_model_len = capacity
+        self.model_key = model_fingerprint(path, str(self.runner.dtype), config.block_size)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          salt=str(path.resolve()))
+                                          salt=self.model_key)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.requests: dict[str, Sequence] = {}
@@ -47,11 +50,31 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.kv = self._make_kv_connector() if config.kv_directory else None
+        self.pending_pulls: dict[str, tuple[Sequence, object]] = {}  # request id -> (sequence, PendingPull)
+
+    def _make_kv_connector(self):
+        from engine.kv.connector import KVConfig, KVConnector
+
+        c = self.config
+        kv_config = KVConfig(directory_url=c.kv_directory, replica_id=c.replica_id, advertise_host=c.advertise_host,
+                             transfer_port=c.kv_transfer_port, transport=c.kv_transport,
+                             min_prefix_tokens=c.kv_min_prefix_tokens, pull_policy=c.kv_pull_policy)
+        caches = [attn.kv_cache for attn in self.runner.model.attention_layers()]
+        connector = KVConnector(kv_config, self.block_manager, caches, self.model_key)
+        connector.start()
+        return connector
+
+    def shutdown(self) -> None:
+        """Stop background services (the KV directory heartbeat and transfer server)."""
+        if self.kv is not None:
+            self.kv.stop()
+            self.kv = None
 
     # -- state the server and the autoscaler read ---------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self.pending_pulls)
 
     @property
     def num_running(self) -> int:
@@ -62,7 +85,7 @@ class LLMEngine:
         return self.block_manager.usage
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.pending_pulls)
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -90,20 +113,73 @@ class LLMEngine:
         seq.collect_logits = collect_logits
         seq.prompt_logits = [] if collect_logits else None
         self.requests[request_id] = seq
+        if self.kv is not None and self._start_pull(seq):
+            return
         self.scheduler.add(seq)
+
+    def _start_pull(self, seq: Sequence) -> bool:
+        """Ask the fleet for the prefix this replica lacks; the request waits for the pull (or its failure)."""
+        hashes = self.block_manager.prefix_hashes(seq)
+        num_local = len(self.block_manager.match_prefix(seq))
+        pending = self.kv.start_pull(hashes, num_local)
+        if pending is None:
+            return False
+        self.pending_pulls[seq.request_id] = (seq, pending)
+        return True
+
+    def _finish_pulls(self) -> None:
+        """Hand requests whose pull finished (or failed) to the scheduler, their pulled blocks cached."""
+        if not self.pending_pulls:
+            return
+        if not self.scheduler.has_unfinished():
+            # nothing else to run: wait a little for a transfer instead of spinning
+            futures_wait([p.future for _, p in self.pending_pulls.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+        bs = self.block_manager.block_size
+        for rid, (seq, pending) in list(self.pending_pulls.items()):
+            if not pending.future.done():
+                continue
+            del self.pending_pulls[rid]
+            tokens = [seq.token_ids((pending.first_block + i) * bs, (pending.first_block + i + 1) * bs)
+                      for i in range(len(pending.hashes))]
+            seq.pinned_blocks = self.kv.install(pending, tokens)
+            seq.remote_span = (pending.first_block * bs, (pending.first_block + len(seq.pinned_blocks)) * bs)
+            self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request at any point and free its KV blocks at once."""
         seq = self.requests.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
+        if seq is None:
+            return
+        pending = self.pending_pulls.pop(request_id, None)
+        if pending is not None:
+            pending[1].future.cancel()  # a transfer already under way finishes and is dropped
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+            return
+        self._unpin(seq)
+        if not seq.is_finished:
             self.scheduler.finish(seq, "abort")
+
+    def _unpin(self, seq: Sequence) -> None:
+        if seq.pinned_blocks:
+            self.block_manager.unpin(seq.pinned_blocks)
+            seq.pinned_blocks = []
 
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._finish_pulls()
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        for seq, _ in batch.items:
+            if seq.pinned_blocks:  # admitted: its own references now hold the pulled blocks
+                self._unpin(seq)
+        start = time.perf_counter()
         sample_seqs, logits, hidden = self.runner.run(batch)
+        if self.kv is not None and batch.prefills:
+            if logits is not None:
+                logits.sum().item()  # the device finished the step: time it honestly
+            self.kv.observe_prefill(sum(n for _, n in batch.prefills), time.perf_counter() - start)
         offset = 0
         for seq, n in batch.items:
             if seq.collect_logits:
@@ -172,6 +248,7 @@ class LLMEngine:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
+            num_remote_cached_tokens=max(0, min(seq.num_cached_tokens, seq.remote_span[1]) - seq.remote_span[0]),
             new_token_ids=seq.output_token_ids[seq.num_emitted_tokens :],
             new_text=visible[seq.num_emitted_chars :],
             metrics=seq.metrics,

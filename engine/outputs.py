@@ -23,7 +23,8 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None  # one dict per generated token: chosen + top-k
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    num_cached_tokens: int  # prompt tokens served from the prefix cache (local or pulled from a peer)
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     metrics: RequestMetrics | None = None
+    num_remote_cached_tokens: int = 0  # of num_cached_tokens, those pulled from another replica

@@ -27,6 +27,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first admission)
+        self.remote_span = (0, 0)  # token range [start, end) whose blocks were pulled from a peer
+        self.pinned_blocks: list[int] = []  # pulled blocks held for this sequence until it is admitted
         self.detokenizer = detokenizer
         self.generator = generator
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None

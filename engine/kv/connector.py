@@ -1,0 +1,185 @@
+"""Glue between one engine and the fleet's KV cache: publish what we hold, serve it, pull what peers hold.
+
+Threads: the engine loop owns the block manager and the cache; the directory publishes on its own
+thread; the transfer server exports on its threads (reading the cache rows and checking afterwards
+that the blocks were not reused meanwhile); pulls run on a small pool and are installed by the engine
+loop. Every failure on the pull path ends in recomputation, never in an error for the request.
+"""
+
+import logging
+import threading
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.kv.directory import KVDirectory
+from engine.kv.transfer import ExportedBlocks, KVTransferServer, PulledBlocks, TcpTransport, TransferError
+from engine.kv.transport import select_transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    directory_url: str
+    replica_id: str | None = None  # default: a random name
+    advertise_host: str = "127.0.0.1"
+    transfer_host: str = "0.0.0.0"
+    transfer_port: int = 8100  # 0: any free port
+    transport: str = "auto"  # auto | tcp | rdma
+    min_prefix_tokens: int = 64
+    pull_policy: str = "auto"  # auto: when the estimated pull beats recomputing | always | never
+    heartbeat_ttl: float = 15.0
+    timeout: float = 5.0
+
+
+@dataclass
+class KVStats:
+    """Counters the server exposes as metrics."""
+
+    pulls: int = 0
+    pulled_blocks: int = 0
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+    fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> count
+    served_blocks: int = 0
+
+    def fallback(self, reason: str) -> None:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+
+class RateEstimate:
+    """An exponential moving average of a rate, with a prior until measured."""
+
+    def __init__(self, prior: float, alpha: float = 0.3):
+        self.value, self.alpha = prior, alpha
+
+    def update(self, amount: float, seconds: float) -> None:
+        if seconds > 0 and amount > 0:
+            self.value = (1 - self.alpha) * self.value + self.alpha * (amount / seconds)
+
+
+def should_pull(num_tokens: int, num_bytes: int, transfer_rate: float, prefill_rate: float,
+                min_tokens: int, policy: str) -> bool:
+    """Pull a prefix only if it is long enough and moving it is expected to beat recomputing it."""
+    if policy == "never" or num_tokens < min_tokens:
+        return False
+    if policy == "always":
+        return True
+    return num_bytes / transfer_rate < num_tokens / prefill_rate
+
+
+@dataclass
+class PendingPull:
+    hashes: list[bytes]  # what we asked for (leading blocks beyond the local hit)
+    first_block: int  # index of hashes[0] among the sequence's blocks
+    future: Future
+
+
+class KVConnector:
+    def __init__(self, config: KVConfig, block_manager: BlockManager, kv_caches: list[torch.Tensor], model_key: str):
+        self.config = config
+        self.bm = block_manager
+        self.kv_caches = kv_caches
+        self.model_key = model_key
+        self.replica_id = config.replica_id or f"replica-{uuid.uuid4().hex[:8]}"
+        self.incarnation = uuid.uuid4().hex  # a restart is a new incarnation: old entries die with the old one
+        self.stats = KVStats()
+        self.transfer_rate = RateEstimate(prior=1e9)  # bytes/s
+        self.prefill_rate = RateEstimate(prior=5e3)  # tokens/s
+        self.block_bytes = sum(c[0].numel() * c.element_size() for c in kv_caches)
+        self.server = KVTransferServer(config.transfer_host, config.transfer_port, model_key, self._export)
+        self.transport, transport_name = select_transport(config.transport, model_key, config.timeout, self.stats)
+        self.directory = KVDirectory(config.directory_url, model_key, self.replica_id, self.incarnation,
+                                     f"{config.advertise_host}:{self.server.port}", transport_name,
+                                     heartbeat_ttl=config.heartbeat_ttl)
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull")
+        self._copy_lock = threading.Lock()
+        block_manager.on_cached = self.directory.publish
+        block_manager.on_evicted = self.directory.unpublish
+
+    def start(self) -> None:
+        self.server.start()
+        self.directory.start()
+        logger.info("KV reuse on: replica %s (incarnation %s), transfer %s at %s:%d, directory %s",
+                    self.replica_id, self.incarnation[:8], self.transport.name, self.config.advertise_host,
+                    self.server.port, self.config.directory_url)
+
+    def stop(self) -> None:
+        self.directory.close_replica()
+        self.directory.stop()
+        self.server.stop()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- exporting (transfer-server threads) ---------------------------------------------------------
+    def _export(self, hashes: list[bytes]) -> ExportedBlocks:
+        held = self.bm.lookup_cached(hashes)
+        if not held:
+            return ExportedBlocks(torch.empty(0), [])
+        ids = torch.tensor([b for b, _ in held], device=self.kv_caches[0].device)
+        with self._copy_lock:
+            # [k, layers, block_size, dim]: one block's rows of every layer, contiguous per block
+            data = torch.stack([cache.index_select(0, ids) for cache in self.kv_caches], dim=1).cpu()
+        valid = self.bm.still_valid(held)  # rows copied from a block reused meanwhile are dropped
+        self.stats.served_blocks += valid
+        return ExportedBlocks(data[:valid].contiguous(), hashes[:valid])
+
+    # -- pulling (engine loop + pool) ----------------------------------------------------------------
+    def start_pull(self, hashes: list[bytes], num_local_blocks: int) -> PendingPull | None:
+        """Called by the engine loop for a new request whose prefix is not all local."""
+        wanted = hashes[num_local_blocks:]
+        if not wanted or len(hashes) * self.bm.block_size < self.config.min_prefix_tokens:
+            return None
+        return PendingPull(wanted, num_local_blocks, self.pool.submit(self._pull, wanted))
+
+    def _pull(self, wanted: list[bytes]) -> PulledBlocks | None:
+        peer = self.directory.lookup(wanted)
+        if peer is None:
+            if not self.directory.healthy:
+                self.stats.fallback("directory_unavailable")
+            return None
+        tokens = peer.num_blocks * self.bm.block_size
+        if not should_pull(tokens, peer.num_blocks * self.block_bytes, self.transfer_rate.value,
+                           self.prefill_rate.value, self.config.min_prefix_tokens, self.config.pull_policy):
+            self.stats.fallback("recompute_cheaper")
+            return None
+        try:
+            pulled = self.transport.pull(peer.addr, wanted[: peer.num_blocks])
+        except TransferError as e:
+            reason = "checksum" if "checksum" in str(e) else "transfer_failed"
+            logger.warning("KV pull from %s failed (%s); recomputing", peer.replica_id, e)
+            self.stats.fallback(reason)
+            return None
+        self.transfer_rate.update(pulled.num_bytes, pulled.seconds)
+        self.stats.pulls += 1
+        self.stats.pulled_blocks += pulled.data.shape[0]
+        self.stats.transfer_bytes += pulled.num_bytes
+        self.stats.transfer_seconds += pulled.seconds
+        return pulled
+
+    def install(self, pending: PendingPull, token_ids: list[list[int]]) -> list[int]:
+        """Engine loop: write pulled blocks into the cache; returns their (pinned) block ids."""
+        pulled = pending.future.result() if pending.future.done() and not pending.future.cancelled() else None
+        if pulled is None:
+            return []
+        k = pulled.data.shape[0]
+        if tuple(pulled.data.shape[1:]) != (len(self.kv_caches), *self.kv_caches[0].shape[1:]):
+            self.stats.fallback("shape_mismatch")
+            return []
+        ids = self.bm.install(pending.hashes[:k], token_ids[:k])
+        if ids is None:
+            self.stats.fallback("no_space")
+            return []
+        dev = self.kv_caches[0].device
+        index = torch.tensor(ids, device=dev)
+        data = pulled.data.to(dev, non_blocking=True)
+        for layer, cache in enumerate(self.kv_caches):
+            cache.index_copy_(0, index, data[:, layer].to(cache.dtype))
+        self.bm.announce(pending.hashes[:k])
+        return ids
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        self.prefill_rate.update(num_tokens, seconds)
