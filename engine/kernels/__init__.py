@@ -1,0 +1,17 @@
+"""Triton kernels of the GPU fast path; each module holds kernels, the launcher callers use, and a
+plain-PyTorch reference the tests compare against.
+
+| module | what |
+|---|---|
+| `mla_decode` | weight-absorbed MLA decode over the paged latent cache, split along the sequence |
+| `mla_prefill` | causal variable-length MLA prefill with a cached prefix (chunked prefill) |
+| `moe_routing` | router scoring + group-limited top-k, and the sort of (token, expert) pairs by expert |
+| `fused_moe` | grouped GEMMs over the sorted pairs, SiLU-and-multiply fused; bf16 and FP8 block-scaled |
+| `fp8_gemm` | per-token-group activation quantization + FP8 block-scaled GEMM |
+| `rms_norm` | RMSNorm, optionally fused with the residual add |
+| `rotary` | DeepSeek's interleaved rotary embedding, in place |
+| `sampling` | temperature / greedy sampling on the GPU (Gumbel-max) |
+
+Kernels run compiled on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before the
+first import of this package (how the tests run them without a GPU).
+"""

@@ -1,0 +1,25 @@
+"""Small helpers shared by the launchers."""
+
+import torch
+import triton
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def pow2(n: int, minimum: int = 16) -> int:
+    """Block width covering n (tl.dot wants every dimension >= 16)."""
+    return max(minimum, triton.next_power_of_2(n))
+
+
+def check(cond: bool, message: str) -> None:
+    """A launcher's contract: raise ValueError (not assert, which -O strips) naming what is wrong."""
+    if not cond:
+        raise ValueError(message)
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    check(t.dtype in FLOAT_DTYPES, f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+
+
+def check_last_contiguous(name: str, t: torch.Tensor) -> None:
+    check(t.stride(-1) == 1, f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})")

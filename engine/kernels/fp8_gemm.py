@@ -1,0 +1,134 @@
+"""FP8 e4m3 block-scaled linear layers, as DeepSeek-V3 ships its weights.
+
+Activations are quantized per token and group of K columns (one float32 scale per [1, block_k]),
+weights carry one scale per [block_n, block_k] block; the GEMM accumulates each K block's FP8 product
+in float32 times the two scales. Bytes: M*K + N*K (+ scales) + 2*M*N; FLOPs: 2*M*N*K.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._util import check, check_float, pow2
+
+FP8_MAX = 448.0
+FP8 = torch.float8_e4m3fn
+
+
+@triton.jit
+def _group_quant_kernel(X, Q, S, stride_x, stride_q, stride_s, K, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    row, g = tl.program_id(0), tl.program_id(1)
+    offs = g * GROUP + tl.arange(0, BLOCK)
+    mask = (tl.arange(0, BLOCK) < GROUP) & (offs < K)
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / 448.0
+    tl.store(Q + row * stride_q + offs, (x / scale).to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + row * stride_s + g, scale)
+
+
+def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] float -> (FP8 [M, K], float32 scales [M, ceil(K / group)]), x ~ q * scale."""
+    check_float("x", x)
+    check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [M, K] contiguous in K, got {tuple(x.shape)}")
+    num_rows, k = x.shape
+    num_groups = triton.cdiv(k, group)
+    q = torch.empty(num_rows, k, dtype=FP8, device=x.device)
+    s = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
+    if num_rows:
+        _group_quant_kernel[(num_rows, num_groups)](x, q, s, x.stride(0), q.stride(0), s.stride(0), k,
+                                                    GROUP=group, BLOCK=pow2(group, 1))
+    return q, s
+
+
+@triton.jit
+def _block_gemm_kernel(A, AS, W, WS, C, M, N, K, stride_am, stride_asm, stride_wn, stride_wsn, stride_cm,
+                       GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    # grouped order: GROUP_M row blocks sweep the columns together, so W tiles stay in L2
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    a_ptr = A + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    w_ptr = W + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    as_ptr = AS + offs_m * stride_asm
+    ws_ptr = WS + (offs_n // GROUP_N) * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        mask_k = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptr, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptr, mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+        a_s = tl.load(as_ptr + kb, mask=mask_m, other=0.0)
+        w_s = tl.load(ws_ptr + kb, mask=mask_n, other=0.0)
+        acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        a_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+    tl.store(C + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :], acc.to(C.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _gemm_config(m: int, on_gpu: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): skinny tiles for decode, square ones for prefill."""
+    if not on_gpu:
+        return 16, 32, 4, 1
+    if m <= 16:
+        return 16, 64, 4, 4
+    if m <= 64:
+        return 64, 64, 4, 4
+    return 128, 128, 8, 3
+
+
+def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    """a: [M, K] FP8, a_scale: [M, ceil(K / block_k)], weight: [N, K] FP8, weight_scale:
+    [ceil(N / block_n), ceil(K / block_k)] -> [M, N] out_dtype."""
+    (m, k), n = a.shape, weight.shape[0]
+    check(a.dtype == FP8 and weight.dtype == FP8, f"a and weight must be float8_e4m3fn, got {a.dtype}, {weight.dtype}")
+    check(weight.shape[1] == k, f"weight {tuple(weight.shape)} does not match K={k}")
+    check(a.stride(-1) == 1 and weight.stride(-1) == 1, "a and weight must be contiguous in K")
+    kb = triton.cdiv(k, block[1])
+    check(a_scale.shape == (m, kb) and a_scale.dtype == torch.float32, f"a_scale must be float32 [{m}, {kb}]")
+    check(tuple(weight_scale.shape) == (triton.cdiv(n, block[0]), kb) and weight_scale.dtype == torch.float32,
+          f"weight_scale {tuple(weight_scale.shape)} must be float32 [{triton.cdiv(n, block[0])}, {kb}]")
+    check(a_scale.stride(-1) == 1 and weight_scale.stride(-1) == 1, "scales must be contiguous in K")
+    check(block[1] >= 16 and block[1] & (block[1] - 1) == 0, f"block_k must be a power of two >= 16, got {block[1]}")
+    c = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0:
+        return c
+    bm, bn, warps, stages = _gemm_config(m, a.is_cuda)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _block_gemm_kernel[grid](a, a_scale, weight, weight_scale, c, m, n, k, a.stride(0), a_scale.stride(0),
+                             weight.stride(0), weight_scale.stride(0), c.stride(0), GROUP_N=block[0],
+                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1], GROUP_M=8, num_warps=warps, num_stages=stages)
+    return c
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T for FP8 block-scaled W; x: [..., K] float, quantized on the fly per token group."""
+    check_float("x", x)
+    lead = x.shape[:-1]
+    q, s = per_token_group_quant(x.reshape(-1, x.shape[-1]).contiguous(), block[1])
+    y = fp8_block_gemm(q, s, weight, weight_scale, block, x.dtype).view(*lead, weight.shape[0])
+    return y if bias is None else y + bias
+
+
+def reference_fp8_linear(x, weight, weight_scale, block):
+    """The same math in PyTorch: quantize activations per token group, dequantize both, matmul in float32."""
+    k = x.shape[-1]
+    xf = x.reshape(-1, k).float()
+    g = block[1]
+    pad = (-k) % g
+    groups = torch.nn.functional.pad(xf, (0, pad)).view(xf.shape[0], -1, g)
+    scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
+    xq = (groups / scale).to(FP8).float() * scale
+    xd = xq.view(xf.shape[0], -1)[:, :k]
+    ws = weight_scale.repeat_interleave(block[0], 0)[: weight.shape[0]].repeat_interleave(block[1], 1)[:, :k]
+    return (xd @ (weight.float() * ws).T).to(x.dtype).view(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,147 @@
+"""Fused MoE: grouped GEMMs over (token, expert) pairs sorted by expert.
+
+Two launches: w13 (gate and up rows of one expert, SiLU(gate) * up fused in the epilogue) writes one
+intermediate row per pair; w2 multiplies by the pair's routing weight; a sum over top_k finishes.
+Weights are bf16/fp16/fp32, or FP8 e4m3 with [block_n, block_k] scales (activations then quantized
+per token group). Bytes at decode: the chosen experts' weights once; FLOPs: 6 * T * top_k * H * I.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._util import check, check_float, pow2
+from engine.kernels.fp8_gemm import FP8, per_token_group_quant
+from engine.kernels.moe_routing import align_by_expert
+
+
+@triton.jit
+def _moe_gemm_kernel(A, AS, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded, N, K, num_pairs, top_k,
+                     stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
+                     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_BY_TOKEN: tl.constexpr, USE_FP8: tl.constexpr,
+                     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M < tl.load(NumPadded):
+        ids = tl.load(SortedIds + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        mask_m = ids < num_pairs
+        rows = (ids // top_k if A_BY_TOKEN else ids).to(tl.int64)
+        expert = tl.load(BlockExpert + pid_m).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_n = offs_n < N
+        a_ptr = A + rows[:, None] * stride_am + offs_k[None, :]
+        b_ptr = B + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+        up_ptr = b_ptr + N * stride_bn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            mask_k = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptr, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptr, mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+            if USE_FP8:
+                a_s = tl.load(AS + rows * stride_asm + kb, mask=mask_m, other=0.0)
+                bs_ptr = BS + expert * stride_bse + kb
+                b_s = tl.load(bs_ptr + (offs_n // GROUP_N) * stride_bsn, mask=mask_n, other=0.0)
+                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+                if GATED:
+                    u = tl.load(up_ptr, mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+                    u_s = tl.load(bs_ptr + ((offs_n + N) // GROUP_N) * stride_bsn, mask=mask_n, other=0.0)
+                    acc_up += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
+            else:
+                acc += tl.dot(a, b)
+                if GATED:
+                    acc_up += tl.dot(a, tl.load(up_ptr, mask=mask_n[None, :] & mask_k[:, None], other=0.0))
+            a_ptr += BLOCK_K
+            b_ptr += BLOCK_K
+            up_ptr += BLOCK_K
+        if GATED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if MUL_WEIGHT:
+            acc = acc * tl.load(Weights + ids, mask=mask_m, other=0.0)[:, None]
+        c_ptr = C + ids[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _config(pairs_per_expert: float, on_gpu: bool, gated: bool, block_k: int | None):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by how many rows an expert gets."""
+    if not on_gpu:
+        return 16, 32, block_k or 32, 4, 1
+    if pairs_per_expert <= 16:
+        return 16, 64, block_k or 128, 4, 4
+    if pairs_per_expert <= 128:
+        return 64, 64 if gated else 128, block_k or 64, 4, 3
+    return 128, 64 if gated else 128, block_k or 64, 8, 3
+
+
+def _launch(a, a_scale, w, w_scale, out, weights, align, num_pairs, top_k, gated, by_token, cfg, block):
+    sorted_ids, block_expert, num_padded = align
+    bm, bn, bk, warps, stages = cfg
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    fp8 = w_scale is not None
+    grid = (sorted_ids.shape[0] // bm, triton.cdiv(n, bn))
+    _moe_gemm_kernel[grid](a, a_scale if fp8 else a, w, w_scale if fp8 else w, out, weights, sorted_ids,
+                           block_expert, num_padded, n, w.shape[2], num_pairs, top_k, a.stride(0),
+                           a_scale.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
+                           w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, out.stride(0),
+                           GATED=gated, MUL_WEIGHT=not gated, A_BY_TOKEN=by_token, USE_FP8=fp8,
+                           GROUP_N=block[0] if fp8 else 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                           num_warps=warps, num_stages=stages)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                  block: tuple[int, int] | None = None) -> torch.Tensor:
+    """x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; topk_weights [T, k] float32;
+    topk_ids [T, k] int -> [T, H] = sum_k weight * w2_e(SiLU(gate_e x) * up_e x). FP8 weights need their
+    scales ([E, ceil(2I / bn), ceil(H / bk)] and [E, ceil(H / bn), ceil(I / bk)]) and block."""
+    check_float("x", x)
+    check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] contiguous, got {tuple(x.shape)}")
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    check(w13.shape == (num_experts, 2 * inter, hidden) and w2.shape == (num_experts, hidden, inter),
+          f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden={hidden}")
+    check(w13.is_contiguous() and w2.is_contiguous(), "expert weights must be contiguous")
+    check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens, "one top-k row per token")
+    check(topk_weights.dtype == torch.float32 and topk_weights.is_contiguous(), "topk_weights must be contiguous float32")
+    fp8 = w13.dtype == FP8
+    if fp8:
+        check(block is not None and w13_scale is not None and w2_scale is not None and w2.dtype == FP8,
+              "FP8 experts need w13_scale, w2_scale and the block size")
+        check(block[1] >= 16 and block[1] & (block[1] - 1) == 0, f"block_k must be a power of two >= 16, got {block}")
+        check(w13_scale.dtype == torch.float32 and w2_scale.dtype == torch.float32, "scales must be float32")
+        check(w13_scale.shape == (num_experts, -(-2 * inter // block[0]), -(-hidden // block[1]))
+              and w2_scale.shape == (num_experts, -(-hidden // block[0]), -(-inter // block[1])),
+              f"scale shapes {tuple(w13_scale.shape)}, {tuple(w2_scale.shape)} do not match block {block}")
+    else:
+        check(w13.dtype == x.dtype and w2.dtype == x.dtype, f"expert weights ({w13.dtype}) must match x ({x.dtype})")
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    bk = block[1] if fp8 else None
+    cfg13 = _config(num_pairs / num_experts, x.is_cuda, True, bk)
+    cfg2 = _config(num_pairs / num_experts, x.is_cuda, False, bk)
+    check(cfg13[0] == cfg2[0], "both GEMMs must share BLOCK_M (one alignment)")
+    align = align_by_expert(topk_ids, num_experts, cfg13[0])
+    inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    a, a_s = per_token_group_quant(x, block[1]) if fp8 else (x, None)
+    _launch(a, a_s, w13, w13_scale, inter_out, topk_weights, align, num_pairs, top_k, True, True, cfg13, block)
+    a, a_s = per_token_group_quant(inter_out, block[1]) if fp8 else (inter_out, None)
+    pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _launch(a, a_s, w2, w2_scale, pair_out, topk_weights, align, num_pairs, top_k, False, False, cfg2, block)
+    return pair_out.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def reference_fused_experts(x, w13, w2, topk_weights, topk_ids):
+    """Loop over (token, k) in float32 with dequantized weights."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w2.shape[2]
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            h = w13[e].float() @ x[t].float()
+            y = w2[e].float() @ (torch.nn.functional.silu(h[:inter]) * h[inter:])
+            out[t] += topk_weights[t, k] * y
+    return out.to(x.dtype)

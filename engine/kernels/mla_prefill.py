@@ -1,0 +1,121 @@
+"""MLA prefill: causal attention over variable-length chunks that may follow a cached prefix.
+
+Prefill is matrix-bound, so it runs un-absorbed (per-head K = [k_nope | k_pe], V = v, expanded from
+the latents by one GEMM through W_UKV): per query-key pair 2 * (nope + rope) + 2 * v FLOPs per head,
+against (nope + rope + v) * 2 bytes per key and head when expanded. The shared k_pe [Tk, rope] is read
+by every head as it is, never copied per head.
+
+Sequence b's queries are the last q_len_b of its k_len_b keys (the chunk after a cached prefix), so
+query i sits at position k_len_b - q_len_b + i and sees keys 0..that position.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._util import check, check_float, check_last_contiguous, pow2
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(QN, QP, KN, KP, V, O, CuQ, CuK, scale_log2,
+                    stride_qnt, stride_qnh, stride_qpt, stride_qph, stride_knt, stride_knh, stride_kpt,
+                    stride_vt, stride_vh, stride_ot, stride_oh, num_m_blocks,
+                    NOPE: tl.constexpr, ROPE: tl.constexpr, VDIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    mb = num_m_blocks - 1 - tl.program_id(0)  # the longest (last) query blocks start first
+    h, b = tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(CuQ + b)
+    q_len = tl.load(CuQ + b + 1) - q_start
+    if mb * BLOCK_M < q_len:
+        k_start = tl.load(CuK + b)
+        k_len = tl.load(CuK + b + 1) - k_start
+        prefix = k_len - q_len
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < q_len
+        offs_d, offs_r, offs_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_V)
+        mask_d, mask_r, mask_v = offs_d < NOPE, offs_r < ROPE, offs_v < VDIM
+        qrow = (q_start + offs_m).to(tl.int64)
+        qn = tl.load(QN + qrow[:, None] * stride_qnt + h * stride_qnh + offs_d[None, :],
+                     mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        qp = tl.load(QP + qrow[:, None] * stride_qpt + h * stride_qph + offs_r[None, :],
+                     mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        q_pos = prefix + offs_m
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+        end = tl.minimum(k_len, prefix + (mb + 1) * BLOCK_M)
+        for n0 in range(0, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < k_len
+            krow = (k_start + offs_n).to(tl.int64)
+            kn = tl.load(KN + krow[None, :] * stride_knt + h * stride_knh + offs_d[:, None],
+                         mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            kp = tl.load(KP + krow[None, :] * stride_kpt + offs_r[:, None],
+                         mask=mask_n[None, :] & mask_r[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]
+            qk = tl.dot(qn, kn) + tl.dot(qp, kp)
+            visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            qk = tl.where(visible, qk * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past q_len see nothing
+            p = tl.exp2(qk - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(V + krow[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
+                        mask=mask_n[:, None] & mask_v[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(O + qrow[:, None] * stride_ot + h * stride_oh + offs_v[None, :], out.to(O.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_v[None, :])
+
+
+def mla_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,
+                          v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                          max_seqlen_q: int, softmax_scale: float) -> torch.Tensor:
+    """q_nope: [Tq, H, nope], q_pe: [Tq, H, rope], k_nope: [Tk, H, nope], k_pe: [Tk, rope] (shared by the
+    heads), v: [Tk, H, v]; cu_seqlens_q/k: [B + 1] int32 -> [Tq, H, v]. Strided views are fine."""
+    check(q_nope.dim() == 3 and q_pe.dim() == 3 and k_nope.dim() == 3 and k_pe.dim() == 2 and v.dim() == 3,
+          "expected q_nope, q_pe, k_nope, v as [T, H, d] and k_pe as [T, rope]")
+    num_q, num_heads, nope = q_nope.shape
+    num_k, rope, vdim = k_nope.shape[0], q_pe.shape[2], v.shape[2]
+    check(q_pe.shape[:2] == (num_q, num_heads), "q_pe does not match q_nope")
+    check(k_nope.shape == (num_k, num_heads, nope) and k_pe.shape == (num_k, rope) and v.shape[:2] == (num_k, num_heads),
+          f"key/value shapes {tuple(k_nope.shape)}, {tuple(k_pe.shape)}, {tuple(v.shape)} do not match the queries")
+    for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("k_nope", k_nope), ("k_pe", k_pe), ("v", v)):
+        check_float(name, t)
+        check_last_contiguous(name, t)
+        check(t.dtype == q_nope.dtype, f"{name} dtype {t.dtype} differs from q_nope's {q_nope.dtype}")
+    check(cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32, "cu_seqlens must be int32")
+    check(cu_seqlens_q.shape == cu_seqlens_k.shape, "cu_seqlens_q and cu_seqlens_k must have B + 1 entries each")
+    out = torch.empty(num_q, num_heads, vdim, dtype=q_nope.dtype, device=q_nope.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if num_q == 0 or batch == 0:
+        return out
+    big = nope + rope > 128 and q_nope.is_cuda
+    block_m, block_n = (128, 64) if big else (64, 32)
+    num_m_blocks = triton.cdiv(max_seqlen_q, block_m)
+    _prefill_kernel[(num_m_blocks, num_heads, batch)](
+        q_nope, q_pe, k_nope, k_pe, v, out, cu_seqlens_q, cu_seqlens_k, softmax_scale * LOG2E,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), k_nope.stride(0), k_nope.stride(1),
+        k_pe.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1), num_m_blocks,
+        NOPE=nope, ROPE=rope, VDIM=vdim, BLOCK_D=pow2(nope), BLOCK_R=pow2(rope), BLOCK_V=pow2(vdim),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8 if big else 4, num_stages=2)
+    return out
+
+
+def reference_mla_prefill_attention(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, softmax_scale):
+    """Plain PyTorch, float32, one sequence at a time."""
+    outs = []
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        qs, ql, ks, kl = cq[b], cq[b + 1] - cq[b], ck[b], ck[b + 1] - ck[b]
+        heads = q_nope.shape[1]
+        q = torch.cat([q_nope[qs:qs + ql], q_pe[qs:qs + ql]], -1).float()
+        k = torch.cat([k_nope[ks:ks + kl], k_pe[ks:ks + kl, None].expand(-1, heads, -1)], -1).float()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
+        mask = torch.arange(kl)[None, :] <= torch.arange(kl - ql, kl)[:, None]
+        probs = scores.masked_fill(~mask.to(scores.device), float("-inf")).softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v[ks:ks + kl].float()))
+    return torch.cat(outs).to(q_nope.dtype)

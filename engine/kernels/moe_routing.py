@@ -1,0 +1,115 @@
+"""MoE token routing on the GPU: the router's top-k in one kernel, then the sort of (token, expert)
+pairs by expert that the grouped GEMMs consume. Neither reads anything back to the host, so both run
+inside a CUDA graph.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._util import check, pow2
+
+SCORING = {"sigmoid": 0, "softmax": 1}
+GROUPING = {"none": 0, "noaux_tc": 1, "group_limited_greedy": 2}  # group score: best two summed | best one
+
+
+@triton.jit
+def _route_kernel(Logits, Bias, WeightsOut, IdsOut, stride_l, num_experts, scaling,
+                  SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPING: tl.constexpr, N_GROUP: tl.constexpr,
+                  TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    mask = offs < num_experts
+    logits = tl.load(Logits + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    if SCORING == 0:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+    else:
+        e = tl.exp(logits - tl.max(logits, axis=0))
+        scores = e / tl.sum(e, axis=0)
+    scores = tl.where(mask, scores, 0.0)
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(Bias + offs, mask=mask, other=0.0)
+    choice = tl.where(mask, choice, float("-inf"))
+    if GROUPING != 0:
+        group_of = offs // (num_experts // N_GROUP)
+        offs_g = tl.arange(0, BLOCK_G)
+        group_scores = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        for g in tl.static_range(N_GROUP):
+            member = tl.where(group_of == g, choice, float("-inf"))
+            best = tl.max(member, axis=0)
+            if GROUPING == 1:
+                first = tl.argmax(member, axis=0)
+                best = best + tl.max(tl.where(offs == first, float("-inf"), member), axis=0)
+            group_scores = tl.where(offs_g == g, best, group_scores)
+        keep = tl.zeros([BLOCK_E], tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            g = tl.argmax(group_scores, axis=0)
+            keep = keep | (group_of == g)
+            group_scores = tl.where(offs_g == g, float("-inf"), group_scores)
+        choice = tl.where(keep, choice, float("-inf"))
+    offs_k = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], tl.int32)
+    weights = tl.zeros([BLOCK_K], tl.float32)
+    for k in tl.static_range(TOP_K):
+        idx = tl.argmax(choice, axis=0)
+        ids = tl.where(offs_k == k, idx, ids)
+        weights = tl.where(offs_k == k, tl.sum(tl.where(offs == idx, scores, 0.0), axis=0), weights)
+        choice = tl.where(offs == idx, float("-inf"), choice)
+    if NORM:
+        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    mk = offs_k < TOP_K
+    tl.store(WeightsOut + row * TOP_K + offs_k, weights * scaling, mask=mk)
+    tl.store(IdsOut + row * TOP_K + offs_k, ids, mask=mk)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_func: str, topk_method: str,
+          n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [T, E] float32 router outputs -> (weights [T, top_k] float32, expert ids [T, top_k] int32),
+    with the same rule as the reference Gate (biased choice, unbiased weights, optional group limit)."""
+    check(logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(-1) == 1,
+          "router logits must be [T, E] float32, contiguous in E")
+    num_tokens, num_experts = logits.shape
+    check(scoring_func in SCORING, f"unsupported scoring_func {scoring_func!r}")
+    grouping = topk_method if n_group > 1 and topk_method in GROUPING else "none"
+    check(num_experts % n_group == 0, f"{num_experts} experts do not split into {n_group} groups")
+    check(0 < top_k <= num_experts, f"top_k={top_k} must be in [1, {num_experts}]")
+    if bias is not None:
+        check(bias.shape == (num_experts,) and bias.dtype == torch.float32, "bias must be float32 [E]")
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](
+            logits, bias if bias is not None else logits, weights, ids, logits.stride(0), num_experts,
+            routed_scaling_factor, SCORING=SCORING[scoring_func], HAS_BIAS=bias is not None,
+            GROUPING=GROUPING[grouping], N_GROUP=n_group, TOPK_GROUP=topk_group, TOP_K=top_k,
+            NORM=norm_topk_prob and top_k > 1, BLOCK_E=pow2(num_experts), BLOCK_G=pow2(n_group, 2),
+            BLOCK_K=pow2(top_k, 2))
+    return weights, ids
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the T * top_k (token, expert) pairs by expert, each expert's run padded to block_m.
+
+    -> sorted_ids [P_max] int32 (pair id = token * top_k + k; padding holds T * top_k),
+       block_expert [P_max / block_m] int32 (the expert of each block of block_m rows),
+       num_padded [1] int32 (rows in use). Sizes depend on shapes only (CUDA-graph safe)."""
+    num_pairs = topk_ids.numel()
+    dev = topk_ids.device
+    flat = topk_ids.flatten().long()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = flat.argsort(stable=True)
+    sorted_experts = flat[order]
+    rank = torch.arange(num_pairs, device=dev) - (counts.cumsum(0) - counts)[sorted_experts]
+    max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    max_padded = -(-max_padded // block_m) * block_m
+    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_ids[(ends - padded)[sorted_experts] + rank] = order.int()
+    block_starts = torch.arange(0, max_padded, block_m, device=dev)
+    block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).int()
+    return sorted_ids, block_expert, ends[-1:].int()

@@ -1,0 +1,59 @@
+"""Sampling on the GPU without a host round trip: one program per row scans the vocabulary once,
+keeping the running argmax of logits / temperature + Gumbel noise (the Gumbel-max trick draws from
+softmax(logits / temperature) exactly); temperature 0 is greedy (plain argmax, first index on ties).
+
+The noise comes from Philox keyed by (seed, step, vocabulary index): a replayed CUDA graph draws fresh
+numbers when the step tensor advances, and a run with the same seeds repeats exactly.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._util import check
+
+
+@triton.jit
+def _sample_kernel(Logits, Temperature, Seeds, Step, Out, stride_l, vocab, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0)
+    temp = tl.load(Temperature + row)
+    seed = tl.load(Seeds + row)
+    step = tl.load(Step)
+    greedy = temp <= 0.0
+    inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
+    best_val = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK_V], tl.int32)
+    for v0 in range(0, vocab, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        mask = offs < vocab
+        x = tl.load(Logits + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+        if not greedy:
+            u = tl.rand(seed + step * 1000003, offs)
+            x = x - tl.log(-tl.log(tl.maximum(u, 1e-20)))
+        better = x > best_val  # strict: earlier chunks win ties, like argmax
+        best_idx = tl.where(better, offs, best_idx)
+        best_val = tl.where(better, x, best_val)
+    top = tl.max(best_val, axis=0)
+    idx = tl.min(tl.where(best_val == top, best_idx, vocab), axis=0)
+    tl.store(Out + row, idx.to(Out.dtype.element_ty))
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: [B, V] float; temperature: [B] float32 (0 = greedy); seeds: [B] int64; step: [1] int64
+    (advance it between steps) -> token ids [B] int64, on the device."""
+    check(logits.dim() == 2 and logits.stride(-1) == 1, "logits must be [B, V], contiguous in V")
+    batch, vocab = logits.shape
+    check(temperature.shape == (batch,) and temperature.dtype == torch.float32, "temperature must be float32 [B]")
+    check(seeds.shape == (batch,) and seeds.dtype == torch.int64, "seeds must be int64 [B]")
+    check(step.shape == (1,) and step.dtype == torch.int64, "step must be int64 [1]")
+    if out is None:
+        out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if batch:
+        _sample_kernel[(batch,)](logits, temperature, seeds, step, out, logits.stride(0), vocab,
+                                 BLOCK_V=4096 if logits.is_cuda else 128, num_warps=8)
+    return out
+
+
+def reference_greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
