@@ -77,6 +77,7 @@ class KVDirectory:
         self._stop = threading.Event()
         self.healthy = True
         self.num_errors = 0
+        self._registered = False
         self._thread = threading.Thread(target=self._run, name="kv-directory", daemon=True)
 
     def _block_key(self, h: bytes) -> str:
@@ -144,12 +145,16 @@ class KVDirectory:
             self._write(batch)
 
     def _beat(self) -> bool:
+        """Renew the heartbeat key's TTL; (re)write it only when it is missing (first beat, Redis restart)."""
         try:
             key = self._replica_key(self.replica_id)
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hset(key, mapping={"incarnation": self.incarnation, "addr": self.addr, "transport": self.transport})
-            pipe.expire(key, max(1, int(self.heartbeat_ttl)))
-            pipe.execute()
+            ttl = max(1, int(self.heartbeat_ttl))
+            if not self.client.expire(key, ttl) or not self._registered:
+                pipe = self.client.pipeline(transaction=True)
+                pipe.hset(key, mapping={"incarnation": self.incarnation, "addr": self.addr, "transport": self.transport})
+                pipe.expire(key, ttl)
+                pipe.execute()
+                self._registered = True
             self._recovered()
             return True
         except redis.RedisError as e:

@@ -1,0 +1,117 @@
+"""Cross-replica KV reuse between real `deepseek-engine serve` processes, a real redis-server and the
+official openai client: a conversation's next turn lands on another replica."""
+
+import signal
+
+import pytest
+from openai import OpenAI
+
+from tests.engine.conftest_server import MODEL_NAME, ServerProcess, tiny_checkpoint, wait_for  # noqa: F401
+from tests.engine.test_kv_reuse import CorruptingProxy
+from tests.redis_server import RedisServer
+
+HISTORY = [
+    {"role": "system", "content": "You are a careful assistant that explains Kubernetes operators at length. " * 4},
+    {"role": "user", "content": "How does an operator reconcile a custom resource into pods and services?"},
+]
+FOLLOW_UP = {"role": "user", "content": "And what happens when a pod is deleted?"}
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fleet(tiny_checkpoint, redis_server, tmp_path):  # noqa: F811
+    procs = []
+
+    def start(name: str, *extra: str) -> ServerProcess:
+        proc = ServerProcess(tiny_checkpoint, tmp_path / f"{name}-{len(procs)}.log", "--kv-directory", redis_server.url,
+                             "--replica-id", name, "--advertise-host", "127.0.0.1", "--kv-transfer-port", "0",
+                             "--kv-min-prefix-tokens", "16", *extra)
+        procs.append(proc)
+        return proc.wait_ready()
+
+    yield start
+    for p in procs:
+        p.stop(signal.SIGKILL)
+
+
+def chat(server: ServerProcess, messages):
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0)
+
+
+def two_turns(first: ServerProcess, second: ServerProcess, redis_server: RedisServer):
+    turn1 = chat(first, HISTORY)
+    assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
+    convo = HISTORY + [{"role": "assistant", "content": turn1.choices[0].message.content}, FOLLOW_UP]
+    return convo, chat(second, convo)
+
+
+def remote_hits(server: ServerProcess) -> float:
+    return server.metrics()['deepseek_engine_prefix_cache_hit_tokens_total{source="remote"}']
+
+
+def test_next_turn_on_another_replica_pulls_the_prefix(fleet, redis_server):
+    a, b = fleet("a"), fleet("b")
+    recomputing = fleet("c", "--kv-pull-policy", "never")
+    convo, turn2 = two_turns(a, b, redis_server)
+    cached = turn2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 32 and cached < turn2.usage.prompt_tokens
+    assert remote_hits(b) == cached
+    reference = chat(recomputing, convo)
+    assert reference.usage.prompt_tokens_details.cached_tokens == 0
+    assert turn2.choices[0].message.content == reference.choices[0].message.content
+    metrics = b.metrics()
+    assert metrics["deepseek_engine_kv_transfer_bytes_total"] > 0
+
+
+def test_killed_peer_means_recompute_not_error(fleet, redis_server):
+    a, b = fleet("a"), fleet("b")
+    chat(a, HISTORY)
+    assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
+    a.stop(signal.SIGKILL)  # its heartbeat key outlives it: b still finds its entries
+    convo = HISTORY + [{"role": "assistant", "content": "ok"}, FOLLOW_UP]
+    turn2 = chat(b, convo)
+    assert turn2.choices[0].finish_reason in ("stop", "length")
+    assert turn2.usage.prompt_tokens_details.cached_tokens == 0
+    assert b.metrics()['deepseek_engine_kv_pull_fallbacks_total{reason="transfer_failed"}'] == 1
+
+
+def test_restarted_replica_old_entries_are_not_trusted(fleet, redis_server):
+    a = fleet("a")
+    chat(a, HISTORY)
+    assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
+    a.stop(signal.SIGKILL)
+    fleet("a")  # same name, new incarnation, empty cache
+    b = fleet("b")
+    turn2 = chat(b, HISTORY + [{"role": "assistant", "content": "ok"}, FOLLOW_UP])
+    assert turn2.usage.prompt_tokens_details.cached_tokens == 0
+    assert remote_hits(b) == 0
+    assert b.metrics().get('deepseek_engine_kv_pull_fallbacks_total{reason="transfer_failed"}', 0) == 0
+
+
+def test_redis_stopped_both_keep_serving(fleet, redis_server):
+    a, b = fleet("a"), fleet("b")
+    redis_server.stop()
+    for server in (a, b, a):
+        assert chat(server, HISTORY).choices[0].finish_reason in ("stop", "length")
+    assert b.metrics()["deepseek_engine_kv_directory_up"] == 0
+
+
+def test_corrupted_block_in_transit_is_recomputed(fleet, redis_server):
+    a, b = fleet("a"), fleet("b")
+    chat(a, HISTORY)
+    assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
+    r = redis_server.client()
+    (key,) = r.keys("dsf:*:replica:a")
+    port = int(r.hget(key, "addr").decode().rpartition(":")[2])
+    proxy = CorruptingProxy(port)
+    r.hset(key, "addr", f"127.0.0.1:{proxy.port}")
+    turn2 = chat(b, HISTORY + [{"role": "assistant", "content": "ok"}, FOLLOW_UP])
+    assert turn2.usage.prompt_tokens_details.cached_tokens == 0
+    assert b.metrics()['deepseek_engine_kv_pull_fallbacks_total{reason="checksum"}'] == 1
