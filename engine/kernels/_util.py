@@ -2,6 +2,7 @@
 
 import torch
 import triton
+import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -23,3 +24,17 @@ def check_float(name: str, t: torch.Tensor) -> None:
 
 def check_last_contiguous(name: str, t: torch.Tensor) -> None:
     check(t.stride(-1) == 1, f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})")
+
+
+@triton.jit
+def mma(a, b, UPCAST: tl.constexpr):
+    """tl.dot, with operands widened to float32 under the interpreter (whose bf16 dot is wrong)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b)
+
+
+def interpreted(t: torch.Tensor) -> bool:
+    """Kernels on CPU tensors run in Triton's interpreter."""
+    return not t.is_cuda

@@ -9,20 +9,37 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, pow2
+from engine.kernels._util import check, check_float, interpreted, pow2
 
 FP8_MAX = 448.0
 FP8 = torch.float8_e4m3fn
 
 
 @triton.jit
-def _group_quant_kernel(X, Q, S, stride_x, stride_q, stride_s, K, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+def _round_to_e4m3(v):
+    """Round half to even onto the e4m3 grid (3 mantissa bits; subnormal spacing 2^-9), in float32."""
+    a = tl.abs(v)
+    step = tl.exp2(tl.floor(tl.log2(tl.maximum(a, 0.015625))) - 3.0)
+    r = a / step
+    n = tl.floor(r + 0.5)
+    n = tl.where((n - r == 0.5) & (n - 2.0 * tl.floor(n * 0.5) == 1.0), n - 1.0, n)
+    return tl.where(v < 0, -n * step, n * step)
+
+
+@triton.jit
+def _group_quant_kernel(X, Q, S, stride_x, stride_q, stride_s, K, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                        PRE_ROUND: tl.constexpr):
     row, g = tl.program_id(0), tl.program_id(1)
     offs = g * GROUP + tl.arange(0, BLOCK)
     mask = (tl.arange(0, BLOCK) < GROUP) & (offs < K)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / 448.0
-    tl.store(Q + row * stride_q + offs, (x / scale).to(Q.dtype.element_ty), mask=mask)
+    y = x / scale
+    if PRE_ROUND:
+        # the interpreter's float -> fp8 cast drops the carry of a rounded-up mantissa (31.6 -> 16);
+        # values already on the e4m3 grid convert exactly
+        y = _round_to_e4m3(y)
+    tl.store(Q + row * stride_q + offs, y.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + row * stride_s + g, scale)
 
 
@@ -36,7 +53,8 @@ def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
     s = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
     if num_rows:
         _group_quant_kernel[(num_rows, num_groups)](x, q, s, x.stride(0), q.stride(0), s.stride(0), k,
-                                                    GROUP=group, BLOCK=pow2(group, 1))
+                                                    GROUP=group, BLOCK=pow2(group, 1),
+                                                    PRE_ROUND=interpreted(x))
     return q, s
 
 

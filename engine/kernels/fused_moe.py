@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, pow2
+from engine.kernels._util import check, check_float, interpreted, mma
 from engine.kernels.fp8_gemm import FP8, per_token_group_quant
 from engine.kernels.moe_routing import align_by_expert
 
@@ -19,7 +19,8 @@ from engine.kernels.moe_routing import align_by_expert
 def _moe_gemm_kernel(A, AS, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded, N, K, num_pairs, top_k,
                      stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
                      GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_BY_TOKEN: tl.constexpr, USE_FP8: tl.constexpr,
-                     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     UPCAST: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M < tl.load(NumPadded):
         ids = tl.load(SortedIds + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -48,9 +49,9 @@ def _moe_gemm_kernel(A, AS, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded
                     u_s = tl.load(bs_ptr + ((offs_n + N) // GROUP_N) * stride_bsn, mask=mask_n, other=0.0)
                     acc_up += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
             else:
-                acc += tl.dot(a, b)
+                acc += mma(a, b, UPCAST)
                 if GATED:
-                    acc_up += tl.dot(a, tl.load(up_ptr, mask=mask_n[None, :] & mask_k[:, None], other=0.0))
+                    acc_up += mma(a, tl.load(up_ptr, mask=mask_n[None, :] & mask_k[:, None], other=0.0), UPCAST)
             a_ptr += BLOCK_K
             b_ptr += BLOCK_K
             up_ptr += BLOCK_K
@@ -84,7 +85,7 @@ def _launch(a, a_scale, w, w_scale, out, weights, align, num_pairs, top_k, gated
                            a_scale.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
                            w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, out.stride(0),
                            GATED=gated, MUL_WEIGHT=not gated, A_BY_TOKEN=by_token, USE_FP8=fp8,
-                           GROUP_N=block[0] if fp8 else 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                           GROUP_N=block[0] if fp8 else 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=interpreted(a),
                            num_warps=warps, num_stages=stages)
 
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, check_last_contiguous, pow2
+from engine.kernels._util import check, check_float, check_last_contiguous, interpreted, mma, pow2
 
 LOG2E = 1.4426950408889634
 
@@ -23,7 +23,8 @@ def _split_kernel(QL, QP, Cache, Tables, Lens, MidO, MidLse,
                   stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_cb, stride_ct, stride_tb,
                   stride_mb, stride_mh, stride_ms, num_heads, scale_log2,
                   KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  UPCAST: tl.constexpr):
     b, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(Lens + b)
     split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -49,13 +50,13 @@ def _split_kernel(QL, QP, Cache, Tables, Lens, MidO, MidLse,
         kv = tl.load(Cache + row[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
         kp = tl.load(Cache + row[:, None] + KV_LORA + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
                      other=0.0)
-        qk = tl.dot(q.to(kv.dtype), tl.trans(kv)) + tl.dot(qp.to(kp.dtype), tl.trans(kp))  # [BLOCK_H, BLOCK_N]
+        qk = mma(q.to(kv.dtype), tl.trans(kv), UPCAST) + mma(qp.to(kp.dtype), tl.trans(kp), UPCAST)  # [BLOCK_H, BLOCK_N]
         qk = tl.where(mask_n[None, :], qk * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        acc = acc * alpha[:, None] + mma(p.to(kv.dtype), kv, UPCAST)
         m_i = m_new
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -126,7 +127,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
                         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), num_heads, softmax_scale * LOG2E,
                         KV_LORA=kv_lora, ROPE=rope, BLOCK_C=block_c, BLOCK_R=pow2(rope), BLOCK_H=block_h,
                         BLOCK_N=32 if block_c <= 512 else 16, PAGE=kv_cache.shape[1], NUM_SPLITS=num_splits,
-                        num_warps=4, num_stages=2)
+                        UPCAST=interpreted(kv_cache), num_warps=4, num_stages=2)
     _merge_kernel[(batch, num_heads)](mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
                                       out.stride(0), out.stride(1), num_heads, KV_LORA=kv_lora, BLOCK_C=block_c,
                                       NUM_SPLITS=num_splits, BLOCK_S=pow2(num_splits, 2))

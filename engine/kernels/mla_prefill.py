@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, check_last_contiguous, pow2
+from engine.kernels._util import check, check_float, check_last_contiguous, interpreted, mma, pow2
 
 LOG2E = 1.4426950408889634
 
@@ -23,7 +23,8 @@ def _prefill_kernel(QN, QP, KN, KP, V, O, CuQ, CuK, scale_log2,
                     stride_qnt, stride_qnh, stride_qpt, stride_qph, stride_knt, stride_knh, stride_kpt,
                     stride_vt, stride_vh, stride_ot, stride_oh, num_m_blocks,
                     NOPE: tl.constexpr, ROPE: tl.constexpr, VDIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    UPCAST: tl.constexpr):
     mb = num_m_blocks - 1 - tl.program_id(0)  # the longest (last) query blocks start first
     h, b = tl.program_id(1), tl.program_id(2)
     q_start = tl.load(CuQ + b)
@@ -54,7 +55,7 @@ def _prefill_kernel(QN, QP, KN, KP, V, O, CuQ, CuK, scale_log2,
                          mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
             kp = tl.load(KP + krow[None, :] * stride_kpt + offs_r[:, None],
                          mask=mask_n[None, :] & mask_r[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]
-            qk = tl.dot(qn, kn) + tl.dot(qp, kp)
+            qk = mma(qn, kn, UPCAST) + mma(qp, kp, UPCAST)
             visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
             qk = tl.where(visible, qk * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -64,7 +65,7 @@ def _prefill_kernel(QN, QP, KN, KP, V, O, CuQ, CuK, scale_log2,
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(V + krow[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
                         mask=mask_n[:, None] & mask_v[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(O + qrow[:, None] * stride_ot + h * stride_oh + offs_v[None, :], out.to(O.dtype.element_ty),
@@ -101,7 +102,7 @@ def mla_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torc
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), k_nope.stride(0), k_nope.stride(1),
         k_pe.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1), num_m_blocks,
         NOPE=nope, ROPE=rope, VDIM=vdim, BLOCK_D=pow2(nope), BLOCK_R=pow2(rope), BLOCK_V=pow2(vdim),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8 if big else 4, num_stages=2)
+        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=interpreted(q_nope), num_warps=8 if big else 4, num_stages=2)
     return out
 
 

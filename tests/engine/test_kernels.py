@@ -1,0 +1,303 @@
+"""Every Triton kernel against its plain-PyTorch reference: small shapes everywhere (on CPU through
+Triton's interpreter), the real DeepSeek shapes on a GPU.
+
+The interpreter rounds float -> bf16 / fp8 conversions toward zero where a GPU rounds to nearest, so
+low-precision comparisons allow a step more on CPU."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of engine.kernels
+
+import pytest
+
+from engine.kernels.fp8_gemm import FP8, fp8_block_gemm, fp8_linear, per_token_group_quant, reference_fp8_linear
+from engine.kernels.fused_moe import fused_experts, reference_fused_experts
+from engine.kernels.mla_decode import mla_decode_attention, reference_mla_decode_attention
+from engine.kernels.mla_prefill import mla_prefill_attention, reference_mla_prefill_attention
+from engine.kernels.moe_routing import align_by_expert, route
+from engine.kernels.rms_norm import reference_rms_norm, rms_norm
+from engine.kernels.rotary import apply_rope_, reference_rope
+from engine.kernels.sampling import sample
+from engine.layers.fp8 import dequantize_fp8_block, quantize_fp8_block
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(DEV != "cuda", reason="real DeepSeek shapes need a GPU")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any()
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def test_kernels_run_compiled_or_interpreted():
+    from engine.kernels import rms_norm as mod
+
+    # on CPU every kernel must have been created by the interpreter, else nothing below really ran
+    assert DEV == "cuda" or type(mod._rms_norm_kernel).__name__ == "InterpretedFunction"
+
+
+# -- RMSNorm and rope ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, with_residual):
+    g = torch.Generator().manual_seed(1)
+    x, res = (torch.randn(5, 100, generator=g).to(DEV, dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(100, generator=g)).to(DEV, dtype)
+    out = rms_norm(x, w, 1e-6, res if with_residual else None)
+    ref = reference_rms_norm(x, w, 1e-6, res if with_residual else None)
+    tol = 0 if dtype == torch.float32 else 1e-2
+    for o, r in zip(out if with_residual else [out], ref if with_residual else [ref]):
+        assert rel_err(o, r) <= tol + 1e-6
+
+
+def test_rope_in_place_on_strided_views():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(7, 3, 24, generator=g).to(DEV)  # [T, H, nope 16 + rope 8]
+    kv = torch.randn(7, 40, generator=g).to(DEV)  # [T, kv_lora 32 + rope 8]
+    cos, sin = torch.randn(50, 4, generator=g).to(DEV), torch.randn(50, 4, generator=g).to(DEV)
+    pos = torch.randint(0, 50, (7,), generator=g).to(DEV)
+    want_q, want_k = reference_rope(q[..., 16:], pos, cos, sin), reference_rope(kv[:, 32:], pos, cos, sin)
+    untouched_q, untouched_k = q[..., :16].clone(), kv[:, :32].clone()
+    apply_rope_(q[..., 16:], kv[:, 32:], pos, cos, sin)
+    assert rel_err(q[..., 16:], want_q) < 1e-6 and rel_err(kv[:, 32:], want_k) < 1e-6
+    assert torch.equal(q[..., :16], untouched_q) and torch.equal(kv[:, :32], untouched_k)
+
+
+# -- MLA decode ------------------------------------------------------------------------------------
+def _paged_cache(num_blocks, page, width, dtype, g):
+    return torch.randn(num_blocks, page, width, generator=g).to(DEV, dtype)
+
+
+def _decode_case(lens, heads, kv_lora, rope, page, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // page) for n in lens)
+    num_blocks = len(lens) * max_blocks + 3
+    cache = _paged_cache(num_blocks, page, kv_lora + rope, dtype, g)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in lens]).int().to(DEV)
+    q_latent = torch.randn(len(lens), heads, kv_lora, generator=g).to(DEV, dtype)
+    q_pe = torch.randn(len(lens), heads, rope, generator=g).to(DEV, dtype)
+    return q_latent, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEV)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_small(num_splits, dtype):
+    args = _decode_case([1, 9, 33], heads=5, kv_lora=32, rope=8, page=4, dtype=dtype, seed=3)
+    out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
+    mla_decode_attention(*args, 0.3, num_splits=num_splits, out=out)
+    ref = reference_mla_decode_attention(*args, 0.3)
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_mla_decode_more_slices_than_tokens():
+    args = _decode_case([2, 5], heads=4, kv_lora=32, rope=8, page=2, dtype=torch.float32, seed=4)
+    out = mla_decode_attention(*args, 0.5, num_splits=8)  # most slices are empty
+    assert rel_err(out, reference_mla_decode_attention(*args, 0.5)) < 1e-5
+
+
+@gpu
+@pytest.mark.parametrize("heads,lens", [(16, [1, 700, 4096]), (128, [3000, 17])])
+def test_mla_decode_deepseek_shapes(heads, lens):
+    args = _decode_case(lens, heads=heads, kv_lora=512, rope=64, page=64, dtype=torch.bfloat16, seed=5)
+    out = mla_decode_attention(*args, 192**-0.5)
+    assert rel_err(out, reference_mla_decode_attention(*args, 192**-0.5)) < 1e-2
+
+
+# -- MLA prefill -----------------------------------------------------------------------------------
+def _prefill_case(q_lens, k_lens, heads, nope, rope, vdim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    tq, tk = sum(q_lens), sum(k_lens)
+    q = torch.randn(tq, heads, nope + rope, generator=g).to(DEV, dtype)
+    kv = torch.randn(tk, heads, nope + vdim, generator=g).to(DEV, dtype)
+    latent = torch.randn(tk, 32 + rope, generator=g).to(DEV, dtype)
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    return (q[..., :nope], q[..., nope:], kv[..., :nope], latent[:, 32:], kv[..., nope:], cu(q_lens), cu(k_lens))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_prefill_with_cached_prefix(dtype):
+    # a plain prompt, a chunk after a 30-token cached prefix (spans several key tiles), a 1-token chunk
+    args = _prefill_case([5, 70, 1], [5, 100, 9], heads=3, nope=16, rope=8, vdim=16, dtype=dtype, seed=6)
+    out = mla_prefill_attention(*args, max_seqlen_q=70, softmax_scale=0.25)
+    assert rel_err(out, reference_mla_prefill_attention(*args, 0.25)) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@gpu
+def test_mla_prefill_deepseek_shapes():
+    args = _prefill_case([1000, 300], [1000, 2348], heads=16, nope=128, rope=64, vdim=128, dtype=torch.bfloat16, seed=7)
+    out = mla_prefill_attention(*args, max_seqlen_q=1000, softmax_scale=192**-0.5)
+    assert rel_err(out, reference_mla_prefill_attention(*args, 192**-0.5)) < 1e-2
+
+
+# -- FP8 -------------------------------------------------------------------------------------------
+def test_per_token_group_quant():
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(6, 100, generator=g) * torch.logspace(-2, 2, 100)).to(DEV)
+    q, s = per_token_group_quant(x, 32)
+    assert q.dtype == FP8 and s.shape == (6, 4)
+    groups = torch.nn.functional.pad(x, (0, 28)).view(6, 4, 32)
+    assert torch.allclose(s, groups.abs().amax(-1) / 448.0)
+    expanded = s.repeat_interleave(32, 1)[:, :100]
+    assert torch.equal(q.float(), (x / expanded).to(FP8).float())  # round to nearest even, like PyTorch
+
+
+@pytest.mark.parametrize("m,n,k,block", [(3, 40, 64, (16, 16)), (20, 70, 100, (32, 32))])
+def test_fp8_block_gemm_exact_on_quantized_inputs(m, n, k, block):
+    g = torch.Generator().manual_seed(9)
+    wq, ws = quantize_fp8_block(torch.randn(n, k, generator=g) * 0.1, block)
+    aq, a_s = quantize_fp8_block(torch.randn(m, k, generator=g), (1, block[1]))
+    wq, ws, aq, a_s = wq.to(DEV), ws.to(DEV), aq.to(DEV), a_s.to(DEV)
+    out = fp8_block_gemm(aq, a_s, wq, ws, block, torch.float32)
+    ref = dequantize_fp8_block(aq, a_s, (1, block[1])) @ dequantize_fp8_block(wq, ws, block).T
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_fp8_linear_matches_its_reference():
+    g = torch.Generator().manual_seed(10)
+    wq, ws = (t.to(DEV) for t in quantize_fp8_block(torch.randn(48, 64, generator=g) * 0.1, (16, 16)))
+    x = torch.randn(2, 3, 64, generator=g).to(DEV, torch.bfloat16)
+    out = fp8_linear(x, wq, ws, (16, 16))
+    assert out.shape == (2, 3, 48) and out.dtype == torch.bfloat16
+    assert rel_err(out, reference_fp8_linear(x, wq, ws, (16, 16))) < (0.06 if DEV == "cpu" else 1e-2)
+
+
+@gpu
+def test_fp8_linear_deepseek_shape():
+    g = torch.Generator().manual_seed(11)
+    wq, ws = (t.to(DEV) for t in quantize_fp8_block(torch.randn(1536, 7168, generator=g) * 0.02))
+    for m in (1, 300):
+        x = torch.randn(m, 7168, generator=g).to(DEV, torch.bfloat16)
+        assert rel_err(fp8_linear(x, wq, ws, (128, 128)), reference_fp8_linear(x, wq, ws, (128, 128))) < 1e-2
+
+
+# -- MoE routing and fused experts -----------------------------------------------------------------
+def _gate(num_experts, top_k, n_group, topk_group, scoring, method, seed):
+    from engine.layers.moe import Gate
+
+    cfg = type("Cfg", (), dict(num_experts_per_tok=top_k, n_group=n_group, topk_group=topk_group, scoring_func=scoring,
+                               topk_method=method, norm_topk_prob=True, routed_scaling_factor=2.5,
+                               n_routed_experts=num_experts, hidden_size=32))
+    gate = Gate(cfg)
+    g = torch.Generator().manual_seed(seed)
+    gate.weight.copy_(torch.randn(gate.weight.shape, generator=g))
+    if gate.e_score_correction_bias is not None:
+        gate.e_score_correction_bias.copy_(torch.randn(num_experts, generator=g))
+    return gate.to(DEV)
+
+
+@pytest.mark.parametrize("case", [(8, 2, 4, 2, "sigmoid", "noaux_tc"), (12, 3, 1, 1, "softmax", "greedy"),
+                                  (16, 4, 4, 2, "softmax", "group_limited_greedy")])
+def test_route_matches_gate(case):
+    num_experts, top_k, n_group, topk_group, scoring, method = case
+    gate = _gate(*case, seed=12)
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(13)).to(DEV)
+    want_w, want_ids = gate(x)
+    logits = torch.nn.functional.linear(x.float(), gate.weight)
+    w, ids = route(logits, gate.e_score_correction_bias, top_k, scoring, method, n_group, topk_group, True, 2.5)
+    a, b = want_ids.sort(1), ids.long().sort(1)
+    assert torch.equal(a.values, b.values)
+    assert torch.allclose(want_w.gather(1, a.indices), w.gather(1, b.indices), atol=1e-6)
+
+
+def test_align_by_expert_covers_every_pair_once():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [2, 3]], dtype=torch.int32, device=DEV)
+    sorted_ids, block_expert, num_padded = align_by_expert(ids, num_experts=5, block_m=4)
+    n = int(num_padded)
+    assert n == 16  # experts 0, 1, 2, 3 (2, 1, 1 and 4 pairs) padded to 4 rows each
+    real = sorted_ids[:n][sorted_ids[:n] < 8]
+    assert sorted(real.tolist()) == list(range(8))
+    for blk in range(n // 4):
+        rows = sorted_ids[blk * 4 : blk * 4 + 4]
+        rows = rows[rows < 8]
+        assert (ids.flatten()[rows.long()] == block_expert[blk]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_experts(dtype):
+    g = torch.Generator().manual_seed(14)
+    t, hidden, inter, e, k = 7, 64, 48, 8, 2
+    x = torch.randn(t, hidden, generator=g).to(DEV, dtype)
+    w13 = (0.1 * torch.randn(e, 2 * inter, hidden, generator=g)).to(DEV, dtype)
+    w2 = (0.1 * torch.randn(e, hidden, inter, generator=g)).to(DEV, dtype)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int().to(DEV)
+    weights = torch.rand(t, k, generator=g).to(DEV)
+    out = fused_experts(x, w13, w2, weights, ids)
+    assert rel_err(out, reference_fused_experts(x, w13, w2, weights, ids)) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def _fp8_experts(w: torch.Tensor, block):
+    parts = [quantize_fp8_block(m.cpu().float(), block) for m in w]
+    return torch.stack([p[0] for p in parts]).to(DEV), torch.stack([p[1] for p in parts]).to(DEV)
+
+
+def test_fused_experts_fp8_block_scaled():
+    g = torch.Generator().manual_seed(15)
+    t, hidden, inter, e, k, block = 5, 64, 32, 6, 3, (16, 16)
+    x = torch.randn(t, hidden, generator=g).to(DEV, torch.bfloat16)
+    (w13, s13), (w2, s2) = (_fp8_experts(0.1 * torch.randn(e, 2 * inter, hidden, generator=g), block),
+                            _fp8_experts(0.1 * torch.randn(e, hidden, inter, generator=g), block))
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int().to(DEV)
+    weights = torch.rand(t, k, generator=g).to(DEV)
+    out = fused_experts(x, w13, w2, weights, ids, s13, s2, block)
+    deq = lambda w, s: torch.stack([dequantize_fp8_block(a, b, block) for a, b in zip(w, s)])
+    ref = reference_fused_experts(x.float(), deq(w13, s13), deq(w2, s2), weights, ids)
+    assert rel_err(out, ref) < (0.08 if DEV == "cpu" else 0.05)  # activations are FP8 too
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 512])
+def test_fused_experts_v2_lite_shape(tokens):
+    g = torch.Generator().manual_seed(16)
+    e, k, hidden, inter = 64, 6, 2048, 1408
+    x = torch.randn(tokens, hidden, generator=g).to(DEV, torch.bfloat16)
+    w13 = (0.02 * torch.randn(e, 2 * inter, hidden, generator=g)).to(DEV, torch.bfloat16)
+    w2 = (0.02 * torch.randn(e, hidden, inter, generator=g)).to(DEV, torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]).int().to(DEV)
+    weights = torch.rand(tokens, k, generator=g).to(DEV)
+    ref = torch.zeros(tokens, hidden, device=DEV)
+    for j in range(k):  # batched reference: one gathered matmul per top-k slot
+        h = torch.einsum("th,tnh->tn", x.float(), w13[ids[:, j].long()].float())
+        y = torch.einsum("ti,thi->th", torch.nn.functional.silu(h[:, :inter]) * h[:, inter:], w2[ids[:, j].long()].float())
+        ref += weights[:, j : j + 1] * y
+    assert rel_err(fused_experts(x, w13, w2, weights, ids), ref) < 1e-2
+
+
+# -- sampling --------------------------------------------------------------------------------------
+def test_sample_greedy_rows_are_argmax_and_seeded_rows_repeat():
+    g = torch.Generator().manual_seed(17)
+    logits = torch.randn(4, 300, generator=g).to(DEV)
+    temp = torch.tensor([0.0, 0.7, 0.0, 1.0], device=DEV)
+    seeds = torch.arange(4, device=DEV)
+    step = torch.zeros(1, dtype=torch.long, device=DEV)
+    a = sample(logits, temp, seeds, step)
+    assert a[[0, 2]].tolist() == logits.argmax(-1)[[0, 2]].tolist()
+    assert torch.equal(a, sample(logits, temp, seeds, step))
+
+
+def test_sample_draws_from_softmax():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]], device=DEV)
+    counts = torch.zeros(4)
+    step = torch.zeros(1, dtype=torch.long, device=DEV)
+    for s in range(400):
+        step.fill_(s)
+        counts[int(sample(logits, torch.ones(1, device=DEV), torch.tensor([3], device=DEV), step))] += 1
+    assert (counts / 400 - logits.softmax(-1).cpu()[0]).abs().max() < 0.08
+
+
+# -- launcher contracts ----------------------------------------------------------------------------
+def test_launchers_reject_bad_inputs():
+    args = _decode_case([3], heads=2, kv_lora=32, rope=8, page=4, dtype=torch.float32, seed=18)
+    with pytest.raises(ValueError, match="int32"):
+        mla_decode_attention(*args[:3], args[3].long(), args[4], 0.3)
+    with pytest.raises(ValueError, match="cache rows"):
+        mla_decode_attention(args[0], args[1][..., :4], *args[2:], 0.3)
+    with pytest.raises(ValueError, match="float8"):
+        fp8_block_gemm(torch.zeros(2, 32, device=DEV), torch.zeros(2, 2, device=DEV),
+                       torch.zeros(4, 32, device=DEV), torch.zeros(1, 2, device=DEV), (16, 16), torch.float32)
+    with pytest.raises(ValueError, match="groups"):
+        route(torch.zeros(2, 10, device=DEV), None, 2, "sigmoid", "noaux_tc", 4, 2, True, 1.0)
+    with pytest.raises(ValueError, match="float32"):
+        rms_norm(torch.zeros(2, 8, dtype=torch.int32, device=DEV), torch.ones(8, device=DEV), 1e-6)
