@@ -57,14 +57,14 @@ def create_app(settings: ServerSettings, engine: AsyncEngine) -> FastAPI:
 
     @app.get("/v1/models", dependencies=v1)
     async def models() -> ModelList:
-        max_model_len = engine.engine.max_model_len if engine.is_ready else 0
+        max_model_len = engine.max_model_len if engine.is_ready else 0
         return ModelList(data=[ModelCard(id=settings.served_model_name, max_model_len=max_model_len)])
 
     @app.get("/health")
     async def health() -> JSONResponse:
         # Alive while the model loads; dead (restart me) once the engine loop has failed.
         if engine.error is not None:
-            return JSONResponse({"status": "failed", "error": str(engine.error)}, status_code=503)
+            return JSONResponse({"status": "failed", "error": engine.error}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")

@@ -1,29 +1,40 @@
-"""The bridge between asyncio and the synchronous engine: the engine loop runs on a thread of its own.
+"""The server's handle on the engine: the engine loop runs in a process of its own; asyncio talks to it.
 
-The engine loop thread owns the LLMEngine (built there, stepped there, never touched elsewhere except
-for its tokenizer and config). The event loop sends it commands through a queue; the loop thread posts
-each step's outputs back in one callback. Generation therefore never waits on a client, and a client
-never waits on more than one engine step to be admitted.
+Commands go out through a writer thread (a large prompt never blocks the event loop on a full pipe);
+reports come back through a reader thread, which hands each one to the event loop in one callback.
+The engine never waits for a client, and a client waits at most one engine step to be admitted.
 """
 
 import asyncio
 import logging
+import multiprocessing
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.metrics import EngineMetrics
-from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.server.engine_messages import (
+    AbortRequests,
+    AddRequests,
+    Admission,
+    Failed,
+    OutputBuilder,
+    Ready,
+    Report,
+    Stop,
+)
+from engine.server.engine_process import run_engine_process
 from engine.server.errors import InternalError, QueueFull, ServiceUnavailable
 from engine.server.request_log import summarize
 from engine.server.request_stream import RequestStream
 
 logger = logging.getLogger(__name__)
 
-_STOP = ("stop",)
+
+class PromptTooLong(ValueError):
+    """The engine refused a prompt for its length."""
 
 
 class AsyncEngine:
@@ -31,57 +42,78 @@ class AsyncEngine:
 
     def __init__(
         self,
-        build_engine: Callable[[], Any],
+        build_engine: Callable[..., Any],
+        build_args: tuple,
         metrics: EngineMetrics,
         *,
+        load_tokenizer: Callable[[str], Any],
         max_waiting_requests: int | None = None,
     ) -> None:
+        """`build_engine(*build_args)` runs in the engine process (both must pickle); `load_tokenizer(path)`
+        runs here once the engine is up."""
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
-        self.engine: Any = None  # the LLMEngine, once the loop thread has built it
-        self.error: BaseException | None = None  # why the engine loop died, if it did
+        self.tokenizer: Any = None  # set when ready
+        self.max_model_len = 0  # set when ready
+        self.error: str | None = None  # why the engine died, if it did
         self.draining = False
-        self._build_engine = build_engine
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self.failed = asyncio.Event()  # set if the engine died
+        self._build = (build_engine, build_args)
+        self._load_tokenizer = load_tokenizer
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._process: multiprocessing.process.BaseProcess | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Event-loop side bookkeeping.
-        self._routes: dict[str, tuple[RequestStream, int]] = {}  # sub-request id -> (stream, choice index)
-        self._active: set[RequestStream] = set()  # admitted and neither finished nor closed
-        self._num_unacked = 0  # sub-requests sent to the loop thread, not yet acknowledged
-        # The engine's waiting queue as the loop thread last saw it (it writes, the event loop reads).
-        # Admitted requests count here and in _num_unacked until their ack arrives: briefly too many.
-        self._num_waiting = 0
+        self._stopping = False
+        self._ready = asyncio.Event()  # set once the engine is up (or failed to come up)
         self._idle = asyncio.Event()  # set while nothing is in flight
         self._idle.set()
-        self._ready = asyncio.Event()  # set once the engine is built (or failed to build)
-        self.failed = asyncio.Event()  # set if the engine loop died
+        # Event-loop side bookkeeping.
+        self._routes: dict[str, tuple[RequestStream, int]] = {}  # request id -> (stream, choice index)
+        self._builders: dict[str, OutputBuilder] = {}  # request id -> its cumulative output
+        self._admitting: dict[str, RequestStream] = {}  # streams sent to the engine, not yet acknowledged
+        self._active: set[RequestStream] = set()  # admitted and neither finished nor closed
+        self._num_waiting = 0  # the engine's waiting queue in its last report
+        self._num_unacked = 0  # choices sent to the engine, not yet acknowledged
 
     # ----------------------------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        """Starts the loop thread, which builds the engine; `wait_ready()` returns once it is built."""
+        """Starts the engine process; `wait_ready()` returns once it has built the engine."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA state
+        command_reader, command_writer = ctx.Pipe(duplex=False)
+        report_reader, report_writer = ctx.Pipe(duplex=False)
+        build, args = self._build
+        self._process = ctx.Process(
+            target=run_engine_process, args=(command_reader, report_writer, build, args), name="engine-loop",
+            daemon=True,
+        )  # fmt: skip
+        self._process.start()
+        command_reader.close()
+        report_writer.close()
+        threading.Thread(target=self._write, args=(command_writer,), name="engine-writer", daemon=True).start()
+        threading.Thread(target=self._read, args=(report_reader,), name="engine-reader", daemon=True).start()
 
     async def wait_ready(self) -> None:
         await self._ready.wait()
 
     @property
     def is_ready(self) -> bool:
-        return self.engine is not None and self.error is None
+        return self.tokenizer is not None and self.error is None
 
     @property
     def is_alive(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        return self.error is None
 
     async def stop(self) -> None:
-        """Aborts what still runs, stops the loop thread and waits for it."""
+        """Aborts what still runs, stops the engine process and waits for it."""
+        self._stopping = True
         self.abort_all(ServiceUnavailable("The server is shutting down."))
-        self._commands.put(_STOP)
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+        self._outbox.put(Stop())
+        if self._process is not None:
+            await asyncio.to_thread(self._process.join, 30)
+            if self._process.is_alive():
+                self._process.kill()
 
     async def drain(self, timeout: float) -> bool:
         """Refuses new work, waits up to `timeout` s for the work in flight; True if all of it finished."""
@@ -115,12 +147,14 @@ class AsyncEngine:
                 headers={"Retry-After": "1"},
             )
         stream = RequestStream(request_id, len(prompts), self._close)
-        for index, sub_id in enumerate(stream.sub_request_ids):
+        for index, (sub_id, prompt, p) in enumerate(zip(stream.sub_request_ids, prompts, params)):
             self._routes[sub_id] = (stream, index)
+            self._builders[sub_id] = OutputBuilder(sub_id, prompt, p.logprobs is not None)
+        self._admitting[request_id] = stream
         self._active.add(stream)
         self._idle.clear()
         self._num_unacked += len(prompts)
-        self._commands.put(("add", stream, list(zip(stream.sub_request_ids, prompts, params))))
+        self._outbox.put(AddRequests(request_id, list(zip(stream.sub_request_ids, prompts, params))))
         return stream
 
     def abort_all(self, error: BaseException) -> None:
@@ -129,126 +163,101 @@ class AsyncEngine:
             stream.close()
 
     def _close(self, stream: RequestStream) -> None:
-        running = [sub_id for sub_id in stream.sub_request_ids if self._routes.pop(sub_id, None) is not None]
+        running = [sub_id for sub_id in stream.sub_request_ids if self._forget(sub_id)]
         if running:
-            self._commands.put(("abort", running))
+            self._outbox.put(AbortRequests(running))
         self._retire(stream)
+
+    def _forget(self, sub_id: str) -> bool:
+        self._builders.pop(sub_id, None)
+        return self._routes.pop(sub_id, None) is not None
 
     def _retire(self, stream: RequestStream) -> None:
         self._active.discard(stream)
         if not self._active:
             self._idle.set()
 
-    # ------------------------------------------------------------------- event-loop side of the bridge
+    # -------------------------------------------------------------------- the threads beside the loop
 
-    def _post(self, callback: Callable, *args: Any) -> None:
+    def _write(self, commands: Any) -> None:
+        while True:
+            command = self._outbox.get()
+            try:
+                commands.send(command)
+            except OSError:  # the engine process is gone; the reader reports it
+                return
+            if isinstance(command, Stop):
+                return
+
+    def _read(self, reports: Any) -> None:
+        while True:
+            try:
+                message = reports.recv()
+            except (EOFError, OSError):
+                message = Failed("the engine process exited unexpectedly")
+            if isinstance(message, Ready):
+                try:
+                    self.tokenizer = self._load_tokenizer(message.model_path)
+                except Exception as exc:  # noqa: BLE001 - same outcome as an engine that cannot start
+                    message = Failed(f"loading the tokenizer failed: {type(exc).__name__}: {exc}")
+                else:
+                    self.max_model_len = message.max_model_len
+            if not self._post(self._on_message, message) or isinstance(message, Failed):
+                return
+
+    def _post(self, callback: Callable, *args: Any) -> bool:
         try:
             self._loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the event loop is closed: the process is exiting
-            pass
+            return True
+        except RuntimeError:  # the event loop is closed: the server is exiting
+            return False
 
-    def _on_ready(self) -> None:
-        self._ready.set()
+    # ---------------------------------------------------------------------------- on the event loop
 
-    def _on_admitted(self, acks: list[tuple[RequestStream, int, BaseException | None]]) -> None:
-        for stream, num_choices, error in acks:
-            self._num_unacked -= num_choices
-            if error is not None:
-                for sub_id in stream.sub_request_ids:
-                    self._routes.pop(sub_id, None)
-                self._retire(stream)
-            stream.admit(error)
+    def _on_message(self, message: Any) -> None:
+        if isinstance(message, Report):
+            self._on_report(message)
+        elif isinstance(message, Ready):
+            self._ready.set()
+        elif isinstance(message, Failed) and not self._stopping:
+            self._on_failed(message.message)
 
-    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+    def _on_report(self, report: Report) -> None:
+        self._num_waiting = report.num_waiting
+        self.metrics.set_queue(report.num_waiting, report.num_running, report.kv_cache_usage)
+        for admission in report.admissions:
+            self._on_admission(admission)
+        for request_id in report.aborted:
+            self.metrics.observe_abort(request_id)
+        outputs = []
+        for delta in report.deltas:
+            builder = self._builders.get(delta.request_id)
+            if builder is not None:  # else: aborted meanwhile
+                outputs.append(builder.add(delta))
+        self.metrics.observe_outputs(outputs, report.time)
         for out in outputs:
-            route = self._routes.get(out.request_id)
-            if route is None:  # aborted meanwhile
-                continue
-            stream, index = route
+            stream, index = self._routes[out.request_id]
             if out.finished:
-                del self._routes[out.request_id]
+                self._forget(out.request_id)
                 logger.info(summarize(out))
             stream.put(index, out)
             if stream.finished:
                 self._retire(stream)
 
-    def _on_fatal(self, error: BaseException) -> None:
-        self.error = error
-        self.abort_all(InternalError(f"The engine failed: {type(error).__name__}: {error}"))
+    def _on_admission(self, admission: Admission) -> None:
+        stream = self._admitting.pop(admission.batch_id)
+        self._num_unacked -= len(stream.sub_request_ids)
+        if admission.error is None:
+            stream.admit(None)
+            return
+        for sub_id in stream.sub_request_ids:
+            self._forget(sub_id)
+        self._retire(stream)
+        stream.admit(PromptTooLong(admission.error) if admission.too_long else ValueError(admission.error))
+
+    def _on_failed(self, message: str) -> None:
+        logger.error("%s", message)
+        self.error = message.splitlines()[0]
+        self.abort_all(InternalError(f"The engine failed: {self.error}"))
         self._ready.set()
         self.failed.set()
-
-    # --------------------------------------------------------------------------- the engine loop thread
-
-    def _run(self) -> None:
-        try:
-            engine = self._build_engine()
-        except BaseException as exc:  # noqa: BLE001 - reported to the event loop, which exits the server
-            logger.exception("building the engine failed")
-            self._post(self._on_fatal, exc)
-            return
-        self.engine = engine
-        self._post(self._on_ready)
-        live: set[str] = set()  # sub-request ids the engine holds
-        try:
-            while True:
-                commands = self._take_commands(block=not engine.has_unfinished_requests())
-                acks = []
-                for command in commands:
-                    if command is _STOP:
-                        return
-                    if command[0] == "add":
-                        acks.append(self._add(engine, live, *command[1:]))
-                    else:
-                        self._abort(engine, live, command[1])
-                self._publish_queue(engine)
-                if acks:
-                    self._post(self._on_admitted, acks)
-                if not engine.has_unfinished_requests():
-                    continue
-                outputs = engine.step()
-                self.metrics.observe_outputs(outputs, time.monotonic())
-                for out in outputs:
-                    if out.finished:
-                        live.discard(out.request_id)
-                self._publish_queue(engine)
-                if outputs:
-                    self._post(self._on_outputs, outputs)
-        except BaseException as exc:  # noqa: BLE001 - same: the server must learn that its engine is gone
-            logger.exception("the engine loop failed")
-            self._post(self._on_fatal, exc)
-
-    def _take_commands(self, block: bool) -> list:
-        commands = [self._commands.get()] if block else []
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
-
-    def _add(
-        self, engine: Any, live: set[str], stream: RequestStream, items: list[tuple[str, list[int], SamplingParams]]
-    ) -> tuple[RequestStream, int, BaseException | None]:
-        added = []
-        try:
-            for sub_id, prompt, params in items:
-                engine.add_request(sub_id, prompt, params)
-                added.append(sub_id)
-        except ValueError as exc:
-            # All choices or none: a half-admitted request would hold KV blocks nobody reads.
-            for sub_id in added:
-                engine.abort_request(sub_id)
-            return stream, len(items), exc
-        live.update(added)
-        return stream, len(items), None
-
-    def _abort(self, engine: Any, live: set[str], sub_ids: list[str]) -> None:
-        for sub_id in sub_ids:
-            if sub_id in live:
-                live.discard(sub_id)
-                engine.abort_request(sub_id)
-                self.metrics.observe_abort(sub_id)
-
-    def _publish_queue(self, engine: Any) -> None:
-        self._num_waiting = engine.num_waiting
-        self.metrics.set_queue(self._num_waiting, engine.num_running, engine.kv_cache_usage)

@@ -6,14 +6,15 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 
 from engine.metrics import EngineMetrics
+from engine.tokenizer import Tokenizer
 from engine.server.app import create_app
 from engine.server.async_engine import AsyncEngine
+from engine.server.engine_process import build_llm_engine
 from engine.server.errors import ServiceUnavailable
 from engine.server.settings import ServerSettings
 
@@ -99,10 +100,9 @@ def read_api_key(path: str) -> str:
     return key
 
 
-def engine_factory(args: argparse.Namespace) -> Callable[[], Any]:
-    """Builds the LLMEngine (on the engine loop's thread) from the flags; bad flags fail here, at once."""
-    from engine.config import EngineConfig, resolve_model_path  # torch loads only when serving starts
-    from engine.llm_engine import LLMEngine
+def engine_config(args: argparse.Namespace) -> Any:
+    """The EngineConfig the flags describe; bad flags fail here, at once, not in the engine process."""
+    from engine.config import EngineConfig, resolve_model_path
 
     if args.tensor_parallel_size != 1:
         raise SystemExit("error: --tensor-parallel-size > 1 is not supported by this engine build yet")
@@ -111,10 +111,9 @@ def engine_factory(args: argparse.Namespace) -> Callable[[], Any]:
         kwargs["max_num_seqs"] = args.max_num_seqs
     try:
         resolve_model_path(args.model)
-        config = EngineConfig(**kwargs)
+        return EngineConfig(**kwargs)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
-    return lambda: LLMEngine(config)
 
 
 class DrainingServer(uvicorn.Server):
@@ -169,7 +168,10 @@ def run(args: argparse.Namespace) -> int:
     """Serves until SIGTERM (drained, exit 0) or SIGINT; exit 1 when the engine fails."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
-    engine = AsyncEngine(engine_factory(args), EngineMetrics(), max_waiting_requests=settings.max_waiting_requests)
+    engine = AsyncEngine(
+        build_llm_engine, (engine_config(args),), EngineMetrics(),
+        load_tokenizer=Tokenizer, max_waiting_requests=settings.max_waiting_requests,
+    )  # fmt: skip
     app = create_app(settings, engine)
     config = uvicorn.Config(
         app,

@@ -11,10 +11,9 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from engine.llm_engine import PromptTooLongError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.server.async_engine import AsyncEngine
+from engine.server.async_engine import AsyncEngine, PromptTooLong
 from engine.server.errors import APIError, ContextLengthExceeded, InternalError, InvalidRequest, ModelNotFound
 from engine.server.protocol import PromptTokensDetails, Usage
 from engine.server.request_stream import RequestStream
@@ -38,11 +37,11 @@ class Serving:
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.max_model_len
 
     @functools.cached_property
     def token_text(self) -> Callable[[int], str]:
@@ -109,7 +108,7 @@ class Serving:
         stream = self.engine.submit(request_id, prompts, params)
         try:
             await until_disconnected(raw, stream.admitted())
-        except PromptTooLongError as exc:
+        except PromptTooLong as exc:
             raise ContextLengthExceeded(str(exc), param=what) from None
         except ValueError as exc:
             raise InvalidRequest(str(exc), param=what) from None

@@ -2,19 +2,22 @@
 
 import asyncio
 import json
+import multiprocessing
 import signal
-import threading
 
 import httpx
 import pytest
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
 from engine.server.app import create_app
 from engine.server.async_engine import AsyncEngine
+from engine.server.engine_process import build_llm_engine
 from engine.server.settings import ServerSettings
+from engine.tokenizer import Tokenizer
 from tests.engine.conftest_server import MODEL_NAME, SERVE, ServerProcess, tiny_checkpoint  # noqa: F401
+
+SPAWN = multiprocessing.get_context("spawn")  # the engine process is spawned; its events must be too
 
 
 def stream_body(max_tokens: int) -> dict:
@@ -102,15 +105,34 @@ def test_an_engine_that_fails_to_build_exits_1(tmp_path):
     assert "building the engine failed" in server.log()
 
 
+def build_when_set(checkpoint: str, gate) -> object:
+    """Engine builder for the engine process that "loads" until `gate` is set."""
+    gate.wait()
+    return build_llm_engine(EngineConfig(model=checkpoint, dtype="float32", show_progress=False))
+
+
+def build_crashing_when_set(checkpoint: str, crash) -> object:
+    """Engine builder whose engine fails its next step once `crash` is set (a lost device, say)."""
+    engine = build_llm_engine(EngineConfig(model=checkpoint, dtype="float32", show_progress=False))
+    step = engine.step
+
+    def step_until_crash():
+        if crash.is_set():
+            raise RuntimeError("device lost")
+        return step()
+
+    engine.step = step_until_crash
+    return engine
+
+
+def in_process_app(build, *args) -> tuple[AsyncEngine, object]:
+    engine = AsyncEngine(build, args, EngineMetrics(), load_tokenizer=Tokenizer)
+    return engine, create_app(ServerSettings(served_model_name=MODEL_NAME), engine)
+
+
 async def test_not_ready_while_loading_then_ready(tiny_checkpoint):
-    loading = threading.Event()
-
-    def build() -> LLMEngine:
-        loading.wait()  # the model "loads" until the test lets it
-        return LLMEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", show_progress=False))
-
-    engine = AsyncEngine(build, EngineMetrics())
-    app = create_app(ServerSettings(served_model_name=MODEL_NAME), engine)
+    gate = SPAWN.Event()
+    engine, app = in_process_app(build_when_set, str(tiny_checkpoint), gate)
     body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}
     engine.start()  # what the app's lifespan does under uvicorn
     try:
@@ -119,39 +141,25 @@ async def test_not_ready_while_loading_then_ready(tiny_checkpoint):
             assert (await http.get("/ready")).json() == {"status": "loading"}
             refused = await http.post("/v1/completions", json=body)
             assert refused.status_code == 503 and "not loaded" in refused.json()["error"]["message"]
-            loading.set()
+            gate.set()
             await asyncio.wait_for(engine.wait_ready(), 120)
             assert (await http.get("/ready")).status_code == 200
             assert (await http.post("/v1/completions", json=body)).json()["usage"]["completion_tokens"] == 2
     finally:
-        loading.set()
+        gate.set()
         await engine.stop()
 
 
 async def test_an_engine_failure_fails_requests_and_health(tiny_checkpoint):
-    crash = threading.Event()
-
-    def build() -> LLMEngine:
-        engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", show_progress=False))
-        step = engine.step
-
-        def step_until_crash():
-            if crash.is_set():
-                raise RuntimeError("device lost")
-            return step()
-
-        engine.step = step_until_crash
-        return engine
-
-    engine = AsyncEngine(build, EngineMetrics())
-    app = create_app(ServerSettings(served_model_name=MODEL_NAME), engine)
+    crash = SPAWN.Event()
+    engine, app = in_process_app(build_crashing_when_set, str(tiny_checkpoint), crash)
     engine.start()
     try:
         await asyncio.wait_for(engine.wait_ready(), 120)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
             body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 1800, "ignore_eos": True}
             pending = asyncio.create_task(http.post("/v1/completions", json=body))
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.5)
             crash.set()
             failed = await asyncio.wait_for(pending, 60)
             assert failed.status_code == 500
@@ -160,5 +168,22 @@ async def test_an_engine_failure_fails_requests_and_health(tiny_checkpoint):
             health = await http.get("/health")
             assert health.status_code == 503 and "device lost" in health.json()["error"]
             assert (await http.post("/v1/completions", json=body)).status_code == 503
+    finally:
+        await engine.stop()
+
+
+async def test_an_engine_process_that_dies_fails_requests(tiny_checkpoint):
+    engine, app = in_process_app(build_llm_engine, EngineConfig(model=str(tiny_checkpoint), dtype="float32"))
+    engine.start()
+    try:
+        await asyncio.wait_for(engine.wait_ready(), 120)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 1800, "ignore_eos": True}
+            pending = asyncio.create_task(http.post("/v1/completions", json=body))
+            await asyncio.sleep(0.5)
+            engine._process.kill()  # what the kernel's OOM killer would do
+            failed = await asyncio.wait_for(pending, 60)
+            assert failed.status_code == 500 and "exited unexpectedly" in failed.json()["error"]["message"]
+            assert (await http.get("/health")).status_code == 503
     finally:
         await engine.stop()

@@ -1,0 +1,123 @@
+"""What crosses between the server process and the engine loop's process, and how outputs are rebuilt.
+
+Only deltas cross (new tokens, new text, new logprobs): a request's cumulative state would make every
+step cost O(sequence length) in pickling. The server side rebuilds full RequestOutputs from them.
+"""
+
+from dataclasses import dataclass, field
+
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+# ------------------------------------------------------------------------------- server -> engine process
+
+
+@dataclass
+class AddRequests:
+    """One API request's choices: all admitted, or none."""
+
+    batch_id: str
+    requests: list[tuple[str, list[int], SamplingParams]]  # (request id, prompt token ids, params)
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class Stop:
+    pass
+
+
+# ------------------------------------------------------------------------------- engine process -> server
+
+
+@dataclass
+class Ready:
+    model_path: str
+    max_model_len: int
+
+
+@dataclass
+class Admission:
+    batch_id: str
+    error: str | None = None  # None: admitted
+    too_long: bool = False  # the refusal is about the context length
+
+
+@dataclass
+class Delta:
+    """What one request gained in one engine step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    metrics: RequestMetrics | None
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> "Delta":
+        num_new = len(out.new_token_ids)
+        logprobs = None if out.logprobs is None else out.logprobs[len(out.token_ids) - num_new : len(out.token_ids)]
+        return cls(
+            out.request_id, list(out.new_token_ids), out.new_text, logprobs, out.finished, out.finish_reason,
+            out.num_cached_tokens, out.metrics,
+        )  # fmt: skip
+
+
+@dataclass
+class Report:
+    """Everything that changed in one pass of the engine loop."""
+
+    time: float  # time.monotonic() of the engine process (CLOCK_MONOTONIC: one clock for both processes)
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+    admissions: list[Admission] = field(default_factory=list)
+    deltas: list[Delta] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)  # requests the engine still held when aborted
+
+
+@dataclass
+class Failed:
+    """The engine could not be built, or its loop died."""
+
+    message: str
+
+
+# ----------------------------------------------------------------------------------------- server side
+
+
+class OutputBuilder:
+    """One request's cumulative output, rebuilt from its deltas."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], want_logprobs: bool) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[dict[int, float]] | None = [] if want_logprobs else None
+
+    def add(self, delta: Delta) -> RequestOutput:
+        self.token_ids.extend(delta.new_token_ids)
+        self.text += delta.new_text
+        if self.logprobs is not None and delta.new_logprobs:
+            self.logprobs.extend(delta.new_logprobs)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=list(self.token_ids),  # a snapshot: later deltas must not change this output
+            text=self.text,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            finished=delta.finished,
+            finish_reason=delta.finish_reason,
+            num_cached_tokens=delta.num_cached_tokens,
+            new_token_ids=delta.new_token_ids,
+            new_text=delta.new_text,
+            metrics=delta.metrics,
+        )

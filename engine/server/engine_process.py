@@ -1,0 +1,117 @@
+"""The engine loop's own process: it owns the LLMEngine, applies commands, steps, and reports back.
+
+A process rather than a thread: the server's event loop (HTTP, JSON, SSE) and the engine's Python
+(scheduler, sampler, kernel launches) then never wait on each other's GIL, so serving many streams
+costs the engine nothing but the pickling of each step's deltas.
+"""
+
+import logging
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.server.engine_messages import (
+    AbortRequests,
+    AddRequests,
+    Admission,
+    Delta,
+    Failed,
+    Ready,
+    Report,
+    Stop,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def build_llm_engine(config: Any) -> Any:
+    """The default engine builder (importable by name, so the spawned process can run it)."""
+    from engine.llm_engine import LLMEngine  # torch loads in the engine process only
+
+    return LLMEngine(config)
+
+
+def run_engine_process(
+    commands: Connection, reports: Connection, build: Callable[..., Any], build_args: tuple
+) -> None:
+    """Entry point of the engine process."""
+    # Ctrl-C reaches the whole process group; the server decides when this process stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = build(*build_args)
+    except BaseException as exc:  # noqa: BLE001 - reported to the server, which exits non-zero
+        reports.send(Failed(f"building the engine failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return
+    reports.send(Ready(model_path=str(engine.model_path), max_model_len=engine.max_model_len))
+    try:
+        EngineLoop(engine, commands, reports).run()
+    except (EOFError, BrokenPipeError):
+        pass  # the server is gone
+    except BaseException as exc:  # noqa: BLE001
+        reports.send(Failed(f"the engine loop failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+class EngineLoop:
+    """schedule -> step -> report, with the server's commands applied between steps."""
+
+    def __init__(self, engine: Any, commands: Connection, reports: Connection) -> None:
+        self.engine = engine
+        self.commands = commands
+        self.reports = reports
+        self.live: set[str] = set()  # request ids the engine holds
+        self._last_queue: tuple | None = None
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            if not engine.has_unfinished_requests():
+                self.commands.poll(None)  # idle: sleep until the server sends something
+            report = Report(time=0.0, num_waiting=0, num_running=0, kv_cache_usage=0.0)  # filled in by _send
+            while self.commands.poll(0):
+                command = self.commands.recv()
+                if isinstance(command, Stop):
+                    return
+                if isinstance(command, AddRequests):
+                    report.admissions.append(self._add(command))
+                elif isinstance(command, AbortRequests):
+                    report.aborted.extend(self._abort(command.request_ids))
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+                report.deltas = [Delta.of(out) for out in outputs]
+                self.live.difference_update(out.request_id for out in outputs if out.finished)
+            self._send(report)
+
+    def _send(self, report: Report) -> None:
+        engine = self.engine
+        queue = (engine.num_waiting, engine.num_running, engine.kv_cache_usage)
+        if report.admissions or report.deltas or report.aborted or queue != self._last_queue:
+            report.time = time.monotonic()
+            report.num_waiting, report.num_running, report.kv_cache_usage = queue
+            self._last_queue = queue
+            self.reports.send(report)
+
+    def _add(self, command: AddRequests) -> Admission:
+        added = []
+        try:
+            for request_id, prompt, params in command.requests:
+                self.engine.add_request(request_id, prompt, params)
+                added.append(request_id)
+        except ValueError as exc:
+            # All choices or none: a half-admitted request would hold KV blocks nobody reads.
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            too_long = type(exc).__name__ == "PromptTooLongError"
+            return Admission(command.batch_id, error=str(exc), too_long=too_long)
+        self.live.update(added)
+        return Admission(command.batch_id)
+
+    def _abort(self, request_ids: list[str]) -> list[str]:
+        aborted = [r for r in request_ids if r in self.live]
+        for request_id in aborted:
+            self.live.discard(request_id)
+            self.engine.abort_request(request_id)
+        return aborted
