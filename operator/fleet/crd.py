@@ -71,7 +71,7 @@ def build_crd() -> dict[str, Any]:
                         {"name": "Replicas", "type": "integer", "jsonPath": ".status.readyReplicas",
                          "description": "Ready engine replicas."},
                         {"name": "Queue", "type": "number", "jsonPath": ".status.queueDepth",
-                         "description": "Waiting requests over all replicas."},
+                         "description": "Requests waiting or running over the ready replicas."},
                         {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],

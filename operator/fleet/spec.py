@@ -93,14 +93,16 @@ class AutoscalingSpec(ApiModel):
     """Fewest replicas the autoscaler keeps."""
     max_replicas: int | None = Field(default=None, ge=1)
     """Most replicas the autoscaler may run (required when enabled)."""
-    target_queue_depth: float = Field(default=4.0, gt=0)
-    """Waiting requests per replica the autoscaler aims for."""
+    target_queue_depth: float = Field(default=32.0, gt=0)
+    """Requests (waiting plus running) per ready replica to aim for; about half the engine's --max-num-seqs."""
+    tolerance: float = Field(default=0.1, ge=0, lt=1)
+    """Relative distance from the target within which the replica count is left alone (0.1: 10%)."""
     poll_interval_seconds: int = Field(default=5, ge=1)
     """How often the autoscaler reads the engines' metrics."""
     scale_up_stabilization_seconds: int = Field(default=0, ge=0)
-    """How long a higher recommendation must hold before scaling up."""
+    """How long a higher recommendation must hold before scaling up (it scales to the lowest seen in this window)."""
     scale_down_stabilization_seconds: int = Field(default=300, ge=0)
-    """How long a lower recommendation must hold before scaling down."""
+    """How long a lower recommendation must hold before scaling down (it scales to the highest seen in this window)."""
     max_scale_up_step: int = Field(default=2, ge=1)
     """Most replicas added in one scaling decision."""
     max_scale_down_step: int = Field(default=1, ge=1)

@@ -8,6 +8,9 @@ from pydantic import ConfigDict, Field
 
 from fleet.schema import ApiModel
 
+SCALING_HISTORY_LIMIT = 20
+
+
 class Condition(ApiModel):
     """One aspect of the fleet's state, as Kubernetes API conventions describe conditions."""
 
@@ -35,7 +38,7 @@ class ScalingEvent(ApiModel):
     to_replicas: int
     """Replica count after."""
     queue_depth: float | None = None
-    """Queue depth that led to it."""
+    """Queue depth (waiting plus running requests) that led to it."""
     reason: str = ""
     """Why the autoscaler changed the count."""
 
@@ -65,10 +68,10 @@ class DeepSeekDeploymentStatus(ApiModel):
     desired_replicas: int | None = None
     """Replica count the autoscaler last decided on."""
     queue_depth: float | None = None
-    """Waiting requests summed over the replicas at the last autoscaler poll."""
+    """Requests waiting or running, summed over the ready replicas at the last autoscaler poll."""
     last_scale_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
     """When the autoscaler last changed the replica count."""
-    scaling_history: list[ScalingEvent] = Field(default_factory=list, max_length=20)
+    scaling_history: list[ScalingEvent] = Field(default_factory=list, max_length=SCALING_HISTORY_LIMIT)
     """The latest replica-count changes, newest last."""
 
 
