@@ -1,7 +1,8 @@
 """The server's handle on the engine: the engine loop runs in a process of its own; asyncio talks to it.
 
-Commands go out through a writer thread (a large prompt never blocks the event loop on a full pipe);
-reports come back through a reader thread, which hands each one to the event loop in one callback.
+Commands go out through a writer thread (a large prompt never blocks the event loop on a full pipe).
+Reports are read by the event loop itself as soon as the pipe is readable: a reader thread would
+have to win the GIL from a busy event loop for every report, and the engine would stall on a full pipe.
 The engine never waits for a client, and a client waits at most one engine step to be admitted.
 """
 
@@ -64,6 +65,8 @@ class AsyncEngine:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self._reports: Any = None  # the pipe the engine process reports on
+        self._tasks: set[asyncio.Future] = set()
         self._ready = asyncio.Event()  # set once the engine is up (or failed to come up)
         self._idle = asyncio.Event()  # set while nothing is in flight
         self._idle.set()
@@ -92,7 +95,8 @@ class AsyncEngine:
         command_reader.close()
         report_writer.close()
         threading.Thread(target=self._write, args=(command_writer,), name="engine-writer", daemon=True).start()
-        threading.Thread(target=self._read, args=(report_reader,), name="engine-reader", daemon=True).start()
+        self._reports = report_reader
+        self._loop.add_reader(report_reader.fileno(), self._read_reports)
 
     async def wait_ready(self) -> None:
         await self._ready.wait()
@@ -114,6 +118,8 @@ class AsyncEngine:
             await asyncio.to_thread(self._process.join, 30)
             if self._process.is_alive():
                 self._process.kill()
+            self._loop.remove_reader(self._reports.fileno())
+            self._reports.close()
 
     async def drain(self, timeout: float) -> bool:
         """Refuses new work, waits up to `timeout` s for the work in flight; True if all of it finished."""
@@ -189,28 +195,25 @@ class AsyncEngine:
             if isinstance(command, Stop):
                 return
 
-    def _read(self, reports: Any) -> None:
-        while True:
-            try:
-                message = reports.recv()
-            except (EOFError, OSError):
-                message = Failed("the engine process exited unexpectedly")
-            if isinstance(message, Ready):
-                try:
-                    self.tokenizer = self._load_tokenizer(message.model_path)
-                except Exception as exc:  # noqa: BLE001 - same outcome as an engine that cannot start
-                    message = Failed(f"loading the tokenizer failed: {type(exc).__name__}: {exc}")
-                else:
-                    self.max_model_len = message.max_model_len
-            if not self._post(self._on_message, message) or isinstance(message, Failed):
-                return
+    # ---------------------------------------------------------------------------- on the event loop
 
-    def _post(self, callback: Callable, *args: Any) -> bool:
+    def _read_reports(self) -> None:
+        # Everything the engine has sent so far: one wake-up may carry several steps.
         try:
-            self._loop.call_soon_threadsafe(callback, *args)
-            return True
-        except RuntimeError:  # the event loop is closed: the server is exiting
-            return False
+            while self._reports.poll(0):
+                self._on_message(self._reports.recv())
+        except (EOFError, OSError):
+            self._loop.remove_reader(self._reports.fileno())
+            self._on_message(Failed("the engine process exited unexpectedly"))
+
+    async def _load_tokenizer_then_ready(self, ready: Ready) -> None:
+        try:
+            tokenizer = await asyncio.to_thread(self._load_tokenizer, ready.model_path)
+        except Exception as exc:  # noqa: BLE001 - same outcome as an engine that cannot start
+            self._on_failed(f"loading the tokenizer failed: {type(exc).__name__}: {exc}")
+            return
+        self.tokenizer, self.max_model_len = tokenizer, ready.max_model_len
+        self._ready.set()
 
     # ---------------------------------------------------------------------------- on the event loop
 
@@ -218,7 +221,9 @@ class AsyncEngine:
         if isinstance(message, Report):
             self._on_report(message)
         elif isinstance(message, Ready):
-            self._ready.set()
+            task = asyncio.ensure_future(self._load_tokenizer_then_ready(message))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         elif isinstance(message, Failed) and not self._stopping:
             self._on_failed(message.message)
 

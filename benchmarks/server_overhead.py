@@ -1,0 +1,138 @@
+"""What the HTTP server costs: offline `LLM.generate` against the same workload through `deepseek-engine serve`.
+
+    python benchmarks/server_overhead.py [--model DIR|deepseek-tiny] [--streams 32] [--max-tokens 128]
+
+Both sides get the same prompts (token ids, so tokenization is not measured), the same sampling
+settings and `ignore_eos`, so they generate exactly the same number of tokens. The server side is
+32 concurrent streaming clients on /v1/completions; their wall time runs from the first request to
+the last `[DONE]`. Offline and server runs alternate and the best of each is kept, which damps the
+noise of a shared machine. Without --model a small random checkpoint is written to a temp dir.
+Note: on a CPU machine the clients share the cores with the server, so the figure is an upper bound.
+"""
+
+import argparse
+import asyncio
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="checkpoint directory or deepseek-tiny (default: a random tiny checkpoint)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    return p.parse_args()
+
+
+def make_prompts(tokenizer, num: int, num_tokens: int) -> list[list[int]]:
+    prompts = []
+    for i in range(num):
+        ids = tokenizer.encode(f"Request {i}: tell me about DeepSeek models and Kubernetes operators. " * 8)
+        prompts.append(ids[:num_tokens])
+    return prompts
+
+
+def run_offline(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return time.perf_counter() - start, sum(len(o.token_ids) for o in outs)
+
+
+async def run_server(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+
+        async def one(prompt: list[int]) -> int:
+            body = {
+                "model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            }  # fmt: skip
+            last = ""
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        last = line  # the usage chunk is the last JSON event
+            return int(last.rsplit('"completion_tokens":', 1)[1].split(",", 1)[0])
+
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in prompts))
+        return time.perf_counter() - start, sum(counts)
+
+
+def start_server(model: str, dtype: str, port: int, log) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", model, "--dtype", dtype,
+           "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise SystemExit("the server did not get ready in 300 s")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    args = parse_args()
+    from engine import LLM
+    from engine.tools.make_random_checkpoint import make_random_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(make_random_checkpoint(os.path.join(tmp, "tiny"), seed=0))
+        llm = LLM(model, dtype=args.dtype)
+        prompts = make_prompts(llm.tokenizer, args.streams, args.prompt_tokens)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        with open(os.path.join(tmp, "server.log"), "w") as log:
+            server = start_server(model, args.dtype, port, log)
+            try:
+                run_offline(llm, prompts[:2], 4)  # warm-up, both sides
+                asyncio.run(run_server(url, prompts[:2], 4))
+                offline, served = [], []
+                for _ in range(args.repeats):
+                    offline.append(run_offline(llm, prompts, args.max_tokens))
+                    served.append(asyncio.run(run_server(url, prompts, args.max_tokens)))
+            finally:
+                server.send_signal(signal.SIGTERM)
+                server.wait(60)
+    (t_off, n_off), (t_srv, n_srv) = min(offline), min(served)
+    assert n_off == n_srv == args.streams * args.max_tokens, (n_off, n_srv)
+    tps_off, tps_srv = n_off / t_off, n_srv / t_srv
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    print(f"machine: {os.cpu_count()} CPU cores, {device}, python {platform.python_version()}, torch {torch.__version__}")
+    print(f"workload: {args.streams} streams x {args.max_tokens} tokens, {args.prompt_tokens}-token prompts, "
+          f"model {args.model or 'random tiny'} ({args.dtype}), best of {args.repeats}")  # fmt: skip
+    print(f"offline LLM.generate : {t_off:7.3f} s  {tps_off:8.1f} tok/s   all runs: {[round(t, 3) for t, _ in offline]}")
+    print(f"through the server   : {t_srv:7.3f} s  {tps_srv:8.1f} tok/s   all runs: {[round(t, 3) for t, _ in served]}")
+    print(f"server overhead      : {1 - tps_srv / tps_off:+.1%} of offline throughput, "
+          f"{(t_srv - t_off) / n_srv * 1e6:+.1f} us per generated token")
+
+
+if __name__ == "__main__":
+    main()
