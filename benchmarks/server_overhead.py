@@ -125,11 +125,13 @@ def main() -> None:
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    print(f"machine: {os.cpu_count()} CPU cores, {device}, python {platform.python_version()}, torch {torch.__version__}")
+    print(f"machine: {os.cpu_count()} CPU cores, {device}, python {platform.python_version()}, "
+          f"torch {torch.__version__}")  # fmt: skip
     print(f"workload: {args.streams} streams x {args.max_tokens} tokens, {args.prompt_tokens}-token prompts, "
           f"model {args.model or 'random tiny'} ({args.dtype}), best of {args.repeats}")  # fmt: skip
-    print(f"offline LLM.generate : {t_off:7.3f} s  {tps_off:8.1f} tok/s   all runs: {[round(t, 3) for t, _ in offline]}")
-    print(f"through the server   : {t_srv:7.3f} s  {tps_srv:8.1f} tok/s   all runs: {[round(t, 3) for t, _ in served]}")
+    runs = lambda results: [round(t, 3) for t, _ in results]  # noqa: E731
+    print(f"offline LLM.generate : {t_off:7.3f} s  {tps_off:8.1f} tok/s   all runs: {runs(offline)}")
+    print(f"through the server   : {t_srv:7.3f} s  {tps_srv:8.1f} tok/s   all runs: {runs(served)}")
     print(f"server overhead      : {1 - tps_srv / tps_off:+.1%} of offline throughput, "
           f"{(t_srv - t_off) / n_srv * 1e6:+.1f} us per generated token")
 

@@ -9,9 +9,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.server.async_engine import AsyncEngine
 from engine.server.auth import require_api_key
+from engine.server.disconnect import ClientDisconnected
 from engine.server.errors import ServiceUnavailable, install_error_handlers, parse_body
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from engine.server.serving import ClientDisconnected
 from engine.server.serving_chat import ChatServing
 from engine.server.serving_completion import CompletionServing
 from engine.server.settings import ServerSettings

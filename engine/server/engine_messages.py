@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 
-
 # ------------------------------------------------------------------------------- server -> engine process
 
 

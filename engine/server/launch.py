@@ -11,12 +11,12 @@ from typing import Any
 import uvicorn
 
 from engine.metrics import EngineMetrics
-from engine.tokenizer import Tokenizer
 from engine.server.app import create_app
 from engine.server.async_engine import AsyncEngine
 from engine.server.engine_process import build_llm_engine
 from engine.server.errors import ServiceUnavailable
 from engine.server.settings import ServerSettings
+from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -1,20 +1,19 @@
-"""What chat and completions share: admission checks, sampling settings, running a request, SSE framing."""
+"""What chat and completions share: admission checks, sampling settings, running a request to its end."""
 
-import asyncio
 import functools
-import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.async_engine import AsyncEngine, PromptTooLong
-from engine.server.errors import APIError, ContextLengthExceeded, InternalError, InvalidRequest, ModelNotFound
+from engine.server.disconnect import until_disconnected
+from engine.server.errors import ContextLengthExceeded, InternalError, InvalidRequest, ModelNotFound
 from engine.server.protocol import PromptTokensDetails, Usage
 from engine.server.request_stream import RequestStream
 
@@ -22,10 +21,6 @@ T = TypeVar("T")
 
 # OpenAI reports tokens outside the sampling set (top-p/top-k cut) as -9999.0; JSON has no -inf.
 MIN_LOGPROB = -9999.0
-
-
-class ClientDisconnected(Exception):
-    """The client went away before its response was ready."""
 
 
 class Serving:
@@ -160,64 +155,9 @@ def _default(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
-async def until_disconnected(raw: Request, work: Awaitable[T]) -> T:
-    """Runs `work` unless the client disconnects first (then it is cancelled: ClientDisconnected)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnect(raw))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})
-            raise ClientDisconnected()
-        return task.result()
-    finally:
-        watcher.cancel()
-        task.cancel()
-
-
-async def _disconnect(raw: Request) -> None:
-    # The body has been read: the next ASGI message is the disconnect.
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
-
-
-def sse(payload: BaseModel | dict | str) -> str:
-    """One server-sent event."""
-    if isinstance(payload, BaseModel):
-        payload = payload.model_dump_json()
-    elif isinstance(payload, dict):
-        payload = json.dumps(payload)
-    return f"data: {payload}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-async def guard_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Ends a stream that fails midway with OpenAI's in-stream error event instead of a cut connection."""
-    try:
-        async for event in events:
-            yield event
-    except APIError as exc:
-        yield sse(exc.body())
-
-
-class EventStreamResponse(StreamingResponse):
-    """SSE response that closes its RequestStream however it ends (done, client gone, shutdown)."""
-
-    def __init__(self, events: AsyncIterator[str], stream: RequestStream) -> None:
-        super().__init__(guard_events(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._request_stream = stream
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._request_stream.close()
-
-
-async def run_to_completion(raw: Request, stream: RequestStream, build: Callable[[dict[int, RequestOutput]], BaseModel]) -> Response:
+async def run_to_completion(
+    raw: Request, stream: RequestStream, build: Callable[[dict[int, RequestOutput]], BaseModel]
+) -> Response:
     """A whole (non-streamed) response; a client that leaves early aborts the generation."""
     try:
         final = await until_disconnected(raw, collect(stream))

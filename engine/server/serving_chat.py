@@ -24,15 +24,8 @@ from engine.server.protocol import (
 )
 from engine.server.reasoning import ReasoningParser
 from engine.server.request_stream import RequestStream
-from engine.server.serving import (
-    SSE_DONE,
-    EventStreamResponse,
-    Serving,
-    check_not_aborted,
-    clamp_logprob,
-    run_to_completion,
-    sse,
-)
+from engine.server.serving import Serving, check_not_aborted, clamp_logprob, run_to_completion
+from engine.server.sse import SSE_DONE, EventStreamResponse, sse
 
 
 class ChatServing(Serving):
@@ -132,9 +125,8 @@ class _Reply:
             message = ChatMessage(
                 content=content, reasoning_content=reasoning if parser is not None and parser.saw_reasoning else None
             )
-            choices.append(
-                ChatChoice(index=index, message=message, logprobs=self.logprobs(out, 0), finish_reason=out.finish_reason)
-            )
+            logprobs = self.logprobs(out, 0)
+            choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=out.finish_reason))
         return ChatCompletion(
             id=self.id, created=self.created, model=self.model, choices=choices,
             usage=self.serving.usage([prompt_ids], final, self.n),
@@ -161,7 +153,9 @@ class _Reply:
                 logprobs = self.logprobs(out, num_tokens[index])
                 num_chars[index], num_tokens[index] = len(out.text), len(out.token_ids)
                 if reasoning or content or (logprobs is not None and logprobs.content):
-                    delta = ChatDelta(content=content or (None if reasoning else ""), reasoning_content=reasoning or None)
+                    # Content "" (not absent) when only logprobs arrived: a token whose text is still held back.
+                    content = content or (None if reasoning else "")
+                    delta = ChatDelta(content=content, reasoning_content=reasoning or None)
                     yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)])
                 if out.finished:
                     final[index] = out

@@ -10,7 +10,8 @@ from fastapi.responses import Response
 from engine.outputs import RequestOutput
 from engine.server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from engine.server.request_stream import RequestStream
-from engine.server.serving import SSE_DONE, EventStreamResponse, Serving, check_not_aborted, clamp_logprob, run_to_completion, sse
+from engine.server.serving import Serving, check_not_aborted, clamp_logprob, run_to_completion
+from engine.server.sse import SSE_DONE, EventStreamResponse, sse
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 

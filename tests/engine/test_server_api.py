@@ -20,7 +20,8 @@ HELLO = [{"role": "user", "content": "Hello! Who are you?"}]
 def server(tiny_checkpoint, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("secrets") / "api-key"
     key_file.write_text(API_KEY + "\n")
-    proc = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("log") / "server.log", "--api-key-file", str(key_file))
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    proc = ServerProcess(tiny_checkpoint, log, "--api-key-file", str(key_file))
     try:
         yield proc.wait_ready()
     finally:
@@ -374,7 +375,8 @@ def test_malformed_bodies_are_400_never_500(http, content, message):
         ({"model": 5, "messages": HELLO}, "model"),
         ({"messages": HELLO}, "model"),
         ({"model": MODEL_NAME, "messages": [{"role": "user"}]}, "messages[0].content"),
-        ({"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0]"),
+        ({"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "audio"}]}]},
+         "messages[0].content[0]"),  # fmt: skip
         ({"model": MODEL_NAME, "messages": HELLO, "stream": "yes"}, "stream"),
         ({"model": MODEL_NAME, "messages": HELLO, "seed": 2**70}, "seed"),
         ({"model": MODEL_NAME, "messages": HELLO, "stop": [1, 2]}, "stop[0]"),
@@ -411,7 +413,8 @@ def test_unknown_model_is_404(client):
 def test_wrong_or_missing_api_key_is_401(server):
     for key in ("wrong", ""):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL_NAME, "messages": HELLO}, headers=headers)
+        body = {"model": MODEL_NAME, "messages": HELLO}
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers)
         error = error_of(r, 401)
         assert error["code"] == "invalid_api_key"
         assert error_of(httpx.get(f"{server.url}/v1/models", headers=headers), 401)

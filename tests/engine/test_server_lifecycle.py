@@ -6,7 +6,6 @@ import multiprocessing
 import signal
 
 import httpx
-import pytest
 
 from engine.config import EngineConfig
 from engine.metrics import EngineMetrics
