@@ -1,4 +1,4 @@
-"""Kopf handlers (importing this module registers them): thin wrappers around Runtime.reconcile."""
+"""Kopf handlers (importing this module registers them): thin wrappers around Runtime."""
 
 from __future__ import annotations
 
@@ -41,6 +41,23 @@ def reconcile_fleet(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> Non
     if outcome is not None and outcome.invalid is not None:
         # Reported in the status and an Event already; retrying cannot fix a spec.
         raise kopf.PermanentError(str(outcome.invalid))
+
+
+@kopf.on.event(names.GROUP, names.VERSION, names.PLURAL, id="autoscaler")
+async def track_autoscaling(event: kopf.RawEvent, body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
+                            **_: Any) -> None:
+    """Start a fleet's autoscaler when it asks for one, wake it on a spec change, stop it on deletion."""
+    if event.get("type") == "DELETED":
+        await memo.runtime.autoscalers.forget(namespace, name)
+    else:
+        memo.runtime.autoscalers.observe(body)
+
+
+@kopf.on.cleanup()
+async def stop_autoscalers(memo: kopf.Memo, **_: Any) -> None:
+    """The operator is stopping: end every autoscaler loop and close its connections."""
+    if getattr(memo, "runtime", None) is not None:
+        await memo.runtime.autoscalers.close()
 
 
 def _owner(body: kopf.Body) -> dict[str, Any] | None:

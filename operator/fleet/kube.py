@@ -43,6 +43,9 @@ CHILD_KINDS = (
 )
 KINDS = {(k.api_version, k.kind): k for k in CHILD_KINDS}
 WATCHED_KINDS = tuple(k for k in CHILD_KINDS if "watch" in k.verbs)
+# Engine pods: listed by label selector (RDMA readiness, the autoscaler's polls; a watch would
+# stream every pod of the cluster into the operator) and annotated with a deletion cost.
+POD_VERBS = ("list", "patch")
 
 
 class Kube:
@@ -83,6 +86,18 @@ class Kube:
         """Pods matching a label selector."""
         response = self._core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
         return json.loads(response.data).get("items", [])
+
+    def patch_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
+        """Merge-patch a pod; None if it is already gone."""
+        try:
+            response = self._core.patch_namespaced_pod(
+                name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return json.loads(response.data)
 
     def get_parent(self, namespace: str, name: str) -> dict[str, Any] | None:
         """A DeepSeekDeployment, or None if it is gone."""

@@ -7,7 +7,7 @@ from typing import Any
 import yaml
 
 from fleet import names
-from fleet.kube import CHILD_KINDS
+from fleet.kube import CHILD_KINDS, POD_VERBS
 
 
 def rules() -> list[dict[str, Any]]:
@@ -23,8 +23,9 @@ def rules() -> list[dict[str, Any]]:
     for kind in CHILD_KINDS:
         out.append({"apiGroups": [kind.group], "resources": [kind.plural], "verbs": list(kind.verbs)})
     out += [
-        # RDMAReady reads Multus' network-status annotation from the engine pods.
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+        # RDMAReady reads Multus' network-status annotation from the engine pods; the autoscaler
+        # finds the ready ones and marks the idlest with a deletion cost before a scale-down.
+        {"apiGroups": [""], "resources": ["pods"], "verbs": list(POD_VERBS)},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     ]
     return out

@@ -9,6 +9,7 @@ from typing import Any
 import kopf
 from kubernetes import client, config
 
+from fleet.autoscaler.registry import Autoscalers
 from fleet.kube import Kube
 from fleet.reconcile import Outcome, Reconciler
 from fleet.turns import Turns
@@ -21,9 +22,10 @@ def post_kopf_event(body: dict[str, Any], type_: str, reason: str, message: str)
 
 @dataclass
 class Runtime:
-    """The reconciler and the per-fleet turns."""
+    """The reconciler, the per-fleet turns and the autoscalers."""
 
     reconciler: Reconciler
+    autoscalers: Autoscalers
     turns: Turns = field(default_factory=Turns)
 
     @classmethod
@@ -33,7 +35,8 @@ class Runtime:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
-        return cls(Reconciler(Kube(client.ApiClient()), post_kopf_event))
+        kube = Kube(client.ApiClient())
+        return cls(Reconciler(kube, post_kopf_event), Autoscalers(kube, post_kopf_event))
 
     def reconcile(self, namespace: str, name: str, *, wait: bool) -> Outcome | None:
         """Reconcile one fleet in its turn; wait=False folds into a pass already running."""

@@ -26,6 +26,8 @@ def test_rules_cover_the_operator_and_kopf() -> None:
         assert allowed(names.GROUP, names.PLURAL, verb)
     assert allowed(names.GROUP, f"{names.PLURAL}/status", "patch")
     assert allowed("", "events", "create") and allowed("", "pods", "list")
+    assert allowed("", "pods", "patch")  # the autoscaler's pod-deletion-cost before a scale-down
+    assert not allowed("", "pods", "watch")  # pods are listed by label; a watch would stream every pod
 
 
 def test_least_privilege() -> None:
