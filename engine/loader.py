@@ -15,7 +15,7 @@ from engine.layers.fp8 import dequantize_fp8_block
 logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 
 
 class CheckpointError(ValueError):
@@ -77,26 +77,26 @@ def load_weights(model: nn.Module, path: Path, num_hidden_layers: int, block_siz
             skipped_mtp += 1  # the multi-token-prediction layer: not used for plain decoding
             continue
         tensor = read(name)
-        if tensor.dtype == torch.float8_e4m3fn:
-            scale_name = name + "_scale_inv"
-            if scale_name not in files:
-                raise CheckpointError(f"FP8 tensor {name} has no {scale_name}")
-            # dequantized once at load; FP8 GEMM kernels keep the blocks as they are instead
-            tensor = dequantize_fp8_block(tensor, read(scale_name), block_size or (128, 128))
         target, shard_id = _param_name(name, type(model))
         param = params.get(target)
         if param is None:
             raise CheckpointError(f"unexpected tensor {name} in checkpoint: the model has no parameter {target}")
-        loader = getattr(param, "weight_loader", None)
-        try:
-            if loader is None:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"shape mismatch: checkpoint tensor {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
-                param.data.copy_(tensor)
-            else:
-                loader(param, tensor, shard_id)
-        except ValueError as e:
-            raise CheckpointError(f"tensor {name}: {e}") from e
+        if tensor.dtype == torch.float8_e4m3fn:
+            scale_name = name + "_scale_inv"
+            if scale_name not in files:
+                raise CheckpointError(f"FP8 tensor {name} has no {scale_name}")
+            scale = read(scale_name)
+            if param.dtype == torch.float8_e4m3fn:  # the model keeps the blocks for its FP8 kernels
+                scale_target, _ = _param_name(scale_name, type(model))
+                if scale_target not in params:
+                    raise CheckpointError(f"the model has no parameter {scale_target} for {scale_name}")
+                _load_into(params[scale_target], scale, shard_id, scale_name)
+                loaded.add(f"{scale_target}#{shard_id}")
+            else:  # dequantized once at load
+                tensor = dequantize_fp8_block(tensor, scale, block_size or (128, 128))
+        elif param.dtype == torch.float8_e4m3fn:
+            raise CheckpointError(f"tensor {name} is {tensor.dtype}, but the FP8 model expects float8_e4m3fn blocks")
+        _load_into(param, tensor, shard_id, name)
         loaded.add(f"{target}#{shard_id}")
 
     if skipped_mtp:
@@ -107,11 +107,24 @@ def load_weights(model: nn.Module, path: Path, num_hidden_layers: int, block_siz
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s): {', '.join(missing[:10])}{more}")
 
 
+def _load_into(param: nn.Parameter, tensor: torch.Tensor, shard_id: object, name: str) -> None:
+    loader = getattr(param, "weight_loader", None)
+    try:
+        if loader is None:
+            if param.shape != tensor.shape:
+                raise ValueError(f"shape mismatch: checkpoint tensor {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+            param.data.copy_(tensor)
+        else:
+            loader(param, tensor, shard_id)
+    except ValueError as e:
+        raise CheckpointError(f"tensor {name}: {e}") from e
+
+
 def _param_name(name: str, M: type) -> tuple[str, object]:
     """Checkpoint tensor name -> (model parameter name, shard id for its weight_loader)."""
     if m := _EXPERT.match(name):
         param, which = M.expert_params[m.group(3)]
-        return f"{m.group(1)}.{param}", (int(m.group(2)), which)
+        return f"{m.group(1)}.{param}{m.group(4) or ''}", (int(m.group(2)), which)
     for ckpt, (ours, shard) in M.stacked_params.items():
         if f".{ckpt}." in name:
             return name.replace(f".{ckpt}.", f".{ours}."), shard
@@ -125,11 +138,11 @@ def _expected(model: nn.Module) -> list[str]:
     for name, param in model.named_parameters():
         if tied and name == "lm_head.weight":
             continue
-        if name.endswith("experts.w13"):
+        if name.endswith(("experts.w13", "experts.w13_scale_inv")):
             out += [f"{name}#{(e, w)}" for e in range(param.shape[0]) for w in ("w1", "w3")]
-        elif name.endswith("experts.w2"):
+        elif name.endswith(("experts.w2", "experts.w2_scale_inv")):
             out += [f"{name}#{(e, 'w2')}" for e in range(param.shape[0])]
-        elif name.endswith("gate_up_proj.weight"):
+        elif name.endswith(("gate_up_proj.weight", "gate_up_proj.weight_scale_inv")):
             out += [f"{name}#0", f"{name}#1"]
         else:
             out.append(f"{name}#None")

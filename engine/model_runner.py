@@ -1,5 +1,11 @@
-"""Owns the model and its KV cache on one device; turns a scheduled batch into logits."""
+"""Owns the model and its KV cache on one device; turns a scheduled batch into logits.
 
+Two paths: the reference (plain PyTorch) and the fast one (Triton kernels, FP8 weights kept as
+blocks, decode steps replayed from CUDA graphs). `attention_backend` picks: "torch", "triton", or
+"auto" (triton on a GPU, torch elsewhere).
+"""
+
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -7,6 +13,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.layers.attention import AttentionMetadata
+from engine.layers.fp8 import quantize_fp8_block
 from engine.loader import load_weights
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.scheduler import ScheduledBatch
@@ -15,6 +22,7 @@ from engine.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BACKENDS = ("auto", "torch", "triton")
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str) -> torch.dtype:
@@ -29,20 +37,67 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
+def resolve_backend(requested: str, device: torch.device) -> str:
+    if requested not in BACKENDS:
+        raise ValueError(f"invalid attention_backend {requested!r}; choose one of {', '.join(BACKENDS)}")
+    if requested == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return requested
+
+
+def enable_kernels(model: torch.nn.Module) -> None:
+    """Switch every layer that has a Triton fast path onto it."""
+    for module in model.modules():
+        if hasattr(type(module), "use_kernels"):
+            module.use_kernels = True
+
+
+@torch.no_grad()
+def init_random_weights(model: DeepseekV3ForCausalLM, seed: int, std: float = 0.02) -> None:
+    """Random weights in place (for benchmarks of a shape without its checkpoint): N(0, std) matrices,
+    norms 1, no routing bias; FP8 weights are quantized from such draws block by block."""
+    params = dict(model.named_parameters())
+    device = next(iter(params.values())).device
+    gen = torch.Generator(device).manual_seed(seed)
+    quant = model.config.quant
+    for name, param in params.items():
+        if name.endswith("_scale_inv"):
+            continue  # written with its weight
+        if param.dtype == torch.float8_e4m3fn:
+            scale = params[name + "_scale_inv"]  # w13 -> w13_scale_inv, weight -> weight_scale_inv
+            mats, scales = (param.data, scale.data) if param.dim() == 3 else (param.data[None], scale.data[None])
+            for w, s in zip(mats, scales):
+                q, si = quantize_fp8_block(torch.randn(w.shape, generator=gen, device=device) * std,
+                                           quant.weight_block_size)
+                w.copy_(q)
+                s.copy_(si)
+        elif name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        elif name.endswith("e_score_correction_bias"):
+            param.data.zero_()
+        else:
+            param.data.normal_(0.0, std, generator=gen)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, path: Path, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, path: Path | None, max_model_len: int):
+        """path=None: random weights (config.seed) instead of a checkpoint."""
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype)
+        self.backend = resolve_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         torch.manual_seed(config.seed)
+        # FP8 checkpoints keep their blocks only for the FP8 kernels; the reference path dequantizes at load
+        keep_fp8 = self.backend == "triton" and model_config.quant is not None
+        built = model_config if keep_fp8 else dataclasses.replace(model_config, quant=None)
         default_dtype = torch.get_default_dtype()
         try:
             torch.set_default_dtype(self.dtype)
             with torch.device(self.device):
-                self.model = DeepseekV3ForCausalLM(model_config, max_position=max_model_len)
+                self.model = DeepseekV3ForCausalLM(built, max_position=max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
         # the router's weights and bias stay in float32, as the checkpoints keep them
@@ -50,10 +105,18 @@ class ModelRunner:
             if type(module).__name__ == "Gate":
                 module.float()
         block = model_config.quant.weight_block_size if model_config.quant else None
-        load_weights(self.model, path, model_config.num_hidden_layers, block, config.show_progress)
+        if path is None:
+            init_random_weights(self.model, config.seed)
+        else:
+            load_weights(self.model, path, model_config.num_hidden_layers, block, config.show_progress)
         self.model.eval()
+        if self.backend == "triton":
+            enable_kernels(self.model)
         self.num_blocks = self._num_blocks()
+        self.use_cuda_graphs = (self.backend == "triton" and self.device.type == "cuda"
+                                and not config.extra.get("enforce_eager", False))
         self._allocate_kv_cache()
+        self.graphs = DecodeGraphs(self) if self.use_cuda_graphs else None
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -66,7 +129,9 @@ class ModelRunner:
         return max(1, min(by_memory, by_need))
 
     def _allocate_kv_cache(self) -> None:
-        shape = (self.num_blocks, self.block_size, self.model_config.kv_cache_dim)
+        # with CUDA graphs, one extra block past num_blocks takes the writes of padded batch rows
+        extra = 1 if self.use_cuda_graphs else 0
+        shape = (self.num_blocks + extra, self.block_size, self.model_config.kv_cache_dim)
         for attn in self.model.attention_layers():
             attn.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         logger.info("KV cache: %d blocks of %d tokens (%s)", self.num_blocks, self.block_size, self.dtype)
@@ -111,7 +176,120 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None, torch.Tensor]:
         """-> (sequences that sample, their logits [S, vocab] float32, hidden states of every token)."""
+        if self.graphs is not None and not batch.prefills and len(batch.decodes) <= self.graphs.max_batch:
+            seqs = batch.decodes
+            self.graphs.load(seqs)
+            hidden, logits, _ = self.graphs.replay(len(seqs))
+            return seqs, logits.clone(), hidden
         input_ids, positions, meta, sample_idx, sample_seqs = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[sample_idx]) if sample_idx else None
         return sample_seqs, logits, hidden
+
+
+class DecodeGraphs:
+    """Decode steps as CUDA graphs, one per padded batch size, over static device buffers.
+
+    A step derives everything on the device: cache slots from (positions, block tables), context
+    lengths = positions + 1, then model -> logits -> sampled tokens, and finally feeds the tokens back
+    as the next step's inputs (positions + 1). Replayed back to back it decodes with no host work at
+    all; the engine instead loads its batch into the buffers before each replay (`load`).
+    """
+
+    SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.max_batch = min(runner.config.max_num_seqs, self.SIZES[-1])
+        self.width = -(-runner.max_model_len // runner.block_size)  # block-table columns
+        self.scratch_block = runner.num_blocks  # the cache's extra block
+        dev, n = runner.device, self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.block_tables = torch.full((n, self.width), self.scratch_block, dtype=torch.int32, device=dev)
+        self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)  # 0: greedy
+        self.seeds = torch.arange(n, dtype=torch.long, device=dev)
+        self.step = torch.zeros(1, dtype=torch.long, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.pool = None
+
+    def padded(self, batch: int) -> int:
+        return next(s for s in self.SIZES if s >= batch)
+
+    def load(self, seqs: list[Sequence]) -> None:
+        """Copy the engine's decode batch into the static buffers; rows past it decode into the scratch block."""
+        n, padded = len(seqs), self.padded(len(seqs))
+        ids = torch.zeros(padded, dtype=torch.long)
+        pos = torch.zeros(padded, dtype=torch.long)
+        tables = torch.full((padded, self.width), self.scratch_block, dtype=torch.int32)
+        for i, seq in enumerate(seqs):
+            p = seq.num_computed_tokens
+            ids[i], pos[i] = seq.token_ids(p, p + 1)[0], p
+            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        # pageable host -> device copies are staged at once, ordered on the stream, no device sync
+        self.input_ids[:padded].copy_(ids)
+        self.positions[:padded].copy_(pos)
+        self.block_tables[:padded].copy_(tables)
+        if n < padded:
+            self.temperature[n:padded].zero_()
+
+    def _step(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from engine.kernels.sampling import sample
+
+        bs = self.runner.block_size
+        pos = self.positions[:batch]
+        table = self.block_tables[:batch]
+        page = table.gather(1, (pos // bs).clamp(max=self.width - 1)[:, None])[:, 0]
+        meta = AttentionMetadata(
+            slot_mapping=page.long() * bs + pos % bs,
+            query_start_loc=torch.arange(batch + 1, device=pos.device),
+            context_lens=(pos + 1).int(),
+            block_tables=table,
+            num_prefills=0,
+            num_prefill_tokens=0,
+            block_size=bs,
+            # host copies are never read on the fast decode path; only their count matters
+            query_start_loc_cpu=list(range(batch + 1)),
+            query_lens_cpu=[1] * batch,
+            context_lens_cpu=[0] * batch,
+        )
+        hidden = self.runner.model(self.input_ids[:batch], pos, meta)
+        logits = self.runner.model.compute_logits(hidden)
+        tokens = sample(logits, self.temperature[:batch], self.seeds[:batch], self.step)
+        self.input_ids[:batch].copy_(tokens)
+        self.positions[:batch].add_(1)
+        self.step.add_(1)
+        return hidden, logits, tokens
+
+    def _capture(self, batch: int) -> None:
+        state = [t.clone() for t in (self.input_ids, self.positions, self.step)]
+
+        def restore():
+            for t, saved in zip((self.input_ids, self.positions, self.step), state):
+                t.copy_(saved)
+
+        # a warm-up run compiles the Triton kernels and lets cuBLAS choose, outside the capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._step(batch)
+            restore()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[batch] = self._step(batch)
+        restore()
+        self.pool = graph.pool()
+        self.graphs[batch] = graph
+        logger.info("captured a CUDA graph for decode batches of %d", batch)
+
+    @torch.inference_mode()
+    def replay(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decode step for the first `batch` rows -> (hidden, logits, sampled tokens), sliced to batch."""
+        padded = self.padded(batch)
+        if padded not in self.graphs:
+            self._capture(padded)
+        self.graphs[padded].replay()
+        hidden, logits, tokens = self.outputs[padded]
+        return hidden[:batch], logits[:batch], tokens[:batch]

@@ -2,8 +2,9 @@
 
 Cache layout per layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]; one row holds a
 token's normalized compressed KV (c_kv) followed by its rotated shared key (k_pe). A batch is laid
-out prefills first, then decodes (one query token each); fast kernels replace the two functions
-below without changing this contract.
+out prefills first, then decodes (one query token each). `mla_prefill` / `mla_decode` are the
+reference; `mla_prefill_fast` / `mla_decode_fast` take the same arguments and run the Triton kernels
+(the decode one reads only device tensors, so a CUDA graph can capture it).
 """
 
 from dataclasses import dataclass
@@ -110,3 +111,39 @@ def mla_decode(
     probs = (scores * softmax_scale).masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
     out_latent = torch.einsum("bhl,blc->bhc", probs, c_kv)  # [B, H, kv_lora]
     return torch.einsum("bhc,hvc->bhv", out_latent, w_uv.float()).to(q_nope.dtype)
+
+
+def mla_prefill_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv_lora_rank, v_head_dim,
+                     softmax_scale) -> torch.Tensor:
+    """`mla_prefill` through the Triton kernel: gather each chunk's whole context (cached prefix + chunk)
+    from the cache, expand it through W_UKV in one GEMM, then causal variable-length attention."""
+    from engine.kernels.mla_prefill import mla_prefill_attention  # first use: Triton picks compiled or interpreted
+
+    num_heads, nope = q_nope.shape[1], q_nope.shape[2]
+    bs, dev = meta.block_size, q_nope.device
+    ctx_lens = meta.context_lens_cpu[: meta.num_prefills]
+    slots = []
+    for i, ctx in enumerate(ctx_lens):
+        pos = torch.arange(ctx, device=dev)
+        slots.append(meta.block_tables[i][pos // bs] * bs + pos % bs)
+    latent = kv_cache.view(-1, kv_cache.shape[-1])[torch.cat(slots)]  # [Tk, kv_lora + rope]
+    kv = F.linear(latent[:, :kv_lora_rank], w_kv_b).view(latent.shape[0], num_heads, nope + v_head_dim)
+    cu_k = torch.tensor([0] + ctx_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev, non_blocking=True)
+    cu_q = meta.query_start_loc[: meta.num_prefills + 1].int()
+    max_q = max(meta.query_lens_cpu[: meta.num_prefills])
+    k_pe = latent[:, kv_lora_rank:].to(q_pe.dtype)
+    return mla_prefill_attention(q_nope, q_pe, kv[..., :nope], k_pe, kv[..., nope:], cu_q, cu_k, max_q, softmax_scale)
+
+
+def mla_decode_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv_lora_rank, v_head_dim,
+                    softmax_scale) -> torch.Tensor:
+    """`mla_decode` through the Triton split-KV kernel; the absorptions are batched GEMMs per head."""
+    from engine.kernels.mla_decode import mla_decode_attention
+
+    num_heads, nope = q_nope.shape[1], q_nope.shape[2]
+    w = w_kv_b.view(num_heads, nope + v_head_dim, kv_lora_rank)
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [B, H, kv_lora]
+    first = meta.num_prefills
+    out = mla_decode_attention(q_latent, q_pe.to(q_latent.dtype), kv_cache, meta.block_tables[first:].int(),
+                               meta.context_lens[first:].int(), softmax_scale)
+    return torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)  # [B, H, v]

@@ -1,14 +1,21 @@
-"""DeepSeek MoE: the router (Gate) and the routed experts stored as stacked tensors."""
+"""DeepSeek MoE: the router (Gate) and the routed experts stored as stacked tensors.
+
+Both have a reference path (plain PyTorch) and a Triton fast path (`use_kernels`, set by the model
+runner): the router's scoring and top-k in one kernel, the experts as sorted-by-expert grouped GEMMs.
+"""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, QuantConfig
+from engine.layers.fp8 import dequantize_fp8_block, quantize_activations_reference
 
 
 class Gate(nn.Module):
     """Token -> top-k experts. Scores and weights are computed in float32 (the checkpoint keeps them so)."""
+
+    use_kernels = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -27,6 +34,11 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k])."""
         logits = F.linear(x.float(), self.weight)
+        if self.use_kernels:
+            from engine.kernels.moe_routing import route  # first use: Triton picks compiled or interpreted then
+
+            return route(logits, self.e_score_correction_bias, self.top_k, self.scoring_func, self.topk_method,
+                         self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling_factor)
         scores = logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         num_tokens, num_experts = scores.shape
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
@@ -50,30 +62,67 @@ class Gate(nn.Module):
 class FusedExperts(nn.Module):
     """Routed experts: w13 [E, 2 * inter, hidden] (gate rows then up rows), w2 [E, hidden, inter].
 
-    Expert parallelism keeps experts [ep_rank * E / ep_size, ...) on each rank; a fused MoE kernel
-    replaces `forward` on GPU.
+    Expert parallelism keeps experts [ep_rank * E / ep_size, ...) on each rank. With a QuantConfig the
+    weights stay FP8 e4m3 with per-block scales `w13_scale_inv` / `w2_scale_inv` (one [E, rows / bn,
+    cols / bk] tensor each), as the checkpoint's `weight_scale_inv` of every expert, stacked.
     """
 
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    use_kernels = False
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, quant: QuantConfig | None = None):
         super().__init__()
         self.num_experts, self.inter = num_experts, inter
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter), requires_grad=False)
+        self.block = quant.weight_block_size if quant is not None else None
+        dtype = torch.float8_e4m3fn if quant is not None else None
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False)
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
+        if quant is not None:
+            b0, b1 = self.block
+            if inter % b0:
+                raise ValueError(f"FP8 blocks of {b0} rows do not tile moe_intermediate_size={inter}")
+            self.w13_scale_inv = nn.Parameter(torch.empty(num_experts, 2 * inter // b0, -(-hidden // b1),
+                                                          dtype=torch.float32), requires_grad=False)
+            self.w2_scale_inv = nn.Parameter(torch.empty(num_experts, -(-hidden // b0), -(-inter // b1),
+                                                         dtype=torch.float32), requires_grad=False)
+            self.w13_scale_inv.weight_loader = self.scale_loader
+            self.w2_scale_inv.weight_loader = self.scale_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        self._load(param, loaded, shard_id, self.inter)
+
+    def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        self._load(param, loaded, shard_id, self.inter // self.block[0])
+
+    @staticmethod
+    def _load(param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str], rows: int) -> None:
         expert, which = shard_id  # which: "w1" (gate), "w3" (up) or "w2" (down)
         if which == "w2":
             dst = param.data[expert]
         else:
-            dst = param.data[expert].narrow(0, 0 if which == "w1" else self.inter, self.inter)
+            dst = param.data[expert].narrow(0, 0 if which == "w1" else rows, rows)
         if dst.shape != loaded.shape:
             raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, model expects {tuple(dst.shape)}")
         dst.copy_(loaded)
 
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) as float32 (for the reference path and for oracles)."""
+        if self.block is None:
+            return self.w13.float(), self.w2.float()
+        deq = lambda w, s: torch.stack([dequantize_fp8_block(a, b, self.block) for a, b in zip(w, s)])
+        return deq(self.w13, self.w13_scale_inv), deq(self.w2, self.w2_scale_inv)
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Reference path: loop over the experts that received tokens. x: [T, hidden]."""
+        """x: [T, hidden]. The reference path loops over the experts that received tokens."""
+        if self.use_kernels:
+            from engine.kernels.fused_moe import fused_experts
+
+            scales = (self.w13_scale_inv, self.w2_scale_inv) if self.block is not None else (None, None)
+            return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, *scales, block=self.block)
+        w13, w2 = (self.w13, self.w2) if self.block is None else self.dequantized()
+        # FP8 experts: activations go through FP8 per token group too, as in the kernels
+        qdq = (lambda a: a) if self.block is None else (lambda a: quantize_activations_reference(a, self.block[1]))
         out = torch.zeros_like(x)
         flat_ids = topk_ids.flatten()
         order = flat_ids.argsort(stable=True)
@@ -85,8 +134,8 @@ class FusedExperts(nn.Module):
             if n == 0:
                 continue
             tok = token_of[start : start + n]
-            gate, up = F.linear(x[tok], self.w13[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[e])
+            gate, up = F.linear(qdq(x[tok]), w13[e]).to(x.dtype).chunk(2, dim=-1)
+            y = F.linear(qdq(F.silu(gate) * up), w2[e]).to(x.dtype)
             out.index_add_(0, tok, y * weight_of[start : start + n, None].to(x.dtype))
             start += n
         return out

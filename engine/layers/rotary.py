@@ -54,6 +54,8 @@ def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None) -> tuple[
 class RotaryEmbedding(nn.Module):
     """Applies rope to the trailing `dim` features; pairs (x0, x1), (x2, x3), ... share a frequency."""
 
+    use_kernels = False  # the model runner switches the Triton fast path on per instance
+
     def __init__(self, dim: int, max_position: int, theta: float, scaling: RopeScaling | None):
         super().__init__()
         inv_freq, attn_factor = rope_inv_freq(dim, theta, scaling)
@@ -71,3 +73,13 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x[..., 0::2], x[..., 1::2]
         out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.flatten(-2)
+
+    def rotate_query_and_key(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_pe: [T, H, dim], k_pe: [T, dim] -> both rotated (in place on the fast path)."""
+        if self.use_kernels:
+            from engine.kernels.rotary import apply_rope_
+
+            apply_rope_(q_pe, k_pe, positions, self.cos_cache, self.sin_cache)
+            return q_pe, k_pe
+        return self(positions, q_pe), self(positions, k_pe)

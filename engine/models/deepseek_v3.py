@@ -8,8 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.layers.attention import AttentionMetadata, mla_decode, mla_prefill, write_kv_cache
+from engine.config import ModelConfig, QuantConfig
+from engine.layers.attention import (
+    AttentionMetadata,
+    mla_decode,
+    mla_decode_fast,
+    mla_prefill,
+    mla_prefill_fast,
+    write_kv_cache,
+)
 from engine.layers.linear import (
     SINGLE,
     ColumnParallelLinear,
@@ -25,7 +32,12 @@ from engine.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 
 class MLA(nn.Module):
     """Multi-head Latent Attention: queries through an optional low-rank (q LoRA), keys and values
-    through one shared compressed latent c_kv (kv_lora_rank) plus a shared rotary key k_pe."""
+    through one shared compressed latent c_kv (kv_lora_rank) plus a shared rotary key k_pe.
+
+    kv_b_proj stays in the activation dtype even in FP8 checkpoints: decode folds it into the query
+    and the output (weight absorption) per head."""
+
+    use_kernels = False  # the model runner switches the Triton attention kernels on per instance
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, par: ParallelContext = SINGLE):
         super().__init__()
@@ -34,18 +46,19 @@ class MLA(nn.Module):
         self.v_head_dim, self.kv_lora_rank = cfg.v_head_dim, cfg.kv_lora_rank
         self.q_lora_rank = cfg.q_lora_rank
         q_out = cfg.num_attention_heads * cfg.qk_head_dim
+        quant = cfg.quant
         if self.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(cfg.hidden_size, q_out, par=par)
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, q_out, par=par, quant=quant)
         else:
-            self.q_a_proj = Linear(cfg.hidden_size, self.q_lora_rank)
+            self.q_a_proj = Linear(cfg.hidden_size, self.q_lora_rank, quant=quant)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_out, par=par)
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_cache_dim)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_out, par=par, quant=quant)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_cache_dim, quant=quant)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora_rank, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), par=par
         )
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size, par=par)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size, par=par, quant=quant)
         self.rotary = rotary
         self.softmax_scale = yarn_softmax_scale(cfg.qk_head_dim, cfg.rope_scaling)
         self.kv_cache: torch.Tensor | None = None  # set by the model runner
@@ -60,27 +73,27 @@ class MLA(nn.Module):
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        q_pe = self.rotary(positions, q_pe)
-        k_pe = self.rotary(positions, k_pe)
+        q_pe, k_pe = self.rotary.rotate_query_and_key(positions, q_pe, k_pe)
         write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe], dim=-1), meta.slot_mapping)
 
         out = torch.empty(num_tokens, self.num_heads, self.v_head_dim, dtype=x.dtype, device=x.device)
         n = meta.num_prefill_tokens
         args = (self.kv_cache, meta, self.kv_b_proj.weight, self.kv_lora_rank, self.v_head_dim, self.softmax_scale)
+        prefill, decode = (mla_prefill_fast, mla_decode_fast) if self.use_kernels else (mla_prefill, mla_decode)
         if meta.num_prefills:
-            out[:n] = mla_prefill(q_nope[:n], q_pe[:n], *args)
+            out[:n] = prefill(q_nope[:n], q_pe[:n], *args)
         if meta.num_decodes:
-            out[n:] = mla_decode(q_nope[n:], q_pe[n:], *args)
+            out[n:] = decode(q_nope[n:], q_pe[n:], *args)
         return self.o_proj(out.flatten(1))
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward (dense layers and shared experts)."""
 
-    def __init__(self, hidden: int, inter: int, par: ParallelContext = SINGLE):
+    def __init__(self, hidden: int, inter: int, par: ParallelContext = SINGLE, quant: QuantConfig | None = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], par=par)
-        self.down_proj = RowParallelLinear(inter, hidden, par=par)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], par=par, quant=quant)
+        self.down_proj = RowParallelLinear(inter, hidden, par=par, quant=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -91,9 +104,10 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, par: ParallelContext = SINGLE):
         super().__init__()
         self.gate = Gate(cfg)
-        self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.quant)
         self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, par) if cfg.n_shared_experts else None
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, par, cfg.quant)
+            if cfg.n_shared_experts else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,13 +122,20 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, par: ParallelContext = SINGLE):
         super().__init__()
         self.self_attn = MLA(cfg, rotary, par)
-        self.mlp = MoE(cfg, par) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size, par)
+        self.mlp = (MoE(cfg, par) if cfg.is_moe_layer(layer_idx)
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, par, cfg.quant))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this layer's MLP output, the residual stream before it); the next norm adds the two."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(positions, h, meta), residual)
+        return self.mlp(h), residual
 
 
 class DeepseekV3Model(nn.Module):
@@ -128,10 +149,10 @@ class DeepseekV3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # [T, hidden]
+        h, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in self.layers:
-            h = layer(positions, h, meta)
-        return self.norm(h)
+            h, residual = layer(positions, h, residual, meta)
+        return self.norm(h, residual)[0]
 
 
 class DeepseekV3ForCausalLM(nn.Module):
