@@ -1,6 +1,7 @@
 """`deepseek-engine serve | generate | bench`."""
 
 import argparse
+import shlex
 import sys
 import time
 
@@ -67,11 +68,18 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="generate offline for prompts from the command line or stdin")
     _add_generate_args(gen)
 
+    from engine.bench.cli import add_bench_args, run_bench
+
+    bench = sub.add_parser("bench", help="measure prefill and decode against the hardware's ceilings (and HF)")
+    add_bench_args(bench)
+
     args = parser.parse_args(argv)
     if args.command == "serve":
         from engine.server.launch import run
 
         return run(args)
+    if args.command == "bench":
+        return run_bench(args, "deepseek-engine " + shlex.join(sys.argv[1:] if argv is None else argv))
     return _generate(args)
 
 

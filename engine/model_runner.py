@@ -234,14 +234,13 @@ class DecodeGraphs:
         if n < padded:
             self.temperature[n:padded].zero_()
 
-    def _step(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from engine.kernels.sampling import sample
-
+    def metadata(self, batch: int) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Attention metadata of the first `batch` rows, derived on the device -> (metadata, positions)."""
         bs = self.runner.block_size
         pos = self.positions[:batch]
         table = self.block_tables[:batch]
         page = table.gather(1, (pos // bs).clamp(max=self.width - 1)[:, None])[:, 0]
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=page.long() * bs + pos % bs,
             query_start_loc=torch.arange(batch + 1, device=pos.device),
             context_lens=(pos + 1).int(),
@@ -253,7 +252,12 @@ class DecodeGraphs:
             query_start_loc_cpu=list(range(batch + 1)),
             query_lens_cpu=[1] * batch,
             context_lens_cpu=[0] * batch,
-        )
+        ), pos
+
+    def _step(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from engine.kernels.sampling import sample
+
+        meta, pos = self.metadata(batch)
         hidden = self.runner.model(self.input_ids[:batch], pos, meta)
         logits = self.runner.model.compute_logits(hidden)
         tokens = sample(logits, self.temperature[:batch], self.seeds[:batch], self.step)

@@ -27,9 +27,8 @@ def _sample_kernel(Logits, Temperature, Seeds, Step, Out, stride_l, vocab, BLOCK
         offs = v0 + tl.arange(0, BLOCK_V)
         mask = offs < vocab
         x = tl.load(Logits + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-        if not greedy:
-            u = tl.rand(seed + step * 1000003, offs)
-            x = x - tl.log(-tl.log(tl.maximum(u, 1e-20)))
+        u = tl.rand(seed + step * 1000003, offs)
+        x = tl.where(greedy, x, x - tl.log(-tl.log(tl.maximum(u, 1e-20))))
         better = x > best_val  # strict: earlier chunks win ties, like argmax
         best_idx = tl.where(better, offs, best_idx)
         best_val = tl.where(better, x, best_val)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The GPU fast path on one GPU: kernel and fast-path tests (compiled), then the benchmark of both
+# presets side by side with HF transformers. Results (JSON + PNG) and logs go to OUT_DIR
+# (default benchmarks/results). Each stage has a time limit so one slow stage cannot starve the rest.
+set -u
+cd "$(dirname "$0")/.."
+OUT_DIR="${1:-benchmarks/results}"
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
+timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_kernels.py tests/engine/test_fast_path.py \
+  >"$OUT_DIR/tests.log" 2>&1
+echo "tests: exit $?" ; tail -3 "$OUT_DIR/tests.log"
+timeout 240 python3 -m engine.bench --preset v2-lite --compare-hf --out "$OUT_DIR" >"$OUT_DIR/bench-v2-lite.log" 2>&1
+echo "v2-lite: exit $?" ; tail -12 "$OUT_DIR/bench-v2-lite.log"
+timeout 200 python3 -m engine.bench --preset v3-slice --compare-hf --out "$OUT_DIR" >"$OUT_DIR/bench-v3-slice.log" 2>&1
+echo "v3-slice: exit $?" ; tail -12 "$OUT_DIR/bench-v3-slice.log"

@@ -1,0 +1,75 @@
+"""Arguments of `deepseek-engine bench` (also `python -m engine.bench`, which needs no server packages)."""
+
+import argparse
+import sys
+from pathlib import Path
+
+from engine.bench.presets import PRESETS
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=sorted(PRESETS), help="a named shape with random weights (default v2-lite)")
+    src.add_argument("--model", help="a checkpoint directory instead of a preset")
+    p.add_argument("--compare-hf", action="store_true", help="also time HF transformers on the same weights")
+    p.add_argument("--prompt-lens", type=_ints, default=[2048, 8192, 32768], help="prefill prompt lengths")
+    p.add_argument("--concurrency", type=_ints, default=[1, 8, 64], help="decode batch sizes")
+    p.add_argument("--decode-context", type=int, default=1024, help="prompt tokens before decoding")
+    p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--hf-decode-steps", type=int, default=8)
+    p.add_argument("--hf-max-prompt-len", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-kernels", dest="kernels", action="store_false", help="skip the per-kernel measurements")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where the JSON and PNG go")
+
+
+def run_bench(args: argparse.Namespace, command: str) -> int:
+    """Run the benchmark the arguments describe; `command` is recorded in the results as given."""
+    import logging
+
+    from engine.bench.suite import BenchOptions, run
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    preset = args.preset or (None if args.model else "v2-lite")
+    opts = BenchOptions(preset=preset, model=args.model, compare_hf=args.compare_hf, prompt_lens=args.prompt_lens,
+                        concurrency=args.concurrency, decode_context=args.decode_context,
+                        decode_steps=args.decode_steps, hf_decode_steps=args.hf_decode_steps,
+                        hf_max_prompt_len=args.hf_max_prompt_len, repeats=args.repeats, kernels=args.kernels,
+                        device=args.device, dtype=args.dtype, backend=args.backend, block_size=args.block_size,
+                        eager=args.eager, seed=args.seed, out_dir=args.out, command=command)
+    try:
+        result = run(opts)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary(result))
+    return 0
+
+
+def summary(result: dict) -> str:
+    lines = [f"{result['preset']} on {result['gpu']} ({result['weights']}, {result['backend']}, "
+             f"graphs={result['cuda_graphs']}):"]
+    hf = result.get("hf") or {}
+    for key, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s")):
+        for k, v in result[key].items():
+            peer = (hf.get(key) or {}).get(k)
+            lines.append(f"  {label:14s} {k:>6s}: {v if v is None else round(v, 1)!s:>10s}"
+                         + (f"   HF {round(peer, 1)}" if peer else ""))
+    return "\n".join(lines)

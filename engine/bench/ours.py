@@ -1,0 +1,139 @@
+"""Our engine, measured below the server: one ModelRunner, sequences laid out by hand in the cache."""
+
+import time
+
+import torch
+
+from engine.bench.timing import sync, time_fn
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+PREFILL_TOKENS_PER_STEP = 16384  # when filling many sequences' contexts before a decode measurement
+
+
+class BlockPool:
+    """Hands out consecutive cache blocks; the benchmark owns the whole cache."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size, self.next = num_blocks, block_size, 0
+
+    def take(self, num_tokens: int) -> list[int]:
+        n = -(-num_tokens // self.block_size)
+        if self.next + n > self.num_blocks:
+            raise ValueError(f"the benchmark's KV cache ({self.num_blocks} blocks) is too small")
+        self.next += n
+        return list(range(self.next - n, self.next))
+
+    def reset(self) -> None:
+        self.next = 0
+
+
+def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(2, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def make_sequence(ids: list[int], blocks: list[int], name: str) -> Sequence:
+    seq = Sequence(name, ids, SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True), None,
+                   torch.Generator())
+    seq.block_table = blocks
+    return seq
+
+
+def prefill(runner: ModelRunner, seqs: list[Sequence]) -> list[int]:
+    """Prefill whole prompts (one chunk each), append each one's greedy first token -> those tokens."""
+    seqs_left, firsts = list(seqs), []
+    while seqs_left:
+        step, budget = [], PREFILL_TOKENS_PER_STEP
+        while seqs_left and (not step or seqs_left[0].num_tokens <= budget):
+            budget -= seqs_left[0].num_tokens
+            step.append(seqs_left.pop(0))
+        sampled, logits, _ = runner.run(ScheduledBatch(prefills=[(s, s.num_tokens) for s in step]))
+        for seq, token in zip(sampled, logits.argmax(-1).tolist()):
+            seq.num_computed_tokens = seq.num_tokens
+            seq.output_token_ids.append(token)
+            firsts.append(token)
+    return firsts
+
+
+def measure_prefill(runner: ModelRunner, pool: BlockPool, length: int, vocab: int, repeats: int) -> dict:
+    """Time to first token and prefill throughput for one prompt of `length` tokens."""
+    ids = random_prompt(length, vocab, seed=length)
+
+    def once():
+        pool.reset()
+        prefill(runner, [make_sequence(ids, pool.take(length + 1), "prefill")])  # ends on the host: a sync
+
+    once()  # compiles kernels for this shape
+    times = []
+    for _ in range(repeats):
+        sync(runner.device)
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    seconds = sorted(times)[len(times) // 2]
+    return dict(seconds=seconds, tok_s=length / seconds)
+
+
+def measure_decode(runner: ModelRunner, pool: BlockPool, concurrency: int, context: int, steps: int,
+                   vocab: int) -> dict:
+    """Decode throughput of `concurrency` sequences after `context`-token prompts: CUDA-graph steps
+    replayed back to back (inputs prepared on the device), or eager engine steps without graphs."""
+    pool.reset()
+    warmup = 3
+    seqs = [make_sequence(random_prompt(context, vocab, seed=1000 + i), pool.take(context + steps + warmup + 2),
+                          f"decode-{i}") for i in range(concurrency)]
+    prefill(runner, seqs)
+    if runner.graphs is not None:
+        graphs = runner.graphs
+        graphs.load(seqs)
+        for _ in range(warmup):
+            graphs.replay(concurrency)  # the first replay captures the graph
+        seconds = time_fn(lambda: [graphs.replay(concurrency) for _ in range(steps)], runner.device,
+                          repeats=1, warmup=0)
+        mode = "cuda_graph"
+    else:
+        def step():
+            sampled, logits, _ = runner.run(ScheduledBatch(decodes=seqs))
+            for seq, token in zip(sampled, logits.argmax(-1).tolist()):
+                seq.num_computed_tokens += 1
+                seq.output_token_ids.append(token)
+
+        for _ in range(warmup):
+            step()
+        seconds = time_fn(lambda: [step() for _ in range(steps)], runner.device, repeats=1, warmup=0)
+        mode = "eager"
+    return dict(seconds_per_step=seconds / steps, tok_s=concurrency * steps / seconds, mode=mode,
+                context=context + warmup + steps // 2)
+
+
+@torch.inference_mode()
+def measure_layers(runner: ModelRunner, pool: BlockPool, context: int, vocab: int, repeats: int = 50) -> list[dict]:
+    """Each decoder layer alone, one sequence at `context` tokens (graph-replayed where graphs exist)."""
+    pool.reset()
+    seq = make_sequence(random_prompt(context, vocab, seed=7), pool.take(context + 4), "layers")
+    prefill(runner, [seq])
+    model, dev = runner.model, runner.device
+    hidden = runner.model_config.hidden_size
+    g = torch.Generator(dev).manual_seed(0)
+    h = torch.randn(1, hidden, generator=g, device=dev, dtype=runner.dtype)
+    residual = torch.randn(1, hidden, generator=g, device=dev, dtype=runner.dtype)
+    if runner.graphs is not None:
+        runner.graphs.load([seq])
+        meta, positions = runner.graphs.metadata(1)
+    else:
+        _, _, meta, _, _ = runner._prepare(ScheduledBatch(decodes=[seq]))
+        positions = torch.tensor([seq.num_computed_tokens], device=dev)
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        run = lambda: layer(positions, h, residual, meta)
+        if runner.graphs is not None:
+            run()  # warm-up (kernels compile) outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=runner.graphs.pool):
+                run()
+            run = graph.replay
+        seconds = time_fn(lambda: [run() for _ in range(repeats)], dev, repeats=3, warmup=1) / repeats
+        out.append(dict(layer=i, kind="moe" if hasattr(layer.mlp, "experts") else "dense", seconds=seconds))
+    return out

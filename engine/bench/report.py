@@ -1,0 +1,53 @@
+"""Results JSON and a PNG plot (ours against the peer and the floors)."""
+
+import json
+from pathlib import Path
+
+
+def write_json(result: dict, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{result['preset']}.json"
+    path.write_text(json.dumps(result, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def write_plot(result: dict, out_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = ["decode", "prefill"] + (["layers"] if result.get("layers") else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2))
+    hf = result.get("hf") or {}
+    for ax, panel in zip(axes, panels):
+        if panel == "layers":
+            layers = result["layers"]
+            xs = [str(layer["layer"]) for layer in layers]
+            ax.bar(xs, [layer["seconds"] * 1e6 for layer in layers], label="measured")
+            ax.plot(xs, [layer["bandwidth_floor_s"] * 1e6 for layer in layers], "k_", markersize=30, mew=2,
+                    label="bandwidth floor")
+            ax.set(xlabel="decoder layer (batch 1)", ylabel="µs per step", title="decode, per layer")
+            ax.legend()
+            continue
+        key, floor_key = (("decode_tok_s", "bandwidth_floor_s") if panel == "decode"
+                          else ("prefill_tok_s", "compute_floor_s"))
+        xs = list(result[key])
+        ours = [result[key][x] for x in xs]
+        ax.plot(xs, ours, "o-", label="ours")
+        if hf.get(key):
+            ax.plot(xs, [hf[key].get(x) for x in xs], "s--", label="HF transformers")
+        phase = result[panel]
+        unit = (lambda x: int(x)) if panel == "decode" else (lambda x: int(x))
+        floors = [unit(x) / phase[x][floor_key] if phase[x].get(floor_key) else None for x in xs]
+        ax.plot(xs, floors, "k:", label="bandwidth floor" if panel == "decode" else "matmul floor")
+        ax.set_yscale("log")
+        ax.set(xlabel="concurrent sequences" if panel == "decode" else "prompt tokens", ylabel="tokens/s",
+               title=f"{panel} ({result['preset']}, {result['gpu']})")
+        ax.legend()
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{result['preset']}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,162 @@
+"""Run the whole benchmark for one preset (or checkpoint) and write its JSON and plot."""
+
+import datetime
+import gc
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.bench.hf_peer import build_hf_peer, hf_measure_decode, hf_measure_prefill
+from engine.bench.kernels import measure_kernels
+from engine.bench.ours import BlockPool, measure_decode, measure_layers, measure_prefill
+from engine.bench.presets import preset_config
+from engine.bench.report import write_json, write_plot
+from engine.bench.roofline import PhaseCosts, fractions, measure_ceilings
+from engine.config import EngineConfig, ModelConfig, resolve_model_path
+from engine.model_runner import ModelRunner, resolve_device
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchOptions:
+    preset: str | None = "v2-lite"
+    model: str | None = None  # a checkpoint directory instead of a preset
+    compare_hf: bool = False
+    prompt_lens: list[int] = field(default_factory=lambda: [2048, 8192, 32768])
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 64])
+    decode_context: int = 1024
+    decode_steps: int = 64
+    hf_decode_steps: int = 8
+    hf_max_prompt_len: int = 8192  # longer prompts are left to us (the peer's eager attention runs out of memory)
+    repeats: int = 3
+    kernels: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+    backend: str = "auto"
+    block_size: int = 64
+    eager: bool = False
+    seed: int = 0
+    out_dir: Path = Path("benchmarks/results")
+    command: str = ""
+
+
+def _guard(fn, *args, **kwargs) -> dict:
+    """A phase that fails (out of memory, say) is reported, not fatal: the other phases still run."""
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, ValueError) as e:
+        logger.warning("%s failed: %s", getattr(fn, "__name__", fn), e)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def _summary(phases: dict, field_name: str) -> dict:
+    return {k: v.get(field_name) for k, v in phases.items()}
+
+
+def run(opts: BenchOptions) -> dict:
+    """-> the results dict (also written to opts.out_dir as <preset>.json and .png)."""
+    if opts.model:
+        path = resolve_model_path(opts.model)
+        hf_config = json.loads((path / "config.json").read_text())
+        name = opts.preset or path.name
+    else:
+        path, hf_config, name = None, preset_config(opts.preset), opts.preset
+    model_config = ModelConfig.from_hf(hf_config)
+    device = resolve_device(opts.device)
+    max_conc, bs = max(opts.concurrency), opts.block_size
+    decode_len = opts.decode_context + opts.decode_steps + 16
+    max_len = max(opts.prompt_lens + [decode_len, 4 * opts.decode_context]) + bs
+    num_blocks = max(-(-max_len // bs), max_conc * -(-decode_len // bs)) + 4
+    engine_config = EngineConfig(model=str(path or name), dtype=opts.dtype, device=opts.device,
+                                 attention_backend=opts.backend, max_num_seqs=max_conc, block_size=bs,
+                                 num_kv_blocks=num_blocks, seed=opts.seed, show_progress=False,
+                                 extra={"enforce_eager": opts.eager})
+    runner = ModelRunner(engine_config, model_config, path, max_len)
+    fp8 = model_config.quant is not None and runner.backend == "triton"
+    ceilings = measure_ceilings(device)
+    costs = PhaseCosts(runner.model, model_config, torch.empty((), dtype=runner.dtype).element_size())
+    pool = BlockPool(runner.num_blocks, bs)
+    vocab = model_config.vocab_size
+
+    prefill, decode = {}, {}
+    for n in opts.prompt_lens:
+        m = _guard(measure_prefill, runner, pool, n, vocab, opts.repeats)
+        if "seconds" in m:
+            m.update(fractions(m["seconds"], *costs.prefill(n), ceilings, fp8))
+        prefill[str(n)] = m
+    for c in opts.concurrency:
+        m = _guard(measure_decode, runner, pool, c, opts.decode_context, opts.decode_steps, vocab)
+        if "seconds_per_step" in m:
+            m.update(fractions(m["seconds_per_step"], *costs.decode(c, m["context"]), ceilings, fp8))
+        decode[str(c)] = m
+    layers = _guard(measure_layers, runner, pool, opts.decode_context, vocab)
+    if isinstance(layers, list):
+        for entry in layers:
+            entry.update(fractions(entry["seconds"], *costs.decode_layer(entry["layer"], 1, opts.decode_context + 1),
+                                   ceilings, fp8))
+            entry["ratio_to_bandwidth_floor"] = entry["seconds"] / entry["bandwidth_floor_s"]
+    kernels = (_guard(measure_kernels, runner, ceilings, max(p for p in opts.prompt_lens if p <= 8192)
+                      if any(p <= 8192 for p in opts.prompt_lens) else min(opts.prompt_lens), opts.decode_context)
+               if opts.kernels and runner.backend == "triton" else [])
+
+    result = dict(
+        preset=name, model=str(path) if path else None, command=opts.command,
+        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        date=datetime.date.today().isoformat(), torch=torch.__version__,
+        dtype=str(runner.dtype).replace("torch.", ""), weights="fp8 e4m3, 128x128 blocks" if fp8 else str(runner.dtype).replace("torch.", ""),
+        backend=runner.backend, cuda_graphs=runner.graphs is not None, num_layers=model_config.num_hidden_layers,
+        decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
+        ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),
+        decode_tok_s=_summary(decode, "tok_s"), prefill=prefill, decode=decode, layers=layers, kernels=kernels,
+    )
+    if opts.compare_hf:
+        result["hf"] = _run_hf(runner, hf_config, opts, costs, ceilings)
+        result["speedup"] = {
+            "decode": {c: _ratio(result["decode_tok_s"][c], result["hf"]["decode_tok_s"].get(c)) for c in decode},
+            "prefill": {n: _ratio(result["prefill_tok_s"][n], result["hf"]["prefill_tok_s"].get(n)) for n in prefill},
+        }
+    write_json(result, opts.out_dir)
+    write_plot(result, opts.out_dir)
+    return result
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def _run_hf(runner: ModelRunner, hf_config: dict, opts: BenchOptions, costs: PhaseCosts, ceilings) -> dict:
+    import transformers
+
+    device, dtype, vocab = runner.device, runner.dtype, runner.model_config.vocab_size
+    hf = build_hf_peer(runner.model, hf_config, device, dtype)
+    # our model and cache leave the device first: the peer's cache needs the room
+    for attn in runner.model.attention_layers():
+        attn.kv_cache = None
+    runner.model, runner.graphs = None, None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    prefill, decode = {}, {}
+    for n in opts.prompt_lens:
+        if n > opts.hf_max_prompt_len:
+            prefill[str(n)] = {"skipped": f"prompts over {opts.hf_max_prompt_len} tokens are not run on the peer"}
+            continue
+        m = _guard(hf_measure_prefill, hf, n, vocab, device, opts.repeats)
+        if "seconds" in m:
+            m.update(fractions(m["seconds"], *costs.prefill(n), ceilings, False))
+        prefill[str(n)] = m
+    for c in opts.concurrency:
+        m = _guard(hf_measure_decode, hf, c, opts.decode_context, opts.hf_decode_steps, vocab, device)
+        if "seconds_per_step" in m:
+            m.update(fractions(m["seconds_per_step"], *costs.decode(c, m["context"]), ceilings, False))
+        decode[str(c)] = m
+    return dict(transformers=transformers.__version__, attn_implementation=hf.config._attn_implementation,
+                weights=str(dtype).replace("torch.", ""), ttft_s=_summary(prefill, "seconds"),
+                prefill_tok_s=_summary(prefill, "tok_s"), decode_tok_s=_summary(decode, "tok_s"),
+                prefill=prefill, decode=decode)
