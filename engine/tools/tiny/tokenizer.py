@@ -95,8 +95,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tokenizer.train_from_iterator(plain_segments(texts), trainer=trainer)
     for content, special in ADDED_TOKENS:
         tokenizer.add_tokens([AddedToken(content, special=special, normalized=not special)])
-    if tokenizer.get_vocab_size() != vocab_size or tokenizer.token_to_id(BOS) != 0 or tokenizer.token_to_id(EOS) != 1:
-        raise RuntimeError(f"tokenizer layout is off: {tokenizer.get_vocab_size()} ids, BOS/EOS not at 0/1")
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise ValueError(f"the corpus holds too few repeated pairs for {vocab_size} ids "
+                         f"(BPE stopped at {tokenizer.get_vocab_size()}): give it more text or a smaller vocabulary")
+    assert tokenizer.token_to_id(BOS) == 0 and tokenizer.token_to_id(EOS) == 1
     return tokenizer
 
 

@@ -69,9 +69,10 @@ class ExpertLoad:
         return imbalance
 
 
-def build_model(vocab_size: int, seq_len: int, seed: int, device: torch.device):
+def build_model(config_fields: dict, seed: int, device: torch.device):
+    """The main model (transformers' V3) and our MTP layer, freshly initialised."""
     torch.manual_seed(seed)
-    config = DeepseekV3Config(**tiny_config(vocab_size, seq_len))
+    config = DeepseekV3Config(**config_fields)
     config._attn_implementation = "sdpa"
     model = DeepseekV3ForCausalLM(config)
     # The eager experts loop runs under autocast with fp32 master weights on any device.
@@ -104,8 +105,12 @@ def load_tokens(path: Path, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype(np.int64)).to(device)
 
 
-def train(data_dir: Path, tokenizer_dir: Path, out: Path, settings: TrainSettings, log=print) -> dict:
-    """Train, evaluate on held-out text, write out/checkpoint and out/metrics.json; return the metrics."""
+def train(data_dir: Path, tokenizer_dir: Path, out: Path, settings: TrainSettings, config: dict | None = None,
+          log=print) -> dict:
+    """Train, evaluate on held-out text, write out/checkpoint and out/metrics.json; return the metrics.
+
+    `config` is the config.json of the model to train (default: deepseek-tiny's shape for this vocabulary).
+    """
     s = settings
     if (s.max_steps is None) == (s.time_budget_s is None):
         raise ValueError("give exactly one of max_steps and time_budget_s")
@@ -115,7 +120,8 @@ def train(data_dir: Path, tokenizer_dir: Path, out: Path, settings: TrainSetting
     meta = json.loads((data_dir / "meta.json").read_text())
     train_tokens = load_tokens(data_dir / "train.bin", device)
     heldout_tokens = load_tokens(data_dir / "heldout.bin", device)[:s.eval_max_tokens]
-    model, mtp = build_model(meta["vocab_size"], s.seq_len, s.seed, device)
+    config = config or tiny_config(meta["vocab_size"], s.seq_len)
+    model, mtp = build_model(config, s.seed, device)
     loads = ExpertLoad([layer.mlp.gate for layer in [*model.model.layers, mtp.block] if hasattr(layer.mlp, "gate")],
                        s.bias_update_speed)
     optimizer = _optimizer([model, mtp], s, device)
@@ -167,14 +173,13 @@ def train(data_dir: Path, tokenizer_dir: Path, out: Path, settings: TrainSetting
             history.append(entry)
             log(json.dumps(entry))
             # A checkpoint at every evaluation: a run cut short still leaves a usable model behind.
-            save_checkpoint(published_state_dict(model, mtp), tiny_config(meta["vocab_size"], s.seq_len),
-                            tokenizer_dir, out / "checkpoint")
+            save_checkpoint(published_state_dict(model, mtp), config, tokenizer_dir, out / "checkpoint")
             eval_seconds += time.perf_counter() - eval_started
 
     elapsed = time.perf_counter() - started - eval_seconds
     final = evaluate(model, mtp, heldout_tokens, s.seq_len, s.eval_batch_size, autocast)
     tensors = published_state_dict(model, mtp)
-    save_checkpoint(tensors, tiny_config(meta["vocab_size"], s.seq_len), tokenizer_dir, out / "checkpoint")
+    save_checkpoint(tensors, config, tokenizer_dir, out / "checkpoint")
     metrics = {
         "settings": asdict(s),
         "steps": step,
