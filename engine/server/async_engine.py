@@ -20,6 +20,7 @@ from engine.server.engine_messages import (
     AbortRequests,
     AddRequests,
     Admission,
+    Delta,
     Failed,
     OutputBuilder,
     Ready,
@@ -235,7 +236,8 @@ class AsyncEngine:
         for request_id in report.aborted:
             self.metrics.observe_abort(request_id)
         outputs = []
-        for delta in report.deltas:
+        for fields in report.deltas:
+            delta = Delta._make(fields)
             builder = self._builders.get(delta.request_id)
             if builder is not None:  # else: aborted meanwhile
                 outputs.append(builder.add(delta))

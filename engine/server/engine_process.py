@@ -38,8 +38,10 @@ def run_engine_process(
     commands: Connection, reports: Connection, build: Callable[..., Any], build_args: tuple
 ) -> None:
     """Entry point of the engine process."""
-    # Ctrl-C reaches the whole process group; the server decides when this process stops.
+    # Ctrl-C (and a SIGTERM sent to the process group) reach this process too, but the server decides
+    # when it stops: after the drain. If the server dies, the pipe closes and this process exits.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = build(*build_args)
@@ -81,7 +83,7 @@ class EngineLoop:
                     report.aborted.extend(self._abort(command.request_ids))
             if engine.has_unfinished_requests():
                 outputs = engine.step()
-                report.deltas = [Delta.of(out) for out in outputs]
+                report.deltas = [tuple(Delta.of(out)) for out in outputs]
                 self.live.difference_update(out.request_id for out in outputs if out.finished)
             self._send(report)
 

@@ -2,12 +2,14 @@
 
 import argparse
 import asyncio
+import pickle
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.metrics import EngineMetrics
 from engine.outputs import RequestMetrics, RequestOutput
+from engine.server.engine_messages import Delta, OutputBuilder
 from engine.server.launch import add_serve_args, settings_from_args
 from engine.server.reasoning import ReasoningParser
 from engine.server.request_log import summarize
@@ -119,6 +121,26 @@ async def test_cancelled_admission_wait_closes_the_stream():
     with pytest.raises(asyncio.CancelledError):
         await waiter
     assert closed == [stream]
+
+
+# ------------------------------------------------------------------------------------------ engine pipe
+
+
+def test_only_deltas_cross_the_pipe_and_outputs_are_rebuilt():
+    steps = [([5], "<5>"), ([6, 7], "<6><7>"), ([8], "<8>")]
+    builder = OutputBuilder("r-0", [1, 2, 3], want_logprobs=True)
+    token_ids, logprobs, rebuilt = [], [], []
+    for i, (new, text) in enumerate(steps):
+        token_ids += new
+        logprobs += [{t: -0.5} for t in new]
+        engine_out = output("r-0", list(token_ids), new, finished=i == len(steps) - 1)
+        engine_out.logprobs, engine_out.new_text = list(logprobs), text
+        delta = Delta.of(engine_out)
+        assert delta.new_token_ids == new and delta.new_logprobs == [{t: -0.5} for t in new]
+        rebuilt.append(builder.add(Delta._make(pickle.loads(pickle.dumps(tuple(delta))))))
+    assert [o.token_ids for o in rebuilt] == [[5], [5, 6, 7], [5, 6, 7, 8]]  # snapshots, not one live list
+    assert rebuilt[-1].text == "<5><6><7><8>" and rebuilt[-1].logprobs == [{t: -0.5} for t in (5, 6, 7, 8)]
+    assert rebuilt[-1].finished and rebuilt[-1].prompt_token_ids == [1, 2, 3]
 
 
 # ------------------------------------------------------------------------------------------------- metrics
