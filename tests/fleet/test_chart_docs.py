@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_chart import helm
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -133,6 +134,14 @@ def test_links_lead_somewhere(name: str) -> None:
 def test_install_guide_commands_match_the_chart() -> None:
     guide = (DOCS / "install.md").read_text()
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    release, namespace = re.search(rf"helm install (\S+) charts/{chart['name']} \\\n\s+--namespace (\S+)", guide).groups()
+    # The names the guides use are the ones the chart gives its objects for that release.
+    rendered = yaml.safe_load_all(helm("template", release, str(CHART), "--namespace", namespace).stdout)
+    (deployment,) = [d["metadata"]["name"] for d in rendered if d and d["kind"] == "Deployment"]
+    for doc, command in [("install.md", f"-n {namespace} rollout status deployment/{deployment}"),
+                         ("upgrade.md", f"-n {namespace} rollout status deployment/{deployment}"),
+                         ("troubleshooting.md", f"-n {namespace} logs deploy/{deployment}")]:
+        assert command in (DOCS / doc).read_text(), f"{doc} should say `kubectl {command}`"
     assert f"charts/{chart['name']}" in guide
     for dockerfile in ("images/operator/Dockerfile", "images/engine/Dockerfile"):
         assert f"-f {dockerfile}" in guide and (ROOT / dockerfile).is_file()
