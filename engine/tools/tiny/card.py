@@ -165,7 +165,7 @@ to write this section. transformers' `AutoModelForCausalLM` gives the same greed
 
 ```
 apt-get install python3.11-doc wordnet-base jargon-text
-python -m engine.tools.tiny all --out DIR --minutes 5.5     # on one GPU; --steps N replays a step count
+python -m engine.tools.tiny all --out DIR --minutes 6      # on one GPU; --steps N replays a step count
 cp DIR/checkpoint/* engine/models/deepseek-tiny/
 ```
 
