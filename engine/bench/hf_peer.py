@@ -1,6 +1,7 @@
 """The peer: HF transformers' DeepseekV3ForCausalLM with our weights, timed the same way, in the
 same process (prefill through a fresh cache, greedy decode one token per forward)."""
 
+import inspect
 import time
 
 import torch
@@ -10,35 +11,53 @@ from engine.bench.timing import sync, time_fn
 from engine.layers.fp8 import dequantize_fp8_block
 
 
-def _ours_as_hf(ours: torch.nn.Module, name: str, like: torch.Tensor, block) -> torch.Tensor:
-    """The HF tensor `name` from our parameters (dequantized where we keep FP8 blocks)."""
-    params = dict(ours.named_parameters())
-
-    def deq(key: str) -> torch.Tensor:
-        w = params[key]
-        if w.dtype != torch.float8_e4m3fn:
-            return w
-        s = params[key + "_scale_inv"]
-        if w.dim() == 2:
-            return dequantize_fp8_block(w, s, block)
-        return torch.stack([dequantize_fp8_block(a, b, block).to(like.dtype) for a, b in zip(w, s)])
-
+def _expert_source(name: str) -> str | None:
     if name.endswith("mlp.experts.gate_up_proj"):
-        return deq(name.replace("gate_up_proj", "w13"))
+        return name.replace("gate_up_proj", "w13")
     if name.endswith("mlp.experts.down_proj"):
-        return deq(name.replace("down_proj", "w2"))
+        return name.replace("down_proj", "w2")
+    return None
+
+
+def _dense(params: dict, key: str, block, device) -> torch.Tensor:
+    """Our 2-D parameter `key` on `device`, dequantized where we keep FP8 blocks."""
+    w = params[key].to(device)
+    if w.dtype != torch.float8_e4m3fn:
+        return w
+    return dequantize_fp8_block(w, params[key + "_scale_inv"].to(device), block)
+
+
+def _copy_into(dst: torch.Tensor, name: str, params: dict, block) -> None:
+    """HF tensor `name` <- our parameters (dense halves of gate_up_proj; experts one at a time)."""
+    if (src := _expert_source(name)) is not None:
+        w = params[src]
+        if w.shape != dst.shape:
+            raise ValueError(f"HF tensor {name} has shape {tuple(dst.shape)}, ours {tuple(w.shape)}")
+        for e in range(w.shape[0]):  # one expert at a time: no second full-size copy on the device
+            if w.dtype == torch.float8_e4m3fn:
+                dst[e].copy_(dequantize_fp8_block(w[e].to(dst.device), params[src + "_scale_inv"][e].to(dst.device), block))
+            else:
+                dst[e].copy_(w[e])
+        return
     for proj, half in (("gate_proj", 0), ("up_proj", 1)):
-        if name.endswith(f".{proj}.weight") and ".experts." not in name:
-            both = deq(name.replace(f".{proj}.", ".gate_up_proj."))
-            return both.chunk(2, dim=0)[half]
-    if name in params:
-        return deq(name)
-    raise KeyError(f"no source for HF tensor {name}")
+        if name.endswith(f".{proj}.weight"):
+            src = _dense(params, name.replace(f".{proj}.", ".gate_up_proj."), block, dst.device).chunk(2, dim=0)[half]
+            break
+    else:
+        if name not in params:
+            raise KeyError(f"no source for HF tensor {name}")
+        src = _dense(params, name, block, dst.device)
+    if src.shape != dst.shape:
+        raise ValueError(f"HF tensor {name} has shape {tuple(dst.shape)}, ours {tuple(src.shape)}")
+    dst.copy_(src)
 
 
 @torch.no_grad()
 def build_hf_peer(ours: torch.nn.Module, hf_config: dict, device: torch.device, dtype: torch.dtype):
-    """HF's model from the same config, holding our weights (bf16 where ours are FP8 blocks)."""
+    """HF's model from the same config, holding our weights (bf16 where ours are FP8 blocks).
+
+    Our parameters may sit in host memory by now (to leave the device to the peer); they are moved
+    over tensor by tensor."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = {k: v for k, v in hf_config.items() if k != "quantization_config"}
@@ -50,14 +69,16 @@ def build_hf_peer(ours: torch.nn.Module, hf_config: dict, device: torch.device, 
     finally:
         torch.set_default_dtype(default)
     block = ours.config.quant.weight_block_size if ours.config.quant else None
+    params = dict(ours.named_parameters())
     for name, tensor in hf.state_dict().items():
-        if "rotary_emb" in name:
-            continue  # derived from the config, not weights
-        src = _ours_as_hf(ours, name, tensor, block)
-        if src.shape != tensor.shape:
-            raise ValueError(f"HF tensor {name} has shape {tuple(tensor.shape)}, ours {tuple(src.shape)}")
-        tensor.copy_(src)
+        if "rotary_emb" not in name:  # rotary tables derive from the config, not weights
+            _copy_into(tensor, name, params, block)
     return hf
+
+
+def _cache_kwarg(hf) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x); use what this version takes."""
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
 
 
 def _prefill(hf, ids: torch.Tensor):
@@ -84,9 +105,10 @@ def hf_measure_decode(hf, concurrency: int, context: int, steps: int, vocab: int
     ids = torch.tensor([random_prompt(context, vocab, seed=1000 + i) for i in range(concurrency)], device=device)
     cache, nxt = _prefill(hf, ids)
     state = {"cache": cache, "next": nxt}
+    kwarg = _cache_kwarg(hf)
 
     def step():
-        out = hf(input_ids=state["next"][:, None], past_key_values=state["cache"], use_cache=True)
+        out = hf(input_ids=state["next"][:, None], use_cache=True, **{kwarg: state["cache"]})
         state["cache"], state["next"] = out.past_key_values, out.logits[:, -1].argmax(-1)
 
     for _ in range(2):

@@ -115,6 +115,7 @@ def run(opts: BenchOptions) -> dict:
         ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),
         decode_tok_s=_summary(decode, "tok_s"), prefill=prefill, decode=decode, layers=layers, kernels=kernels,
     )
+    write_json(result, opts.out_dir)  # ours stays on disk even if the peer then fails
     if opts.compare_hf:
         result["hf"] = _run_hf(runner, hf_config, opts, costs, ceilings)
         result["speedup"] = {
@@ -134,14 +135,19 @@ def _run_hf(runner: ModelRunner, hf_config: dict, opts: BenchOptions, costs: Pha
     import transformers
 
     device, dtype, vocab = runner.device, runner.dtype, runner.model_config.vocab_size
-    hf = build_hf_peer(runner.model, hf_config, device, dtype)
-    # our model and cache leave the device first: the peer's cache needs the room
-    for attn in runner.model.attention_layers():
+    # our cache, graphs and weights leave the device first (the weights to host memory, to be copied
+    # over one tensor at a time): both models at once do not fit next to the peer's cache
+    model = runner.model
+    for attn in model.attention_layers():
         attn.kv_cache = None
     runner.model, runner.graphs = None, None
+    model.to("cpu")
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    hf = build_hf_peer(model, hf_config, device, dtype)
+    del model
+    gc.collect()
     prefill, decode = {}, {}
     for n in opts.prompt_lens:
         if n > opts.hf_max_prompt_len:

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, interpreted, pow2
+from engine.kernels._util import check, check_float, interpreted, mma, pow2, upcast_fp8_dot
 
 FP8_MAX = 448.0
 FP8 = torch.float8_e4m3fn
@@ -61,7 +61,7 @@ def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
 @triton.jit
 def _block_gemm_kernel(A, AS, W, WS, C, M, N, K, stride_am, stride_asm, stride_wn, stride_wsn, stride_cm,
                        GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     # grouped order: GROUP_M row blocks sweep the columns together, so W tiles stay in L2
@@ -85,7 +85,7 @@ def _block_gemm_kernel(A, AS, W, WS, C, M, N, K, stride_am, stride_asm, stride_w
         w = tl.load(w_ptr, mask=mask_n[None, :] & mask_k[:, None], other=0.0)
         a_s = tl.load(as_ptr + kb, mask=mask_m, other=0.0)
         w_s = tl.load(ws_ptr + kb, mask=mask_n, other=0.0)
-        acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        acc += mma(a, w, UPCAST) * a_s[:, None] * w_s[None, :]
         a_ptr += BLOCK_K
         w_ptr += BLOCK_K
     tl.store(C + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :], acc.to(C.dtype.element_ty),
@@ -124,7 +124,8 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor,
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _block_gemm_kernel[grid](a, a_scale, weight, weight_scale, c, m, n, k, a.stride(0), a_scale.stride(0),
                              weight.stride(0), weight_scale.stride(0), c.stride(0), GROUP_N=block[0],
-                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1], GROUP_M=8, num_warps=warps, num_stages=stages)
+                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1], GROUP_M=8,
+                             UPCAST=upcast_fp8_dot(a, block[1]), num_warps=warps, num_stages=stages)
     return c
 
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, interpreted, mma
+from engine.kernels._util import check, check_float, interpreted, mma, upcast_fp8_dot
 from engine.kernels.fp8_gemm import FP8, per_token_group_quant
 from engine.kernels.moe_routing import align_by_expert
 
@@ -43,11 +43,11 @@ def _moe_gemm_kernel(A, AS, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded
                 a_s = tl.load(AS + rows * stride_asm + kb, mask=mask_m, other=0.0)
                 bs_ptr = BS + expert * stride_bse + kb
                 b_s = tl.load(bs_ptr + (offs_n // GROUP_N) * stride_bsn, mask=mask_n, other=0.0)
-                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+                acc += mma(a, b, UPCAST) * a_s[:, None] * b_s[None, :]
                 if GATED:
                     u = tl.load(up_ptr, mask=mask_n[None, :] & mask_k[:, None], other=0.0)
                     u_s = tl.load(bs_ptr + ((offs_n + N) // GROUP_N) * stride_bsn, mask=mask_n, other=0.0)
-                    acc_up += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
+                    acc_up += mma(a, u, UPCAST) * a_s[:, None] * u_s[None, :]
             else:
                 acc += mma(a, b, UPCAST)
                 if GATED:
@@ -85,7 +85,8 @@ def _launch(a, a_scale, w, w_scale, out, weights, align, num_pairs, top_k, gated
                            a_scale.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
                            w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, out.stride(0),
                            GATED=gated, MUL_WEIGHT=not gated, A_BY_TOKEN=by_token, USE_FP8=fp8,
-                           GROUP_N=block[0] if fp8 else 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=interpreted(a),
+                           GROUP_N=block[0] if fp8 else 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                           UPCAST=upcast_fp8_dot(a, bk) if fp8 else interpreted(a),
                            num_warps=warps, num_stages=stages)
 
 

@@ -30,6 +30,7 @@ from engine.layers.fp8 import dequantize_fp8_block, quantize_fp8_block
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(DEV != "cuda", reason="real DeepSeek shapes need a GPU")
+F32_TOL = 1e-5 if DEV == "cpu" else 2e-3  # a GPU multiplies float32 tiles in TF32 (10-bit mantissa)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -94,13 +95,13 @@ def test_mla_decode_small(num_splits, dtype):
     out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
     mla_decode_attention(*args, 0.3, num_splits=num_splits, out=out)
     ref = reference_mla_decode_attention(*args, 0.3)
-    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+    assert rel_err(out, ref) < (F32_TOL if dtype == torch.float32 else 2e-2)
 
 
 def test_mla_decode_more_slices_than_tokens():
     args = _decode_case([2, 5], heads=4, kv_lora=32, rope=8, page=2, dtype=torch.float32, seed=4)
     out = mla_decode_attention(*args, 0.5, num_splits=8)  # most slices are empty
-    assert rel_err(out, reference_mla_decode_attention(*args, 0.5)) < 1e-5
+    assert rel_err(out, reference_mla_decode_attention(*args, 0.5)) < F32_TOL
 
 
 @gpu
@@ -127,7 +128,7 @@ def test_mla_prefill_with_cached_prefix(dtype):
     # a plain prompt, a chunk after a 30-token cached prefix (spans several key tiles), a 1-token chunk
     args = _prefill_case([5, 70, 1], [5, 100, 9], heads=3, nope=16, rope=8, vdim=16, dtype=dtype, seed=6)
     out = mla_prefill_attention(*args, max_seqlen_q=70, softmax_scale=0.25)
-    assert rel_err(out, reference_mla_prefill_attention(*args, 0.25)) < (1e-5 if dtype == torch.float32 else 2e-2)
+    assert rel_err(out, reference_mla_prefill_attention(*args, 0.25)) < (F32_TOL if dtype == torch.float32 else 2e-2)
 
 
 @gpu
@@ -157,7 +158,7 @@ def test_fp8_block_gemm_exact_on_quantized_inputs(m, n, k, block):
     wq, ws, aq, a_s = wq.to(DEV), ws.to(DEV), aq.to(DEV), a_s.to(DEV)
     out = fp8_block_gemm(aq, a_s, wq, ws, block, torch.float32)
     ref = dequantize_fp8_block(aq, a_s, (1, block[1])) @ dequantize_fp8_block(wq, ws, block).T
-    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out, ref) < F32_TOL  # Hopper accumulates FP8 products with fewer bits inside a block
 
 
 def test_fp8_linear_matches_its_reference():
@@ -230,7 +231,7 @@ def test_fused_experts(dtype):
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int().to(DEV)
     weights = torch.rand(t, k, generator=g).to(DEV)
     out = fused_experts(x, w13, w2, weights, ids)
-    assert rel_err(out, reference_fused_experts(x, w13, w2, weights, ids)) < (1e-5 if dtype == torch.float32 else 2e-2)
+    assert rel_err(out, reference_fused_experts(x, w13, w2, weights, ids)) < (F32_TOL if dtype == torch.float32 else 2e-2)
 
 
 def _fp8_experts(w: torch.Tensor, block):
