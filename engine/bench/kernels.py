@@ -1,11 +1,12 @@
 """Each Triton kernel alone at the preset's real shapes: measured time against its two floors.
 
+Launches are replayed from CUDA graphs, so a kernel is timed on the device, not by its launch cost.
 Expert and linear weights are the model's own (no second copy); caches and activations are random."""
 
 import torch
 
 from engine.bench.roofline import Ceilings, expected_experts, fractions
-from engine.bench.timing import time_fn
+from engine.bench.timing import time_replayed
 from engine.model_runner import ModelRunner
 
 
@@ -28,7 +29,7 @@ def measure_kernels(runner: ModelRunner, ceilings: Ceilings, prefill_len: int, d
     rnd = lambda *shape: torch.randn(*shape, generator=g, device=dev).to(dt)
     heads, c, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
-    t = lambda fn: time_fn(fn, dev, repeats=20, warmup=3)
+    t = lambda fn: time_replayed(fn, dev)
     out = []
 
     # MLA decode over a paged cache (64-token pages, shuffled), one long sequence and a full batch

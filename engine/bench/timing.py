@@ -31,3 +31,20 @@ def time_fn(fn: Callable[[], object], device: torch.device, repeats: int = 5, wa
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def time_replayed(fn: Callable[[], object], device: torch.device, calls: int = 20, repeats: int = 5) -> float:
+    """Median seconds of one fn() call with the host out of the way: on a GPU, `calls` calls are captured
+    in one CUDA graph and replayed (small kernels are otherwise timed by their launch cost)."""
+    if device.type != "cuda":
+        return time_fn(fn, device, repeats=repeats)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiles and warms up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_fn(graph.replay, device, repeats=repeats, warmup=1) / calls

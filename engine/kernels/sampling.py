@@ -23,15 +23,22 @@ def _sample_kernel(Logits, Temperature, Seeds, Step, Out, stride_l, vocab, BLOCK
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
     best_val = tl.full([BLOCK_V], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK_V], tl.int32)
-    for v0 in range(0, vocab, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        mask = offs < vocab
-        x = tl.load(Logits + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-        u = tl.rand(seed + step * 1000003, offs)
-        x = tl.where(greedy, x, x - tl.log(-tl.log(tl.maximum(u, 1e-20))))
-        better = x > best_val  # strict: earlier chunks win ties, like argmax
-        best_idx = tl.where(better, offs, best_idx)
-        best_val = tl.where(better, x, best_val)
+    if greedy:  # no noise to draw: a plain scan
+        for v0 in range(0, vocab, BLOCK_V):
+            offs = v0 + tl.arange(0, BLOCK_V)
+            x = tl.load(Logits + row * stride_l + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+            better = x > best_val  # strict: earlier chunks win ties, like argmax
+            best_idx = tl.where(better, offs, best_idx)
+            best_val = tl.where(better, x, best_val)
+    else:
+        for v0 in range(0, vocab, BLOCK_V):
+            offs = v0 + tl.arange(0, BLOCK_V)
+            x = tl.load(Logits + row * stride_l + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32) * inv_t
+            u = tl.rand(seed + step * 1000003, offs)
+            x = x - tl.log(-tl.log(tl.maximum(u, 1e-20)))
+            better = x > best_val
+            best_idx = tl.where(better, offs, best_idx)
+            best_val = tl.where(better, x, best_val)
     top = tl.max(best_val, axis=0)
     idx = tl.min(tl.where(best_val == top, best_idx, vocab), axis=0)
     tl.store(Out + row, idx.to(Out.dtype.element_ty))
