@@ -7,6 +7,7 @@ blocks, decode steps replayed from CUDA graphs). `attention_backend` picks: "tor
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -42,6 +43,9 @@ def resolve_backend(requested: str, device: torch.device) -> str:
         raise ValueError(f"invalid attention_backend {requested!r}; choose one of {', '.join(BACKENDS)}")
     if requested == "auto":
         return "triton" if device.type == "cuda" else "torch"
+    if requested == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1, set before "
+                         "Triton is imported, to run its kernels in Triton's interpreter, slowly)")
     return requested
 
 

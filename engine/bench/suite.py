@@ -4,6 +4,7 @@ import datetime
 import gc
 import json
 import logging
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,7 +107,7 @@ def run(opts: BenchOptions) -> dict:
                if opts.kernels and runner.backend == "triton" else [])
 
     result = dict(
-        preset=name, model=str(path) if path else None, command=opts.command,
+        preset=name, model=str(path) if path else None, command=opts.command, commit=_source_commit(),
         gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         date=datetime.date.today().isoformat(), torch=torch.__version__,
         dtype=str(runner.dtype).replace("torch.", ""), weights="fp8 e4m3, 128x128 blocks" if fp8 else str(runner.dtype).replace("torch.", ""),
@@ -125,6 +126,16 @@ def run(opts: BenchOptions) -> dict:
     write_json(result, opts.out_dir)
     write_plot(result, opts.out_dir)
     return result
+
+
+def _source_commit() -> str | None:
+    """The engine's git commit, when it runs from a checkout (provenance of the figures)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def _ratio(a, b):

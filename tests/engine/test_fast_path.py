@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
+from engine.model_runner import resolve_backend
 from engine.tools.make_random_checkpoint import quantize_checkpoint
 from tests.engine.hf_oracle import YARN, build_hf_model, prompts, save_hf_checkpoint
 
@@ -109,3 +110,13 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
     ref = LLM(str(path), dtype=DTYPE, attention_backend="torch")
     assert_same_where_clear(ref, graphs, batch, **TOL)
     assert [o.token_ids for o in outs] == [o.token_ids for o in graphs.generate(batch, GREEDY)]
+
+
+def test_backend_choice_is_checked(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu) == "torch" and resolve_backend("auto", torch.device("cuda")) == "triton"
+    with pytest.raises(ValueError, match="invalid attention_backend"):
+        resolve_backend("flash", cpu)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_backend("triton", cpu)
