@@ -3,9 +3,12 @@
 import asyncio
 import json
 import multiprocessing
+import os
 import signal
+import subprocess
 
 import httpx
+import openai
 
 from engine.config import EngineConfig
 from engine.metrics import EngineMetrics
@@ -14,7 +17,14 @@ from engine.server.async_engine import AsyncEngine
 from engine.server.engine_process import build_llm_engine
 from engine.server.settings import ServerSettings
 from engine.tokenizer import Tokenizer
-from tests.engine.conftest_server import MODEL_NAME, SERVE, ServerProcess, tiny_checkpoint  # noqa: F401
+from tests.engine.conftest_server import (  # noqa: F401
+    MODEL_NAME,
+    SERVE,
+    ServerProcess,
+    free_port,
+    tiny_checkpoint,
+    wait_for,
+)
 
 SPAWN = multiprocessing.get_context("spawn")  # the engine process is spawned; its events must be too
 
@@ -92,9 +102,34 @@ async def test_drain_timeout_ends_streams_with_an_error_and_exits_0(tiny_checkpo
         server.stop()
 
 
-def test_a_model_that_does_not_exist_is_a_clear_error_at_once(tmp_path):
-    import subprocess
+def test_serve_with_no_arguments_serves_the_embedded_model(tmp_path):
+    # No flags at all: the address comes from the environment, as the operator's pods may set it.
+    port = free_port()
+    env = {**os.environ, "DEEPSEEK_ENGINE_HOST": "127.0.0.1", "DEEPSEEK_ENGINE_PORT": str(port)}
+    with open(tmp_path / "server.log", "w") as log:
+        proc = subprocess.Popen(SERVE, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert wait_for(lambda: _ready(url), timeout=120), (tmp_path / "server.log").read_text()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["deepseek-tiny"]
+        reply = client.chat.completions.create(
+            model="deepseek-tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=16, temperature=0
+        )
+        assert reply.choices[0].message.content and reply.usage.completion_tokens <= 16
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
 
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_model_that_does_not_exist_is_a_clear_error_at_once(tmp_path):
     done = subprocess.run([*SERVE, "--model", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert "neither a directory nor an embedded model" in done.stderr
