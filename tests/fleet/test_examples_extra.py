@@ -22,7 +22,7 @@ from fleet.manifests import build_children
 from fleet.validation import validate
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((ROOT / "examples").glob("*.y*ml"))
+EXAMPLES = sorted((ROOT / "examples").rglob("*.y*ml"))
 SCALERS = {("autoscaling/v2", "HorizontalPodAutoscaler"), ("keda.sh/v1alpha1", "ScaledObject")}
 
 
@@ -40,7 +40,7 @@ def test_the_issue_s_examples_exist() -> None:
     }
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.relative_to(ROOT / "examples").as_posix())
 def test_example_says_when_to_use_it(path: Path) -> None:
     lines = path.read_text().splitlines()
     leading = []
@@ -52,7 +52,7 @@ def test_example_says_when_to_use_it(path: Path) -> None:
     assert "use" in " ".join(leading), f"{path.name}: its leading comment should say when to use it"
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.relative_to(ROOT / "examples").as_posix())
 def test_every_document_passes_the_checks_of_its_kind(path: Path) -> None:
     docs = documents(path)
     assert docs, f"{path.name} is empty"
@@ -95,7 +95,7 @@ def test_fleet_names_are_unique_across_examples() -> None:
 
 def test_install_guide_lists_every_example() -> None:
     guide = (ROOT / "docs" / "install.md").read_text()
-    missing = [p.name for p in EXAMPLES if f"examples/{p.name}" not in guide]
+    missing = [p.relative_to(ROOT).as_posix() for p in EXAMPLES if p.relative_to(ROOT).as_posix() not in guide]
     assert not missing, f"docs/install.md does not list {missing}"
 
 

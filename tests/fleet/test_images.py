@@ -136,7 +136,7 @@ def install_as_the_image_does(dockerfile: Dockerfile, where: Path) -> Path:
     venv.create(where / "venv", with_pip=True)
     bin_dir = where / "venv" / "bin"
     for args in dockerfile.pip_installs():
-        result = subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "--quiet", *args], cwd=context,
+        result = subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "--quiet", "--no-compile", *args], cwd=context,
                                 capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, f"pip install {' '.join(args)} failed:\n{result.stderr[-3000:]}"
     return bin_dir
