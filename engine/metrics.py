@@ -1,9 +1,11 @@
-"""Prometheus metrics of one engine: exactly the contract the operator's autoscaler and dashboards read."""
+"""Prometheus metrics of one engine: exactly the contract the operator's autoscaler and dashboards read,
+plus the cross-replica KV counters when KV reuse is on."""
 
 import time
 from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.outputs import RequestOutput
@@ -29,10 +31,33 @@ class _WithoutCreated(Collector):
             yield family
 
 
-class EngineMetrics:
-    """The engine's metrics on a registry of their own; observed from the engine loop's thread."""
+class _KVCollector(Collector):
+    """The engine's cumulative KV-reuse counters, exposed as they were last reported."""
 
     def __init__(self) -> None:
+        self.transfer_bytes = 0
+        self.pull_fallbacks: dict[str, int] = {}
+        self.directory_up = True
+
+    def collect(self) -> Iterator:
+        yield CounterMetricFamily(
+            f"{PREFIX}_kv_transfer_bytes", "KV-cache bytes pulled from other replicas.", value=self.transfer_bytes
+        )
+        fallbacks = CounterMetricFamily(
+            f"{PREFIX}_kv_pull_fallbacks", "Prefixes recomputed instead of pulled, by reason.", labels=["reason"]
+        )
+        for reason, count in sorted(self.pull_fallbacks.items()):
+            fallbacks.add_metric([reason], count)
+        yield fallbacks
+        yield GaugeMetricFamily(
+            f"{PREFIX}_kv_directory_up", "1 while the KV-cache directory answers.", value=int(self.directory_up)
+        )
+
+
+class EngineMetrics:
+    """The engine's metrics on a registry of their own (`kv_reuse` adds the cross-replica KV counters)."""
+
+    def __init__(self, kv_reuse: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests_waiting = Gauge(
@@ -74,14 +99,21 @@ class EngineMetrics:
             self.prefix_cache_hit_tokens.labels(source=source)
         for reason in FINISH_REASONS:
             self.requests.labels(finish_reason=reason)
-        # request_id -> time of its last token; lives on the engine loop's thread only.
-        self._last_token_time: dict[str, float] = {}
+        self._kv = _KVCollector()
+        if kv_reuse:
+            r.register(self._kv)
+        self._last_token_time: dict[str, float] = {}  # request_id -> time of its last token
         self._exposition = _WithoutCreated(self.registry)
 
     def set_queue(self, num_waiting: int, num_running: int, kv_cache_usage: float) -> None:
         self.requests_waiting.set(num_waiting)
         self.requests_running.set(num_running)
         self.kv_cache_usage.set(kv_cache_usage)
+
+    def set_kv(self, transfer_bytes: int, pull_fallbacks: dict[str, int], directory_up: bool) -> None:
+        self._kv.transfer_bytes, self._kv.pull_fallbacks, self._kv.directory_up = (
+            transfer_bytes, pull_fallbacks, directory_up,
+        )  # fmt: skip
 
     def observe_outputs(self, outputs: Iterable[RequestOutput], now: float | None = None) -> None:
         """Counts the tokens and latencies of one engine step's outputs (`now`: time.monotonic())."""
@@ -119,7 +151,9 @@ class EngineMetrics:
 
     def _observe_first_token(self, out: RequestOutput, now: float) -> None:
         self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.prefix_cache_hit_tokens.labels(source="local").inc(out.num_cached_tokens)
+        remote = out.num_remote_cached_tokens
+        self.prefix_cache_hit_tokens.labels(source="local").inc(out.num_cached_tokens - remote)
+        self.prefix_cache_hit_tokens.labels(source="remote").inc(remote)
         if out.metrics is not None:
             first = out.metrics.first_token_time or now
             self.time_to_first_token.observe(first - out.metrics.arrival_time)

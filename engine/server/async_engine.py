@@ -231,6 +231,8 @@ class AsyncEngine:
     def _on_report(self, report: Report) -> None:
         self._num_waiting = report.num_waiting
         self.metrics.set_queue(report.num_waiting, report.num_running, report.kv_cache_usage)
+        if report.kv is not None:
+            self.metrics.set_kv(report.kv.transfer_bytes, report.kv.pull_fallbacks, report.kv.directory_up)
         for admission in report.admissions:
             self._on_admission(admission)
         for request_id in report.aborted:

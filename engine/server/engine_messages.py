@@ -5,7 +5,7 @@ step cost O(sequence length) in pickling. The server side rebuilds full RequestO
 """
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -58,6 +58,7 @@ class Delta(NamedTuple):
     finished: bool
     finish_reason: str | None
     num_cached_tokens: int
+    num_remote_cached_tokens: int
     metrics: RequestMetrics | None  # only with a request's first tokens and its last: all the server reads
 
     @classmethod
@@ -67,7 +68,7 @@ class Delta(NamedTuple):
         first_or_last = num_tokens == num_new or out.finished
         return cls(
             out.request_id, list(out.new_token_ids), out.new_text, logprobs, out.finished, out.finish_reason,
-            out.num_cached_tokens, out.metrics if first_or_last else None,
+            out.num_cached_tokens, out.num_remote_cached_tokens, out.metrics if first_or_last else None,
         )  # fmt: skip
 
 
@@ -82,6 +83,21 @@ class Report:
     admissions: list[Admission] = field(default_factory=list)
     deltas: list[tuple] = field(default_factory=list)  # tuple(Delta)
     aborted: list[str] = field(default_factory=list)  # requests the engine still held when aborted
+    kv: "KVSnapshot | None" = None  # cross-replica KV counters, when they changed
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """The engine's cross-replica KV counters (cumulative) and the directory's health."""
+
+    transfer_bytes: int
+    pull_fallbacks: dict[str, int]  # reason -> count
+    directory_up: bool
+
+    @classmethod
+    def of(cls, connector: Any) -> "KVSnapshot":
+        stats = connector.stats
+        return cls(stats.transfer_bytes, dict(stats.fallbacks), bool(connector.directory.healthy))
 
 
 @dataclass
@@ -118,6 +134,7 @@ class OutputBuilder:
             finished=delta.finished,
             finish_reason=delta.finish_reason,
             num_cached_tokens=delta.num_cached_tokens,
+            num_remote_cached_tokens=delta.num_remote_cached_tokens,
             new_token_ids=delta.new_token_ids,
             new_text=delta.new_text,
             metrics=delta.metrics,

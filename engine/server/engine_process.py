@@ -19,6 +19,7 @@ from engine.server.engine_messages import (
     Admission,
     Delta,
     Failed,
+    KVSnapshot,
     Ready,
     Report,
     Stop,
@@ -55,6 +56,8 @@ def run_engine_process(
         pass  # the server is gone
     except BaseException as exc:  # noqa: BLE001
         reports.send(Failed(f"the engine loop failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        engine.shutdown()  # the KV directory entries and the transfer server go with this process
 
 
 class EngineLoop:
@@ -66,6 +69,7 @@ class EngineLoop:
         self.reports = reports
         self.live: set[str] = set()  # request ids the engine holds
         self._last_queue: tuple | None = None
+        self._last_kv: KVSnapshot | None = None
 
     def run(self) -> None:
         engine = self.engine
@@ -90,7 +94,10 @@ class EngineLoop:
     def _send(self, report: Report) -> None:
         engine = self.engine
         queue = (engine.num_waiting, engine.num_running, engine.kv_cache_usage)
-        if report.admissions or report.deltas or report.aborted or queue != self._last_queue:
+        kv = KVSnapshot.of(engine.kv) if getattr(engine, "kv", None) is not None else None
+        if kv != self._last_kv:
+            report.kv = self._last_kv = kv
+        if report.admissions or report.deltas or report.aborted or report.kv or queue != self._last_queue:
             report.time = time.monotonic()
             report.num_waiting, report.num_running, report.kv_cache_usage = queue
             self._last_queue = queue

@@ -45,11 +45,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish after SIGTERM",
     )
     fleet = parser.add_argument_group("fleet (set by the operator)")
-    fleet.add_argument("--replica-id", help="this replica's name (the pod name)")
-    fleet.add_argument("--advertise-host", help="address peers reach this replica at (the pod IP)")
+    fleet.add_argument("--replica-id", help="this replica's name in the KV directory (the pod name)")
+    fleet.add_argument("--advertise-host", help="address peers pull KV blocks from (the pod IP; default 127.0.0.1)")
     fleet.add_argument("--kv-directory", help="redis URL of the KV-cache directory (absent: local prefix cache only)")
     fleet.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "rdma"])
-    fleet.add_argument("--kv-transfer-port", type=_port, default=8100)
+    fleet.add_argument("--kv-transfer-port", type=_port_or_any, default=8100, help="0: any free port")
+    fleet.add_argument(
+        "--kv-min-prefix-tokens", type=_non_negative_int, default=64,
+        help="shorter missing prefixes are recomputed without asking the directory",
+    )  # fmt: skip
+    fleet.add_argument("--kv-pull-policy", default="auto", choices=["auto", "always", "never"])
     parser.epilog = f"Every flag also reads {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}MAX_MODEL_LEN=8192)."
     apply_env_defaults(parser)
 
@@ -81,11 +86,6 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         api_key=read_api_key(args.api_key_file) if args.api_key_file else None,
         max_waiting_requests=args.max_waiting_requests,
         drain_timeout=args.drain_timeout,
-        replica_id=args.replica_id,
-        advertise_host=args.advertise_host,
-        kv_directory=args.kv_directory,
-        kv_transport=args.kv_transport,
-        kv_transfer_port=args.kv_transfer_port,
     )
 
 
@@ -106,9 +106,16 @@ def engine_config(args: argparse.Namespace) -> Any:
 
     if args.tensor_parallel_size != 1:
         raise SystemExit("error: --tensor-parallel-size > 1 is not supported by this engine build yet")
-    kwargs = {"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len}
-    if args.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = args.max_num_seqs
+    kwargs = {
+        "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
+        "kv_directory": args.kv_directory, "replica_id": args.replica_id, "kv_transport": args.kv_transport,
+        "kv_transfer_port": args.kv_transfer_port, "kv_min_prefix_tokens": args.kv_min_prefix_tokens,
+        "kv_pull_policy": args.kv_pull_policy,
+    }  # fmt: skip
+    # Unset: the engine's own defaults.
+    for name in ("max_num_seqs", "advertise_host"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
     try:
         resolve_model_path(args.model)
         return EngineConfig(**kwargs)
@@ -168,8 +175,9 @@ def run(args: argparse.Namespace) -> int:
     """Serves until SIGTERM (drained, exit 0) or SIGINT; exit 1 when the engine fails."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
+    config = engine_config(args)
     engine = AsyncEngine(
-        build_llm_engine, (engine_config(args),), EngineMetrics(),
+        build_llm_engine, (config,), EngineMetrics(kv_reuse=config.kv_directory is not None),
         load_tokenizer=Tokenizer, max_waiting_requests=settings.max_waiting_requests,
     )  # fmt: skip
     app = create_app(settings, engine)
@@ -196,6 +204,17 @@ def _port(text: str) -> int:
     value = int(text)
     if not 0 < value < 65536:
         raise argparse.ArgumentTypeError(f"must be a port number 1..65535, got {value}")
+    return value
+
+
+def _port_or_any(text: str) -> int:
+    return 0 if int(text) == 0 else _port(text)
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 

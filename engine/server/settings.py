@@ -1,4 +1,4 @@
-"""The server's own settings (the engine's are in EngineConfig)."""
+"""The server's own settings (the engine's, cross-replica KV reuse included, are in EngineConfig)."""
 
 from dataclasses import dataclass
 
@@ -11,9 +11,3 @@ class ServerSettings:
     api_key: str | None = None  # None: no authentication
     max_waiting_requests: int | None = None  # None: unbounded waiting queue
     drain_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
-    # Identity and cross-replica KV cache wiring, set by the operator; stored now, used by the KV work.
-    replica_id: str | None = None
-    advertise_host: str | None = None
-    kv_directory: str | None = None
-    kv_transport: str = "auto"
-    kv_transfer_port: int = 8100

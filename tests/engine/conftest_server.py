@@ -55,8 +55,9 @@ class ServerProcess:
             "--host", "127.0.0.1", "--port", str(self.port), *extra,
         ]  # fmt: skip
         self._log = open(log_path, "w")
+        # A session of its own: SIGKILL then takes the engine process along, as a dying pod does.
         self.proc = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            args, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
         )
 
     def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
@@ -87,6 +88,12 @@ class ServerProcess:
         return samples
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """SIGTERM goes to the server alone (as Kubernetes sends it); SIGKILL to all its processes."""
+        if sig == signal.SIGKILL:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.metrics import EngineMetrics
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.server.engine_messages import Delta, OutputBuilder
-from engine.server.launch import add_serve_args, settings_from_args
+from engine.server.launch import add_serve_args, engine_config, settings_from_args
 from engine.server.reasoning import ReasoningParser
 from engine.server.request_log import summarize
 from engine.server.request_stream import RequestStream
@@ -166,7 +166,7 @@ def test_metrics_observe_a_request_lifecycle():
     metrics = EngineMetrics()
     m = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.1, first_token_time=100.5)
     first = output("a", [5], [5])
-    first.num_cached_tokens, first.metrics = 2, m
+    first.num_cached_tokens, first.num_remote_cached_tokens, first.metrics = 5, 3, m
     metrics.observe_outputs([first], now=100.5)
     metrics.observe_outputs([output("a", [5, 6], [6])], now=100.6)
     last = output("a", [5, 6, 7, 8], [7, 8], finished=True)
@@ -176,7 +176,7 @@ def test_metrics_observe_a_request_lifecycle():
     assert sample(metrics, "deepseek_engine_prompt_tokens_total") == 3
     assert sample(metrics, "deepseek_engine_generation_tokens_total") == 4
     assert sample(metrics, "deepseek_engine_prefix_cache_hit_tokens_total", source="local") == 2
-    assert sample(metrics, "deepseek_engine_prefix_cache_hit_tokens_total", source="remote") == 0
+    assert sample(metrics, "deepseek_engine_prefix_cache_hit_tokens_total", source="remote") == 3
     assert sample(metrics, "deepseek_engine_time_to_first_token_seconds_sum") == pytest.approx(0.5)
     assert sample(metrics, "deepseek_engine_inter_token_latency_seconds_count") == 3
     assert sample(metrics, "deepseek_engine_inter_token_latency_seconds_sum") == pytest.approx(0.1 + 0.4)
@@ -186,6 +186,18 @@ def test_metrics_observe_a_request_lifecycle():
     assert sample(metrics, "deepseek_engine_kv_cache_usage") == 0.25
     metrics.observe_abort("b")
     assert sample(metrics, "deepseek_engine_requests_total", finish_reason="abort") == 1
+
+
+def test_kv_reuse_adds_its_counters_and_only_then():
+    names = lambda m: {f.name for f in text_string_to_metric_families(m.render().decode())}  # noqa: E731
+    kv = {"deepseek_engine_kv_transfer_bytes", "deepseek_engine_kv_pull_fallbacks", "deepseek_engine_kv_directory_up"}
+    assert not names(EngineMetrics()) & kv
+    metrics = EngineMetrics(kv_reuse=True)
+    assert kv <= names(metrics)
+    metrics.set_kv(4096, {"checksum": 2}, directory_up=False)
+    assert sample(metrics, "deepseek_engine_kv_transfer_bytes_total") == 4096
+    assert sample(metrics, "deepseek_engine_kv_pull_fallbacks_total", reason="checksum") == 2
+    assert sample(metrics, "deepseek_engine_kv_directory_up") == 0
 
 
 def test_request_summary_line():
@@ -220,11 +232,11 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
     key = tmp_path / "key"
     key.write_text("secret\n")
     env = {
-        "MODEL": "/models/v3", "SERVED_MODEL_NAME": "v3", "PORT": "9000", "HOST": "127.0.0.1",
+        "MODEL": str(tmp_path), "SERVED_MODEL_NAME": "v3", "PORT": "9000", "HOST": "127.0.0.1",
         "TENSOR_PARALLEL_SIZE": "1", "MAX_MODEL_LEN": "8192", "REPLICA_ID": "pod-0", "ADVERTISE_HOST": "10.0.0.7",
         "KV_DIRECTORY": "redis://dir:6379/0", "KV_TRANSPORT": "rdma", "KV_TRANSFER_PORT": "8101",
         "API_KEY_FILE": str(key), "MAX_WAITING_REQUESTS": "32", "MAX_NUM_SEQS": "8", "DRAIN_TIMEOUT": "12.5",
-        "DTYPE": "bfloat16",
+        "DTYPE": "bfloat16", "KV_MIN_PREFIX_TOKENS": "32", "KV_PULL_POLICY": "never",
     }  # fmt: skip
     for name, value in env.items():
         monkeypatch.setenv(f"DEEPSEEK_ENGINE_{name}", value)
@@ -235,9 +247,12 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
     assert (args.port, args.max_model_len, args.drain_timeout, args.kv_transport) == (9000, 8192, 12.5, "rdma")
     s = settings_from_args(args)
     assert (s.served_model_name, s.api_key, s.max_waiting_requests) == ("v3", "secret", 32)
-    assert (s.replica_id, s.advertise_host, s.kv_directory, s.kv_transfer_port) == (
-        "pod-0", "10.0.0.7", "redis://dir:6379/0", 8101,
+    c = engine_config(args)
+    assert (c.model, c.dtype, c.max_model_len, c.max_num_seqs) == (str(tmp_path), "bfloat16", 8192, 8)
+    assert (c.replica_id, c.advertise_host, c.kv_directory, c.kv_transport, c.kv_transfer_port) == (
+        "pod-0", "10.0.0.7", "redis://dir:6379/0", "rdma", 8101,
     )  # fmt: skip
+    assert (c.kv_min_prefix_tokens, c.kv_pull_policy) == (32, "never")
     assert parser.parse_args(["--port", "9100"]).port == 9100  # the command line wins
 
 
