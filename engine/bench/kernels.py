@@ -20,6 +20,7 @@ def measure_kernels(runner: ModelRunner, ceilings: Ceilings, prefill_len: int, d
     from engine.kernels.fused_moe import fused_experts
     from engine.kernels.mla_decode import mla_decode_attention
     from engine.kernels.mla_prefill import mla_prefill_attention
+    from engine.kernels.moe_gemv import moe_gemv
     from engine.kernels.rms_norm import rms_norm
     from engine.kernels.sampling import sample
 
@@ -64,7 +65,7 @@ def measure_kernels(runner: ModelRunner, ceilings: Ceilings, prefill_len: int, d
         scales = (ex.w13_scale_inv, ex.w2_scale_inv) if fp8 else (None, None)
         e, k, hid, inter = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
         per_expert = sum(p.numel() * p.element_size() for p in ex.parameters()) / e
-        for tokens in (1, 64, n):
+        for tokens in (1, 8, 64, n):
             x = rnd(tokens, hid)
             ids = torch.rand(tokens, e, generator=g, device=dev).topk(k, dim=-1).indices.int()
             w = torch.rand(tokens, k, generator=g, device=dev)
@@ -72,6 +73,11 @@ def measure_kernels(runner: ModelRunner, ceilings: Ceilings, prefill_len: int, d
             touched = expected_experts(e, k, tokens) * per_expert
             out.append(_entry("fused_moe" + ("_fp8" if fp8 else ""), f"T={tokens} E={e} k={k} H={hid} I={inter}", sec,
                               touched + 2 * tokens * hid * el, 6.0 * tokens * k * hid * inter, ceilings, fp8))
+            if tokens * k <= 64:
+                sec = t(lambda: moe_gemv(x, ex.w13, ex.w2, w, ids, *scales, block=ex.block))
+                out.append(_entry("moe_gemv" + ("_fp8" if fp8 else ""), f"T={tokens} E={e} k={k} H={hid} I={inter}",
+                                  sec, tokens * k * per_expert + 2 * tokens * hid * el, 6.0 * tokens * k * hid * inter,
+                                  ceilings, fp8))
 
     # FP8 block-scaled linear, o_proj's shape
     o_proj = runner.model.model.layers[0].self_attn.o_proj

@@ -106,6 +106,8 @@ def run(opts: BenchOptions) -> dict:
                       if any(p <= 8192 for p in opts.prompt_lens) else min(opts.prompt_lens), opts.decode_context)
                if opts.kernels and runner.backend == "triton" else [])
 
+    variants = {"moe_gemv": _guard(_gemv_variant, runner, pool, opts, costs, ceilings)} if runner.backend == "triton" else {}
+
     result = dict(
         preset=name, model=str(path) if path else None, command=opts.command, commit=_source_commit(),
         gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -115,6 +117,7 @@ def run(opts: BenchOptions) -> dict:
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
         ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),
         decode_tok_s=_summary(decode, "tok_s"), prefill=prefill, decode=decode, layers=layers, kernels=kernels,
+        variants=variants,
     )
     write_json(result, opts.out_dir)  # ours stays on disk even if the peer then fails
     if opts.compare_hf:
@@ -126,6 +129,32 @@ def run(opts: BenchOptions) -> dict:
     write_json(result, opts.out_dir)
     write_plot(result, opts.out_dir)
     return result
+
+
+def _gemv_variant(runner: ModelRunner, pool: BlockPool, opts: BenchOptions, costs: PhaseCosts, ceilings) -> dict:
+    """Decode again with small batches' experts as GEMVs (FusedExperts.gemv_max_pairs), for comparison."""
+    from engine.layers.moe import FusedExperts
+    from engine.model_runner import DecodeGraphs
+
+    max_pairs = 64
+    experts = [m for m in runner.model.modules() if isinstance(m, FusedExperts)]
+    fp8 = runner.model_config.quant is not None  # the fast path keeps FP8 blocks
+    top_k = runner.model_config.num_experts_per_tok
+    decode = {}
+    try:
+        for m in experts:
+            m.gemv_max_pairs = max_pairs
+        runner.graphs = DecodeGraphs(runner) if runner.use_cuda_graphs else None  # graphs of the new path
+        for c in (c for c in opts.concurrency if c * top_k <= max_pairs):
+            m = measure_decode(runner, pool, c, opts.decode_context, opts.decode_steps, runner.model_config.vocab_size)
+            m.update(fractions(m["seconds_per_step"], *costs.decode(c, m["context"]), ceilings, fp8))
+            decode[str(c)] = m
+        layers = measure_layers(runner, pool, opts.decode_context, runner.model_config.vocab_size)
+    finally:
+        for m in experts:
+            m.gemv_max_pairs = 0
+        runner.graphs = DecodeGraphs(runner) if runner.use_cuda_graphs else None
+    return dict(gemv_max_pairs=max_pairs, decode_tok_s=_summary(decode, "tok_s"), decode=decode, layers=layers)
 
 
 def _source_commit() -> str | None:

@@ -7,6 +7,7 @@ plain-PyTorch reference the tests compare against.
 | `mla_prefill` | causal variable-length MLA prefill with a cached prefix (chunked prefill) |
 | `moe_routing` | router scoring + group-limited top-k, and the sort of (token, expert) pairs by expert |
 | `fused_moe` | grouped GEMMs over the sorted pairs, SiLU-and-multiply fused; bf16 and FP8 block-scaled |
+| `moe_gemv` | the same experts for a handful of tokens as GEMVs over the pairs, without the sort |
 | `fp8_gemm` | per-token-group activation quantization + FP8 block-scaled GEMM |
 | `rms_norm` | RMSNorm, optionally fused with the residual add |
 | `rotary` | DeepSeek's interleaved rotary embedding, in place |

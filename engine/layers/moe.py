@@ -68,6 +68,9 @@ class FusedExperts(nn.Module):
     """
 
     use_kernels = False
+    # batches of at most this many (token, expert) pairs run as GEMVs without the sort by expert
+    # (kernels.moe_gemv); 0 keeps every batch on the grouped GEMM, the path measured in docs/perf.md
+    gemv_max_pairs = 0
 
     def __init__(self, num_experts: int, hidden: int, inter: int, quant: QuantConfig | None = None):
         super().__init__()
@@ -117,9 +120,11 @@ class FusedExperts(nn.Module):
         """x: [T, hidden]. The reference path loops over the experts that received tokens."""
         if self.use_kernels:
             from engine.kernels.fused_moe import fused_experts
+            from engine.kernels.moe_gemv import moe_gemv
 
             scales = (self.w13_scale_inv, self.w2_scale_inv) if self.block is not None else (None, None)
-            return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, *scales, block=self.block)
+            run = moe_gemv if topk_ids.numel() <= self.gemv_max_pairs else fused_experts
+            return run(x, self.w13, self.w2, topk_weights, topk_ids, *scales, block=self.block)
         w13, w2 = (self.w13, self.w2) if self.block is None else self.dequantized()
         # FP8 experts: activations go through FP8 per token group too, as in the kernels
         qdq = (lambda a: a) if self.block is None else (lambda a: quantize_activations_reference(a, self.block[1]))

@@ -64,6 +64,15 @@ def test_fast_path_matches_reference(tmp_path, case):
     assert_same_where_clear(ref, fast, prompts(21, [7, 21]), **TOL)
 
 
+def test_small_batch_experts_as_gemvs_match_reference(tmp_path):
+    hf = build_hf_model(seed=25)
+    ref, fast = pair(save_hf_checkpoint(hf, tmp_path / "ckpt"))
+    experts = [m for m in fast.engine.runner.model.modules() if type(m).__name__ == "FusedExperts"]
+    for m in experts:
+        m.gemv_max_pairs = 8  # decode steps of up to 4 sequences (top-2) take the GEMV path, prefills do not
+    assert_same_where_clear(ref, fast, prompts(25, [6, 11]), **TOL)
+
+
 def test_fast_path_chunked_prefill_over_cached_prefix(tmp_path):
     hf = build_hf_model(seed=22, rope_parameters=YARN)
     # a 7-token budget splits every prompt into chunks that attend to their cached prefix

@@ -307,3 +307,33 @@ def test_launchers_reject_bad_inputs():
         route(torch.zeros(2, 10, device=DEV), None, 2, "sigmoid", "noaux_tc", 4, 2, True, 1.0)
     with pytest.raises(ValueError, match="float32"):
         rms_norm(torch.zeros(2, 8, dtype=torch.int32, device=DEV), torch.ones(8, device=DEV), 1e-6)
+
+
+# -- small-batch experts as GEMVs ------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_gemv_matches_reference(dtype):
+    from engine.kernels.moe_gemv import moe_gemv
+
+    g = torch.Generator().manual_seed(19)
+    t, hidden, inter, e, k = 3, 64, 48, 8, 2
+    x = torch.randn(t, hidden, generator=g).to(DEV, dtype)
+    w13 = (0.1 * torch.randn(e, 2 * inter, hidden, generator=g)).to(DEV, dtype)
+    w2 = (0.1 * torch.randn(e, hidden, inter, generator=g)).to(DEV, dtype)
+    ids = torch.tensor([[1, 5], [5, 1], [7, 0]], dtype=torch.int32, device=DEV)  # experts shared between tokens
+    weights = torch.rand(t, k, generator=g).to(DEV)
+    out = moe_gemv(x, w13, w2, weights, ids)
+    assert rel_err(out, reference_fused_experts(x, w13, w2, weights, ids)) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_moe_gemv_fp8_is_the_grouped_kernels_math():
+    from engine.kernels.moe_gemv import moe_gemv
+
+    g = torch.Generator().manual_seed(20)
+    t, hidden, inter, e, k, block = 2, 64, 32, 6, 3, (16, 16)
+    x = torch.randn(t, hidden, generator=g).to(DEV, torch.float32)
+    (w13, s13), (w2, s2) = (_fp8_experts(0.1 * torch.randn(e, 2 * inter, hidden, generator=g), block),
+                            _fp8_experts(0.1 * torch.randn(e, hidden, inter, generator=g), block))
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int().to(DEV)
+    weights = torch.rand(t, k, generator=g).to(DEV)
+    out = moe_gemv(x, w13, w2, weights, ids, s13, s2, block)
+    assert rel_err(out, fused_experts(x, w13, w2, weights, ids, s13, s2, block)) < F32_TOL
