@@ -5,9 +5,10 @@
 Both sides get the same prompts (token ids, so tokenization is not measured), the same sampling
 settings and `ignore_eos`, so they generate exactly the same number of tokens. The server side is
 32 concurrent streaming clients on /v1/completions (connections kept open between runs); their wall
-time runs from the first request to the last `[DONE]`. Offline and server runs alternate and the best of each is kept, which damps the
-noise of a shared machine; the median is printed too. Without --model a small random checkpoint is written to a temp dir.
-Note: on a CPU machine the clients share the cores with the server, so the figure is an upper bound.
+time runs from the first request to the last `[DONE]`. After unmeasured warm-up runs, offline and
+server runs alternate; the best of each is kept, which damps the noise of a shared machine, and the
+median is printed too. Without --model a small random checkpoint is written to a temp dir.
+On a CPU machine the clients share the cores with the server: there the figure is an upper bound.
 """
 
 import argparse
