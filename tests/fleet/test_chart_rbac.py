@@ -1,10 +1,12 @@
 """The chart's RBAC covers every API call the running operator makes, and grants nothing it never uses.
 
 The calls are not listed by hand: a real Kopf operator (the e2e harness: kmock's API emulation over
-HTTP) is driven through every path that touches the API (create, adopt-free repair of each child
-kind, external and managed directories, RDMA pod reads, invalid specs, autoscaling), and each
+HTTP) is driven through every path that touches the API (creating and repairing each child kind, managed
+and external directories, RDMA pod reads, an invalid spec, an autoscaler scale-down), and each
 request it sent is turned into the (API group, resource, verb) that RBAC would check. Requests
-made by the test itself carry no credentials and are left out.
+made by the test itself carry no credentials and are left out. The operator watches one namespace
+here; watching the whole cluster it makes the same calls without the namespace in the path, which
+RBAC checks against the same (group, resource, verb), granted then by the ClusterRole.
 
 Not covered: what RBAC checks outside API calls. `deepseekdeployments/finalizers: update` is such
 a rule (the OwnerReferencesPermissionEnforcement admission plugin checks it when a child's owner
@@ -45,7 +47,7 @@ ADMISSION_ONLY = {(names.GROUP, f"{names.PLURAL}/finalizers", "update")}
 NO_WIDER_THAN_GET = {(names.GROUP, f"{names.PLURAL}/status", "get")}
 # Paths every authenticated client may read (the system:discovery ClusterRole): not RBAC rules of ours.
 DISCOVERY_PREFIXES = ("/api", "/apis", "/version", "/openapi")
-READ_VERB = {"GET": "get", "POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
+VERB_OF_METHOD = {"GET": "get", "POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
 
 
 def fleet(name: str, **spec: Any) -> dict[str, Any]:
@@ -65,7 +67,7 @@ def rbac_attributes(request: kmock.Request) -> tuple[str, str, str] | str:
     if request.resource is None or request.resource.plural is None:  # discovery
         return request.url.path
     resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
-    verb = READ_VERB[request.method.value]
+    verb = VERB_OF_METHOD[request.method.value]
     if verb == "get" and request.name is None:
         verb = "watch" if request.params.get("watch") in ("true", "1") else "list"
     return request.resource.group or "", resource, verb
