@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 OUT_DIR="${1:-benchmarks/results}"
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
-timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_kernels.py tests/engine/test_fast_path.py \
+timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/engine/test_kernels.py tests/engine/test_fast_path.py \
   >"$OUT_DIR/tests.log" 2>&1
 echo "tests: exit $?" ; tail -3 "$OUT_DIR/tests.log"
 timeout 240 python3 -m engine.bench --preset v2-lite --compare-hf --out "$OUT_DIR" >"$OUT_DIR/bench-v2-lite.log" 2>&1

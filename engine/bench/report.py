@@ -28,7 +28,7 @@ def write_plot(result: dict, out_dir: Path) -> Path:
             ax.plot(xs, [layer["bandwidth_floor_s"] * 1e6 for layer in layers], "k_", markersize=30, mew=2,
                     label="bandwidth floor")
             ax.set(xlabel="decoder layer (batch 1)", ylabel="µs per step", title="decode, per layer")
-            ax.legend()
+            ax.legend(loc="lower right")
             continue
         key, floor_key = (("decode_tok_s", "bandwidth_floor_s") if panel == "decode"
                           else ("prefill_tok_s", "compute_floor_s"))
@@ -38,8 +38,8 @@ def write_plot(result: dict, out_dir: Path) -> Path:
         if hf.get(key):
             ax.plot(xs, [hf[key].get(x) for x in xs], "s--", label="HF transformers")
         phase = result[panel]
-        unit = (lambda x: int(x)) if panel == "decode" else (lambda x: int(x))
-        floors = [unit(x) / phase[x][floor_key] if phase[x].get(floor_key) else None for x in xs]
+        # tokens per step (sequences, or prompt tokens) over the step's floor
+        floors = [int(x) / phase[x][floor_key] if phase[x].get(floor_key) else None for x in xs]
         ax.plot(xs, floors, "k:", label="bandwidth floor" if panel == "decode" else "matmul floor")
         ax.set_yscale("log")
         ax.set(xlabel="concurrent sequences" if panel == "decode" else "prompt tokens", ylabel="tokens/s",
