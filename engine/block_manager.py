@@ -65,7 +65,7 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks that hold this sequence's leading full blocks (never the whole sequence:
         the last token is always computed so the step yields logits)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.collect_logits:  # scoring needs every position computed
             return []
         hits, parent = [], self.root_hash
         max_blocks = (seq.num_tokens - 1) // self.block_size

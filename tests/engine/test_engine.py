@@ -115,3 +115,11 @@ def test_presence_and_frequency_penalties_discourage_repeats(llm):
                                                presence_penalty=2.0, frequency_penalty=2.0))[0].token_ids
     assert len(set(plain)) < len(plain) / 2
     assert len(set(penalized)) > len(set(plain))
+
+
+def test_score_computes_every_position_even_when_the_prefix_is_cached(llm):
+    p = prompts(17, [21], vocab=512)[0]
+    llm.generate(p, GREEDY)  # leaves the prompt's blocks in the prefix cache
+    first, second = llm.score([p, p])
+    assert first.shape == second.shape == (21, 512)
+    assert (first - second).abs().max().item() == 0.0
