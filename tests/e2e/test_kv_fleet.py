@@ -18,13 +18,6 @@ FOLLOW_UP = {"role": "user", "content": "And what happens when a pod is deleted?
 
 
 @pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
 def fleet(tiny_checkpoint, redis_server, tmp_path):  # noqa: F811
     procs = []
 

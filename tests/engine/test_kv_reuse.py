@@ -17,13 +17,6 @@ PROMPT = list(range(2, 70))  # 67 cached-able tokens: 16 full blocks of 4
 
 
 @pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
 def make_engine(random_checkpoint, redis_server):
     engines = []
 
