@@ -121,6 +121,8 @@ class ModelRunner:
                                 and not config.extra.get("enforce_eager", False))
         self._allocate_kv_cache()
         self.graphs = DecodeGraphs(self) if self.use_cuda_graphs else None
+        if self.graphs is not None and config.extra.get("capture_graphs_at_start", True):
+            self.graphs.capture_all()
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -204,7 +206,8 @@ class DecodeGraphs:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
-        self.max_batch = min(runner.config.max_num_seqs, self.SIZES[-1])
+        # buffers hold the padded size of the largest batch, so every padded() row count fits
+        self.max_batch = self.padded(min(runner.config.max_num_seqs, self.SIZES[-1]))
         self.width = -(-runner.max_model_len // runner.block_size)  # block-table columns
         self.scratch_block = runner.num_blocks  # the cache's extra block
         dev, n = runner.device, self.max_batch
@@ -291,6 +294,14 @@ class DecodeGraphs:
         self.pool = graph.pool()
         self.graphs[batch] = graph
         logger.info("captured a CUDA graph for decode batches of %d", batch)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every batch size up front, largest first (smaller graphs reuse its memory pool), so
+        requests arriving one by one never pay a capture in the middle of serving."""
+        for size in sorted((s for s in self.SIZES if s <= self.max_batch), reverse=True):
+            if size not in self.graphs:
+                self._capture(size)
 
     @torch.inference_mode()
     def replay(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

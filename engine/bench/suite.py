@@ -77,7 +77,7 @@ def run(opts: BenchOptions) -> dict:
     engine_config = EngineConfig(model=str(path or name), dtype=opts.dtype, device=opts.device,
                                  attention_backend=opts.backend, max_num_seqs=max_conc, block_size=bs,
                                  num_kv_blocks=num_blocks, seed=opts.seed, show_progress=False,
-                                 extra={"enforce_eager": opts.eager})
+                                 extra={"enforce_eager": opts.eager, "capture_graphs_at_start": False})
     runner = ModelRunner(engine_config, model_config, path, max_len)
     fp8 = model_config.quant is not None and runner.backend == "triton"
     ceilings = measure_ceilings(device)
