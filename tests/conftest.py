@@ -1,3 +1,9 @@
+import os
+
+# Tests run several engines, servers and clients at once on a few cores: one OpenMP thread each, or
+# their spinning workers starve one another (and every subprocess inherits this).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 
 from tests.redis_server import RedisServer
