@@ -233,6 +233,9 @@ async def test_replicas_status_and_events_follow_a_load_trace(
     # Each pod removed was marked before its scale-down: no running request, least KV cache first.
     assert replicaset.removed == [("v3-e1", "-1"), ("v3-e2", "-1"), ("v3-e3", "-1")]
     await eventually(lambda: len(events(cluster, "ScaledDown")) == 3, what="an Event per scale-down")
+    # the Event and the status patch of the last step are separate writes: wait for the status too
+    await eventually(lambda: [(h["fromReplicas"], h["toReplicas"]) for h in status(cluster)["scalingHistory"]][-1:]
+                     == [(2, 1)], what="the last step in the history")
     body = cluster.get(names.API_VERSION, names.PLURAL, "v3")
     assert body["metadata"]["generation"] == 1 and body["spec"]["replicas"] == 1  # spec never written
     assert [(h["fromReplicas"], h["toReplicas"]) for h in body["status"]["scalingHistory"]][-3:] == [
