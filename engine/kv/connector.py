@@ -7,7 +7,6 @@ loop. Every failure on the pull path ends in recomputation, never in an error fo
 """
 
 import logging
-import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.kv.directory import KVDirectory
-from engine.kv.transfer import ExportedBlocks, KVTransferServer, PulledBlocks, TcpTransport, TransferError
+from engine.kv.transfer import BlockLayout, KVTransferServer, PulledBlocks, TcpTransport, TransferError
 from engine.kv.transport import select_transport
 
 logger = logging.getLogger(__name__)
@@ -91,13 +90,13 @@ class KVConnector:
         self.transfer_rate = RateEstimate(prior=1e9)  # bytes/s
         self.prefill_rate = RateEstimate(prior=5e3)  # tokens/s
         self.block_bytes = sum(c[0].numel() * c.element_size() for c in kv_caches)
-        self.server = KVTransferServer(config.transfer_host, config.transfer_port, model_key, self._export)
+        layout = BlockLayout((len(kv_caches), *kv_caches[0].shape[1:]), kv_caches[0].dtype)
+        self.server = KVTransferServer(config.transfer_host, config.transfer_port, model_key, layout, self._gather)
         self.transport, transport_name = select_transport(config.transport, model_key, config.timeout, self.stats)
         self.directory = KVDirectory(config.directory_url, model_key, self.replica_id, self.incarnation,
                                      f"{config.advertise_host}:{self.server.port}", transport_name,
                                      heartbeat_ttl=config.heartbeat_ttl)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull")
-        self._copy_lock = threading.Lock()
         block_manager.on_cached = self.directory.publish
         block_manager.on_evicted = self.directory.unpublish
 
@@ -115,17 +114,24 @@ class KVConnector:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # -- exporting (transfer-server threads) ---------------------------------------------------------
-    def _export(self, hashes: list[bytes]) -> ExportedBlocks:
+    def _gather(self, hashes: list[bytes], out: torch.Tensor) -> int:
+        """Copy the leading blocks held here into out [len(hashes), layers, block_size, dim] (host);
+        returns how many are valid: rows copied from a block reused meanwhile are dropped."""
         held = self.bm.lookup_cached(hashes)
         if not held:
-            return ExportedBlocks(torch.empty(0), [])
-        ids = torch.tensor([b for b, _ in held], device=self.kv_caches[0].device)
-        with self._copy_lock:
-            # [k, layers, block_size, dim]: one block's rows of every layer, contiguous per block
-            data = torch.stack([cache.index_select(0, ids) for cache in self.kv_caches], dim=1).cpu()
-        valid = self.bm.still_valid(held)  # rows copied from a block reused meanwhile are dropped
+            return 0
+        device = self.kv_caches[0].device
+        ids = torch.tensor([b for b, _ in held], device=device)
+        rows = out[: len(held)]
+        # one block's rows of every layer, contiguous per block; on a GPU gathered there, then one copy
+        staged = rows if device == rows.device else torch.empty(rows.shape, dtype=rows.dtype, device=device)
+        for layer, cache in enumerate(self.kv_caches):
+            torch.index_select(cache, 0, ids, out=staged[:, layer])
+        if staged is not rows:
+            rows.copy_(staged)
+        valid = self.bm.still_valid(held)
         self.stats.served_blocks += valid
-        return ExportedBlocks(data[:valid].contiguous(), hashes[:valid])
+        return valid
 
     # -- pulling (engine loop + pool) ----------------------------------------------------------------
     def start_pull(self, hashes: list[bytes], num_local_blocks: int) -> PendingPull | None:
@@ -165,11 +171,17 @@ class KVConnector:
         pulled = pending.future.result() if pending.future.done() and not pending.future.cancelled() else None
         if pulled is None:
             return []
+        try:
+            return self._install(pulled, pending.hashes, token_ids)
+        finally:
+            pulled.release()  # the transport reuses its buffer
+
+    def _install(self, pulled: PulledBlocks, hashes: list[bytes], token_ids: list[list[int]]) -> list[int]:
         k = pulled.data.shape[0]
         if tuple(pulled.data.shape[1:]) != (len(self.kv_caches), *self.kv_caches[0].shape[1:]):
             self.stats.fallback("shape_mismatch")
             return []
-        ids = self.bm.install(pending.hashes[:k], token_ids[:k])
+        ids = self.bm.install(hashes[:k], token_ids[:k])
         if ids is None:
             self.stats.fallback("no_space")
             return []
@@ -178,7 +190,7 @@ class KVConnector:
         data = pulled.data.to(dev, non_blocking=True)
         for layer, cache in enumerate(self.kv_caches):
             cache.index_copy_(0, index, data[:, layer].to(cache.dtype))
-        self.bm.announce(pending.hashes[:k])
+        self.bm.announce(hashes[:k])
         return ids
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:

@@ -1,56 +1,131 @@
 """Peer-to-peer KV block transfer over TCP.
 
-Wire format (one request per connection round, big-endian lengths):
-  request:  b"DSKV" u32 len, JSON {"model": key, "hashes": [hex, ...]}
-  response: u32 len, JSON {"num_blocks": k, "block_bytes": n, "dtype": str, "block_shape": [...],
-            "checksums": [xxh3_64 per block]}, then k * n raw bytes
-The server answers with the longest run of leading blocks it still holds (possibly none). Bytes go
-from the cache gather straight to the socket and from the socket into one preallocated buffer.
+Wire format v2 (one request per round on a connection, big-endian):
+  request:  b"DSK2" u32 len, JSON {"model": key, "hashes": [hex, ...]}
+  response: u32 len, JSON {"block_bytes": n, "dtype": str, "block_shape": [...]} (or {"error": str}),
+            then frames: u32 k, k * u64 xxh3_64 (one per block), k * n raw bytes; k == 0 ends the response
+The server streams the longest run of leading blocks it still holds, one frame at a time: it gathers a
+frame's rows into a small staging buffer, checksums them while they are hot in cache and sends them, so
+a block reused meanwhile ends the run instead of going out stale. A large pull is striped: the client
+splits the hashes into contiguous ranges, asks for each over its own connection in parallel, receives
+every stripe straight into its place in one reused staging buffer and checks each frame as it lands.
 """
 
 import json
 import logging
+import math
 import socket
 import socketserver
 import struct
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import xxhash
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"DSKV"
+MAGIC = b"DSK2"  # v1 peers ("DSKV") and v2 peers hang up on each other: the puller recomputes
 _LEN = struct.Struct(">I")
-_CHUNK = 1 << 22  # recv_into granularity
+_MAX_HEADER = 64 << 20
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Defaults, measured on loopback (benchmarks/kv_reuse.py): frames small enough to stay in cache
+# between gather, checksum and send; a few streams because one TCP stream is bound by one core's copy.
+FRAME_BYTES = 2 << 20
+NUM_STRIPES = 4
+MIN_STRIPE_BYTES = 16 << 20
 
 
 class TransferError(Exception):
     """A pull failed (peer gone, timeout, protocol or checksum error): the caller recomputes."""
 
 
-@dataclass
-class ExportedBlocks:
-    data: torch.Tensor  # [k, *block_shape] on the host, contiguous
-    hashes: list[bytes]
+@dataclass(frozen=True)
+class BlockLayout:
+    """What one block looks like on the wire: `shape` elements of `dtype`, contiguous."""
+
+    shape: tuple[int, ...]  # [layers, block_size, dim] for the engine's caches
+    dtype: torch.dtype
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def header(self) -> dict:
+        return {"block_bytes": self.num_bytes, "dtype": str(self.dtype).removeprefix("torch."),
+                "block_shape": list(self.shape)}
+
+    @classmethod
+    def from_header(cls, header: dict) -> "BlockLayout":
+        dtype = getattr(torch, str(header["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise TransferError(f"unknown block dtype {header['dtype']!r}")
+        layout = cls(tuple(int(d) for d in header["block_shape"]), dtype)
+        if layout.num_bytes != header["block_bytes"] or layout.num_bytes <= 0:
+            raise TransferError("block size disagrees with its shape")
+        return layout
+
+    def view(self, buffer: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """[num_blocks, *shape] over the front of a uint8 staging buffer."""
+        return buffer[: num_blocks * self.num_bytes].view(self.dtype).view(num_blocks, *self.shape)
 
 
 @dataclass
 class PulledBlocks:
-    data: torch.Tensor  # [k, *block_shape]
+    data: torch.Tensor  # [k, *block_shape], a view into the transport's staging buffer
     num_bytes: int
     seconds: float
+    release: Callable[[], None] = lambda: None  # call once `data` is copied out: its buffer gets reused
+
+
+class StagingPool:
+    """Host buffers reused across transfers (thread-safe). A fresh buffer costs more in page faults than
+    the copy into it, and pinning one (so CUDA copies are DMA) costs more still."""
+
+    def __init__(self, pin_memory: bool | None = None, max_cached_bytes: int = 4 << 30):
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.max_cached_bytes = max_cached_bytes
+        self._free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._lock = threading.Lock()
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least num_bytes (sizes round up to powers of two, as pinned memory does)."""
+        with self._lock:
+            fits = [i for i, (buf, _) in enumerate(self._free) if buf.numel() >= num_bytes]
+            if fits:
+                buf, ready = self._free.pop(min(fits, key=lambda i: self._free[i][0].numel()))
+                if ready is not None:
+                    ready.synchronize()  # a copy to the GPU may still read it
+                return buf
+        size = 1 << max(20, (num_bytes - 1).bit_length())
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+
+    def give(self, buf: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+        with self._lock:
+            if sum(b.numel() for b, _ in self._free) + buf.numel() <= self.max_cached_bytes:
+                self._free.append((buf, ready))
 
 
 def block_checksums(data: torch.Tensor) -> list[int]:
-    raw = data.contiguous().view(torch.uint8).view(data.shape[0], -1).numpy()
-    return [xxhash.xxh3_64_intdigest(memoryview(row)) for row in raw]
+    """xxh3_64 of each block's bytes; data: [k, ...] on the host."""
+    raw = data.contiguous().view(torch.uint8).reshape(-1)
+    return _checksums(memoryview(raw.numpy()), data[0].numel() * data.element_size() if len(data) else 1)
+
+
+def _checksums(raw: memoryview, block_bytes: int) -> list[int]:
+    return [xxhash.xxh3_64_intdigest(raw[i : i + block_bytes]) for i in range(0, len(raw), block_bytes)]
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise TransferError("peer closed the connection mid-transfer")
+        got += n
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -59,13 +134,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got : got + _CHUNK])
-        if n == 0:
-            raise TransferError("peer closed the connection mid-transfer")
-        got += n
+def _next_request(sock: socket.socket) -> bool:
+    """Whether another request follows (False once the peer hangs up or speaks another protocol)."""
+    magic = sock.recv(len(MAGIC))
+    if 0 < len(magic) < len(MAGIC):
+        magic += _recv_exact(sock, len(MAGIC) - len(magic))
+    return magic == MAGIC
 
 
 def _send_json(sock: socket.socket, obj: dict, magic: bytes = b"") -> None:
@@ -75,17 +149,35 @@ def _send_json(sock: socket.socket, obj: dict, magic: bytes = b"") -> None:
 
 def _recv_json(sock: socket.socket) -> dict:
     (n,) = _LEN.unpack(_recv_exact(sock, 4))
-    if n > 64 << 20:
+    if n > _MAX_HEADER:
         raise TransferError(f"oversized header ({n} bytes)")
     return json.loads(_recv_exact(sock, n))
 
 
-class KVTransferServer:
-    """Serves this replica's cached blocks to peers; `export(hashes)` runs on the server's threads."""
+def _tune(sock: socket.socket, buffer_bytes: int) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if buffer_bytes:  # 0 leaves the kernel's autotuning on (a fixed size turns it off)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
 
-    def __init__(self, host: str, port: int, model_key: str, export: Callable[[list[bytes]], ExportedBlocks]):
+
+# gather(hashes, out) copies the leading blocks held here into out[:n] ([len(hashes), *layout.shape] on
+# the host) and returns n, counting only blocks that were not reused while being copied.
+Gather = Callable[[list[bytes], torch.Tensor], int]
+
+
+class KVTransferServer:
+    """Serves this replica's cached blocks to peers; `gather` runs on the server's connection threads."""
+
+    def __init__(self, host: str, port: int, model_key: str, layout: BlockLayout, gather: Gather, *,
+                 frame_bytes: int = FRAME_BYTES, socket_buffer_bytes: int = 0, timeout: float = 30.0):
         self.model_key = model_key
-        self.export = export
+        self.layout = layout
+        self.gather = gather
+        self.blocks_per_frame = max(1, frame_bytes // layout.num_bytes)
+        self.socket_buffer_bytes = socket_buffer_bytes
+        self.timeout = timeout  # a stalled or silent client is dropped after this long
+        self.pool = StagingPool()
         outer = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -98,7 +190,9 @@ class KVTransferServer:
 
         self._server = Server((host, port), Handler)
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="kv-transfer", daemon=True)
+        # a short poll interval: stop() returns within it
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="kv-transfer",
+                                        daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -108,62 +202,160 @@ class KVTransferServer:
         self._server.server_close()
 
     def _handle(self, sock: socket.socket) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _tune(sock, self.socket_buffer_bytes)
+        sock.settimeout(self.timeout)
         try:
-            while True:
-                magic = sock.recv(4, socket.MSG_WAITALL)
-                if not magic:
-                    return
-                if magic != MAGIC:
-                    return
+            while _next_request(sock):
                 req = _recv_json(sock)
                 if req.get("model") != self.model_key:
-                    _send_json(sock, {"num_blocks": 0, "error": "model mismatch"})
+                    _send_json(sock, {"error": "model mismatch"})
                     continue
-                blocks = self.export([bytes.fromhex(h) for h in req.get("hashes", [])])
-                data = blocks.data
-                k = data.shape[0]
-                header = {"num_blocks": k, "block_bytes": data[0].numel() * data.element_size() if k else 0,
-                          "dtype": str(data.dtype).removeprefix("torch."), "block_shape": list(data.shape[1:]),
-                          "checksums": block_checksums(data) if k else []}
-                _send_json(sock, header)
-                if k:
-                    sock.sendall(memoryview(data.view(torch.uint8).numpy()).cast("B"))
+                hashes = [bytes.fromhex(h) for h in req.get("hashes", [])]
+                _send_json(sock, self.layout.header())
+                self._stream(sock, hashes)
         except (OSError, TransferError, ValueError) as e:
             logger.debug("KV transfer connection ended: %s", e)
 
+    def _stream(self, sock: socket.socket, hashes: list[bytes]) -> None:
+        per_frame, block_bytes = self.blocks_per_frame, self.layout.num_bytes
+        buf = self.pool.take(min(per_frame, max(1, len(hashes))) * block_bytes)
+        raw = memoryview(buf.numpy())
+        try:
+            for first in range(0, len(hashes), per_frame):
+                wanted = hashes[first : first + per_frame]
+                n = self.gather(wanted, self.layout.view(buf, len(wanted)))
+                if n:
+                    sums = _checksums(raw[: n * block_bytes], block_bytes)
+                    sock.sendall(_LEN.pack(n) + struct.pack(f">{n}Q", *sums))
+                    sock.sendall(raw[: n * block_bytes])
+                if n < len(wanted):
+                    break
+            sock.sendall(_LEN.pack(0))
+        finally:
+            self.pool.give(buf)
+
+
+class _Aborted(TransferError):
+    """A stripe stopped because another one failed."""
+
+
+class _Landing:
+    """One pull's receive buffer, taken from the pool once the first stripe's header names the layout."""
+
+    def __init__(self, num_blocks: int, pool: StagingPool):
+        self.num_blocks, self.pool = num_blocks, pool
+        self.layout: BlockLayout | None = None
+        self.buffer: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    def claim(self, layout: BlockLayout) -> memoryview:
+        with self._lock:
+            if self.buffer is None:
+                self.layout, self.buffer = layout, self.pool.take(self.num_blocks * layout.num_bytes)
+            elif layout != self.layout:
+                raise TransferError("stripes disagree on the block layout")
+        return memoryview(self.buffer.numpy())
+
+    def release(self) -> None:
+        with self._lock:
+            buf, self.buffer = self.buffer, None
+        if buf is not None:
+            self.pool.give(buf, ready=_gpu_done() if buf.is_pinned() else None)
+
+
+def _gpu_done() -> torch.cuda.Event:
+    """An event behind the copies this thread has queued (a pinned buffer may still be their source)."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
 
 class TcpTransport:
-    """Pulls blocks from a peer's KVTransferServer."""
+    """Pulls blocks from a peer's KVTransferServer, striped over several connections when large."""
 
     name = "tcp"
 
-    def __init__(self, model_key: str, timeout: float = 5.0):
+    def __init__(self, model_key: str, timeout: float = 5.0, *, num_stripes: int = NUM_STRIPES,
+                 min_stripe_bytes: int = MIN_STRIPE_BYTES, socket_buffer_bytes: int = 0,
+                 pool: StagingPool | None = None):
+        if num_stripes < 1:
+            raise ValueError(f"num_stripes must be >= 1, got {num_stripes}")
         self.model_key = model_key
-        self.timeout = timeout
+        self.timeout = timeout  # per socket operation: a silent peer fails the pull after this long
+        self.num_stripes = num_stripes
+        self.min_stripe_bytes = min_stripe_bytes
+        self.socket_buffer_bytes = socket_buffer_bytes
+        self.pool = pool or StagingPool()
+        self._block_bytes = 0  # learnt from the first response; until then a pull is one stream
+
+    def stripes(self, num_blocks: int) -> list[range]:
+        """Contiguous block ranges, one per connection: at most num_stripes, each >= min_stripe_bytes."""
+        wanted = num_blocks * self._block_bytes // max(1, self.min_stripe_bytes)
+        count = max(1, min(self.num_stripes, num_blocks, wanted))
+        bounds = [num_blocks * i // count for i in range(count + 1)]
+        return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
     def pull(self, addr: str, hashes: list[bytes]) -> PulledBlocks:
         host, _, port = addr.rpartition(":")
         start = time.perf_counter()
+        landing = _Landing(len(hashes), self.pool)
+        ranges = self.stripes(len(hashes))
+        abort = threading.Event()  # one stripe failed: the others stop at their next frame
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout) as sock:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                _send_json(sock, {"model": self.model_key, "hashes": [h.hex() for h in hashes]}, MAGIC)
-                header = _recv_json(sock)
-                k = int(header.get("num_blocks", 0))
-                if k == 0:
-                    raise TransferError(header.get("error", "peer holds none of the blocks any more"))
-                if k > len(hashes):
-                    raise TransferError("peer sent more blocks than asked for")
-                dtype = _DTYPES[header["dtype"]]
-                shape = [k, *header["block_shape"]]
-                data = torch.empty(shape, dtype=dtype)
-                raw = data.view(torch.uint8).numpy()
-                if raw.nbytes != k * header["block_bytes"]:
-                    raise TransferError("block size disagrees with its shape")
-                _recv_into(sock, memoryview(raw).cast("B"))
-        except (OSError, ValueError, KeyError) as e:
+            if len(ranges) == 1:
+                counts = [self._pull_stripe((host.strip("[]"), int(port)), hashes, ranges[0], landing, abort)]
+            else:
+                with ThreadPoolExecutor(len(ranges), thread_name_prefix="kv-stripe") as pool:
+                    futures = [pool.submit(self._pull_stripe, (host.strip("[]"), int(port)), hashes, r, landing,
+                                           abort) for r in ranges]
+                errors = [e for f in futures if (e := f.exception()) is not None]
+                if errors:  # report the stripe that failed first-hand, not the ones it stopped
+                    raise next((e for e in errors if not isinstance(e, _Aborted)), errors[0])
+                counts = [f.result() for f in futures]
+            num_blocks = 0
+            for r, n in zip(ranges, counts):  # the prefix ends at the first stripe that came back short
+                num_blocks += n
+                if n < len(r):
+                    break
+            if num_blocks == 0:
+                raise TransferError("peer holds none of the blocks any more")
+        except TransferError:
+            landing.release()
+            raise
+        except (OSError, ValueError, KeyError, struct.error) as e:
+            landing.release()
             raise TransferError(f"pull from {addr} failed: {e}") from e
-        if block_checksums(data) != header["checksums"]:
-            raise TransferError(f"checksum mismatch in blocks from {addr}")
-        return PulledBlocks(data, raw.nbytes, time.perf_counter() - start)
+        self._block_bytes = landing.layout.num_bytes
+        data = landing.layout.view(landing.buffer, num_blocks)
+        return PulledBlocks(data, num_blocks * landing.layout.num_bytes, time.perf_counter() - start,
+                            release=landing.release)
+
+    def _pull_stripe(self, addr: tuple[str, int], hashes: list[bytes], blocks: range, landing: _Landing,
+                     abort: threading.Event) -> int:
+        """Receives blocks[0], blocks[1], ... into their places; returns how many the peer sent."""
+        try:
+            with socket.create_connection(addr, timeout=self.timeout) as sock:
+                _tune(sock, self.socket_buffer_bytes)
+                _send_json(sock, {"model": self.model_key, "hashes": [hashes[i].hex() for i in blocks]}, MAGIC)
+                header = _recv_json(sock)
+                if "error" in header:
+                    raise TransferError(f"peer refused: {header['error']}")
+                layout = BlockLayout.from_header(header)
+                raw, block_bytes = landing.claim(layout), layout.num_bytes
+                got = 0
+                while (n := _LEN.unpack(_recv_exact(sock, 4))[0]) > 0:
+                    if got + n > len(blocks):
+                        raise TransferError("peer sent more blocks than asked for")
+                    if abort.is_set():
+                        raise _Aborted("another stripe failed")
+                    sums = list(struct.unpack(f">{n}Q", _recv_exact(sock, 8 * n)))
+                    at = (blocks.start + got) * block_bytes
+                    frame = raw[at : at + n * block_bytes]
+                    _recv_into(sock, frame)
+                    if _checksums(frame, block_bytes) != sums:
+                        raise TransferError(f"checksum mismatch in blocks from {addr[0]}:{addr[1]}")
+                    got += n
+                return got
+        except BaseException:
+            abort.set()
+            raise
