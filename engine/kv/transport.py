@@ -1,9 +1,9 @@
 """Choosing how KV blocks travel between replicas: RDMA where the pod has it, TCP otherwise."""
 
-import importlib.util
 import logging
 from pathlib import Path
 
+from engine.kv.rdma import RdmaTransport, RdmaUnavailable, ServedCache
 from engine.kv.transfer import TcpTransport
 
 logger = logging.getLogger(__name__)
@@ -15,23 +15,32 @@ def rdma_devices() -> list[str]:
     return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
 
 
-def select_transport(requested: str, model_key: str, timeout: float, stats) -> tuple[TcpTransport, str]:
-    """-> (transport, name peers should see). RDMA needs a device and Mooncake's transfer engine
-    (the `rdma` extra); anything missing falls back to TCP with a log line and a counted fallback."""
+def select_transport(requested: str, model_key: str, timeout: float, stats, served: ServedCache | None = None,
+                     devices: list[str] | None = None,
+                     protocol: str = "rdma") -> tuple[TcpTransport | RdmaTransport, str]:
+    """-> (transport, name peers should see). RDMA needs a device (`devices`, default: this pod's), the
+    KV cache to serve (`served`) and Mooncake's transfer engine (the `rdma` extra) starting on them;
+    anything missing falls back to TCP with a log line and a counted `rdma_unavailable` fallback.
+    An RdmaTransport advertises its own address (`.addr`) and must be closed. `protocol="tcp"` runs
+    the RDMA path over Mooncake's TCP transport (tests and debugging without RDMA hardware)."""
     if requested not in ("auto", "tcp", "rdma"):
         raise ValueError(f"kv transport must be auto, tcp or rdma, got {requested!r}")
     if requested == "tcp":
         return TcpTransport(model_key, timeout), "tcp"
-    devices = rdma_devices()
-    has_lib = importlib.util.find_spec("mooncake") is not None
-    if devices and has_lib:
-        # Mooncake's RDMA transfer engine plugs in here; until it is wired and validated on RDMA
-        # hardware, pods with RDMA still move KV over TCP (on the RDMA network's IPoIB/RoCE address).
-        reason = "the RDMA transfer path is not enabled in this build"
-    elif not devices:
+    devices = rdma_devices() if devices is None else devices
+    if not devices:
         reason = "no RDMA device in this pod"
+    elif served is None:
+        reason = "the KV cache is not offered for RDMA reads"
     else:
-        reason = "the mooncake transfer engine is not installed"
+        try:
+            transport = RdmaTransport.open(served, model_key, timeout, stats, devices, protocol)
+        except RdmaUnavailable as e:
+            reason = str(e)
+        else:
+            logger.info("KV transfer over RDMA on %s (Mooncake %s session %s)", ",".join(devices), protocol,
+                        transport.session)
+            return transport, "rdma"
     log = logger.warning if requested == "rdma" else logger.info
     log("KV transfer over TCP (requested %s: %s)", requested, reason)
     stats.fallback("rdma_unavailable")

@@ -1,0 +1,373 @@
+"""Peer-to-peer KV block pulls as one-sided RDMA reads, on Mooncake's transfer engine (the `rdma` extra).
+
+Each replica registers its KV cache tensors (and a staging buffer for what it pulls) with the engine
+once. A pull is one small TCP exchange with the peer's lessor around one batch of RDMA reads:
+
+  puller -> lessor:  b"DSKL" u32 len, JSON {"model": key, "hashes": [hex, ...]}
+  lessor -> puller:  u32 len, JSON {"num_blocks": k, "session": "host:port" (the peer's engine),
+                     "blocks": [[block id, generation], ...], "block_bytes", "dtype", "block_shape"
+                     ([layers, ...]), "regions": [[base address, block stride] per layer],
+                     "checksums": [per block]}  (or {"num_blocks": 0, "error": str})
+  puller:            reads every block's row of every layer straight out of the peer's cache
+  puller -> lessor:  u32 len, JSON {"release": [[block id, generation], ...]}
+  lessor -> puller:  u32 len, JSON {"valid": n}  (leading blocks not reused since the lease)
+
+Leases are optimistic: a peer's read never holds up the lessor's own eviction. The release says how
+many leading blocks kept their generation through the read; the puller keeps those, checks their
+checksums, and a mismatch, a timeout or a dead peer is a TransferError (the caller recomputes).
+Connections that do not start with the lease magic are TCP pulls: the lessor passes them through to
+the local TCP transfer server, so the one address a replica advertises serves peers of either kind.
+"""
+
+import json
+import logging
+import math
+import os
+import socket
+import socketserver
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv.transfer import BlockLayout, PulledBlocks, TcpTransport, TransferError
+
+logger = logging.getLogger(__name__)
+
+LEASE_MAGIC = b"DSKL"
+_LEN = struct.Struct(">I")
+_MAX_HEADER = 64 << 20
+
+
+class RdmaUnavailable(Exception):
+    """The RDMA transport cannot run in this process (the message says why); the caller uses TCP."""
+
+
+@dataclass(frozen=True)
+class ServedCache:
+    """This replica's KV cache as peers read it, and the address they reach it at."""
+
+    kv_caches: list[torch.Tensor]  # per layer [num_blocks, *block_shape], contiguous, one dtype and shape
+    lookup: Callable[[list[bytes]], list[tuple[int, int]]]  # leading hashes held -> (block id, generation)
+    still_valid: Callable[[list[tuple[int, int]]], int]  # how many of those pairs were not reused since
+    host: str  # the address peers reach this pod at (the pod IP)
+    tcp_port: int  # the local TCP transfer server, which takes peers that pull over TCP
+    bind_host: str = "0.0.0.0"
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one block in one layer."""
+        return self.kv_caches[0][0].numel() * self.kv_caches[0].element_size()
+
+    @property
+    def layout(self) -> BlockLayout:
+        """One pulled block: [layers, *one layer's block shape], contiguous."""
+        return BlockLayout((len(self.kv_caches), *self.kv_caches[0].shape[1:]), self.kv_caches[0].dtype)
+
+
+class BlockChecksum:
+    """Per-block checksums computed where the blocks live, with no copy to the host: a polynomial hash
+    of the block's 32-bit words modulo the prime 2^31 - 1, at two fixed points (62 bits in all). Layers
+    are hashed one by one and folded as if the block's rows were one string, so a pulled block
+    ([layers, ...], contiguous) and a served one (a row in each layer's cache) hash alike."""
+
+    PRIME = (1 << 31) - 1
+    BASES = (48271, 16807)  # primitive roots of the prime
+    CHUNK_WORDS = 1 << 22  # blocks per step are bounded by this many words (int64 temporaries)
+
+    def __init__(self):
+        self._powers: dict[tuple[int, str], torch.Tensor] = {}  # (words per row, device) -> [2, n]
+
+    def __call__(self, rows: list[torch.Tensor]) -> list[int]:
+        """rows: per layer [k, ...], block i of every layer together -> k checksums."""
+        k = rows[0].shape[0]
+        if k == 0:
+            return []
+        total = torch.zeros(k, 2, dtype=torch.int64, device=rows[0].device)
+        for layer, r in enumerate(rows):
+            words = self._words(r)  # [k, n]
+            powers = self._row_powers(words.shape[1], words.device)
+            # layer l's words sit l*n places further along the string: scale by base^(l*n)
+            shift = torch.tensor([pow(b, layer * words.shape[1], self.PRIME) for b in self.BASES],
+                                 dtype=torch.int64, device=words.device)
+            total = (total + self._hash(words, powers) * shift % self.PRIME) % self.PRIME
+        return (total[:, 0] << 31 | total[:, 1]).tolist()
+
+    def _hash(self, words: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:
+        # [k, n] x [2, n] -> [k, 2]; every product < 2^62 and every sum of residues < 2^63
+        step = max(1, self.CHUNK_WORDS // words.shape[1])
+        parts = [(w.unsqueeze(1) * powers % self.PRIME).sum(-1) % self.PRIME for w in words.split(step)]
+        return torch.cat(parts)
+
+    @staticmethod
+    def _words(rows: torch.Tensor) -> torch.Tensor:
+        raw = rows.reshape(rows.shape[0], -1).view(torch.uint8)
+        if raw.shape[1] % 4:
+            raw = F.pad(raw, (0, 4 - raw.shape[1] % 4))
+        return (raw.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) % BlockChecksum.PRIME
+
+    def _row_powers(self, n: int, device: torch.device) -> torch.Tensor:
+        key = (n, str(device))
+        if key not in self._powers:
+            lanes = []
+            for base in self.BASES:
+                p = torch.tensor([base], dtype=torch.int64)  # base^1 .. base^n, doubling
+                while p.numel() < n:
+                    p = torch.cat([p, p * pow(base, p.numel(), self.PRIME) % self.PRIME])
+                lanes.append(p[:n])
+            self._powers[key] = torch.stack(lanes).to(device)
+        return self._powers[key]
+
+
+def _send_json(sock: socket.socket, obj: dict, magic: bytes = b"") -> None:
+    body = json.dumps(obj).encode()
+    sock.sendall(magic + _LEN.pack(len(body)) + body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """n bytes, or None if the peer closed the connection before sending any."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            if not buf:
+                return None
+            raise TransferError("peer closed the connection mid-message")
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv_json(sock: socket.socket) -> dict | None:
+    head = _recv_exact(sock, _LEN.size)
+    if head is None:
+        return None
+    (n,) = _LEN.unpack(head)
+    if n > _MAX_HEADER:
+        raise TransferError(f"oversized message ({n} bytes)")
+    body = _recv_exact(sock, n)
+    if body is None:
+        raise TransferError("peer closed the connection mid-message")
+    return json.loads(body)
+
+
+def _host_port(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Lessor:
+    """Answers lease requests for this replica's registered cache; passes TCP pulls through."""
+
+    def __init__(self, cache: ServedCache, model_key: str, session: str, checksum: BlockChecksum):
+        self.cache, self.model_key, self.session, self.checksum = cache, model_key, session, checksum
+        outer = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                outer._handle(self.request)
+
+        class Server(socketserver.ThreadingTCPServer):
+            allow_reuse_address = True
+            daemon_threads = True
+
+        self._server = Server((cache.bind_host, 0), Handler)
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, args=(0.05,), name="kv-lessor", daemon=True).start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _handle(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            magic = sock.recv(len(LEASE_MAGIC), socket.MSG_PEEK | socket.MSG_WAITALL)
+            if magic != LEASE_MAGIC:
+                if magic:
+                    self._pass_through(sock)
+                return
+            sock.recv(len(LEASE_MAGIC))
+            req = _recv_json(sock)
+            if req is None:
+                return
+            lease = self._lease(req)
+            _send_json(sock, lease)
+            if lease["num_blocks"]:
+                release = _recv_json(sock)
+                if release is not None:
+                    _send_json(sock, {"valid": self._still_valid(release["release"])})
+        except (OSError, TransferError, ValueError, KeyError, TypeError) as e:
+            logger.debug("KV lease connection ended: %s", e)
+
+    def _lease(self, req: dict) -> dict:
+        if req.get("model") != self.model_key:
+            return {"num_blocks": 0, "error": "model mismatch"}
+        try:
+            held = self.cache.lookup([bytes.fromhex(h) for h in req["hashes"]])
+            if not held:
+                return {"num_blocks": 0, "error": "peer holds none of the blocks any more"}
+            caches = self.cache.kv_caches
+            ids = torch.tensor([b for b, _ in held], device=caches[0].device)
+            checksums = self.checksum([c.index_select(0, ids) for c in caches])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:  # e.g. out of device memory
+            return {"num_blocks": 0, "error": f"lease failed: {e}"}
+        return {"num_blocks": len(held), "session": self.session, "blocks": held, **self.cache.layout.header(),
+                "regions": [[c.data_ptr(), c.stride(0) * c.element_size()] for c in caches],
+                "checksums": checksums}
+
+    def _still_valid(self, pairs: list) -> int:
+        num_blocks = self.cache.kv_caches[0].shape[0]
+        held = [(int(b), int(g)) for b, g in pairs]
+        if any(not 0 <= b < num_blocks for b, _ in held):
+            raise ValueError("release names a block outside the cache")
+        return self.cache.still_valid(held)
+
+    def _pass_through(self, client: socket.socket) -> None:
+        """Splice a TCP pull to the local transfer server, byte for byte, both ways."""
+        host = "127.0.0.1" if self.cache.bind_host in ("0.0.0.0", "") else self.cache.bind_host
+        host = "::1" if host == "::" else host
+        with socket.create_connection((host, self.cache.tcp_port)) as backend:
+            back = threading.Thread(target=_pump, args=(backend, client), daemon=True)
+            back.start()
+            _pump(client, backend)
+            back.join()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(1 << 20):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
+class RdmaTransport:
+    """Pulls blocks from peers' lessors with one-sided reads; serves this replica's blocks the same way."""
+
+    name = "rdma"
+
+    def __init__(self, engine, cache: ServedCache, model_key: str, timeout: float, stats, staging: torch.Tensor):
+        self.engine, self.cache, self.model_key, self.timeout, self.stats = engine, cache, model_key, timeout, stats
+        self.staging = staging  # registered; pulls take turns on it
+        self._staging_lock = threading.Lock()
+        self.checksum = BlockChecksum()
+        self.session = _join(cache.host, engine.get_rpc_port())
+        self.lessor = Lessor(cache, model_key, self.session, self.checksum)
+        self.addr = _join(cache.host, self.lessor.port)  # what peers should pull from
+        self.tcp = TcpTransport(model_key, timeout)  # for peers that do not lease over RDMA
+        self._tcp_peers: set[str] = set()
+
+    @classmethod
+    def open(cls, cache: ServedCache, model_key: str, timeout: float, stats, devices: list[str],
+             protocol: str = "rdma", staging_bytes: int = 64 << 20) -> "RdmaTransport":
+        """Start Mooncake's engine on `devices` and register the cache; RdmaUnavailable says why not.
+        `protocol="tcp"` runs the same path over Mooncake's TCP transport (no RDMA hardware needed)."""
+        caches = cache.kv_caches
+        if not caches or any(not c.is_contiguous() or c.shape != caches[0].shape or c.dtype != caches[0].dtype
+                             for c in caches):
+            raise RdmaUnavailable("the KV cache is not one contiguous tensor per layer of one shape and dtype")
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:  # not installed, or a shared library it needs is missing
+            raise RdmaUnavailable(f"the mooncake transfer engine cannot be loaded ({e})") from e
+        # Mooncake bounds each read by this (plus a second per GiB), read once per engine; its minimum is 5 s
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, math.ceil(timeout))))
+        engine = TransferEngine()
+        if engine.initialize(cache.host, "P2PHANDSHAKE", protocol, ",".join(devices)) != 0:
+            raise RdmaUnavailable(f"Mooncake's transfer engine did not start on {cache.host} ({protocol})")
+        if protocol == "rdma" and not _has_hca(engine.get_local_topology()):
+            # Mooncake quietly moves data over its own TCP transport when no HCA opens
+            raise RdmaUnavailable(f"Mooncake opened none of the RDMA devices {devices}")
+        block_bytes = cache.layout.num_bytes
+        staging = torch.empty(max(staging_bytes, block_bytes), dtype=torch.uint8, device=caches[0].device)
+        regions = [*caches, staging]
+        if engine.batch_register_memory([t.data_ptr() for t in regions],
+                                        [t.numel() * t.element_size() for t in regions]) != 0:
+            raise RdmaUnavailable("registering the KV cache with the RDMA device failed (locked-memory limit: "
+                                  "RDMA pods need the IPC_LOCK capability)")
+        try:
+            return cls(engine, cache, model_key, timeout, stats, staging)
+        except OSError as e:  # the lessor's port
+            engine.batch_unregister_memory([t.data_ptr() for t in regions])
+            raise RdmaUnavailable(f"the KV lessor cannot listen on {cache.bind_host}: {e}") from e
+
+    def close(self) -> None:
+        self.lessor.stop()
+        self.engine.batch_unregister_memory([t.data_ptr() for t in [*self.cache.kv_caches, self.staging]])
+
+    def pull(self, addr: str, hashes: list[bytes]) -> PulledBlocks:
+        start = time.perf_counter()
+        try:
+            with socket.create_connection(_host_port(addr), timeout=self.timeout) as sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _send_json(sock, {"model": self.model_key, "hashes": [h.hex() for h in hashes]}, LEASE_MAGIC)
+                lease = _recv_json(sock)
+                if lease is None:  # a TCP-only peer hangs up on the lease magic
+                    return self._pull_over_tcp(addr, hashes)
+                k = int(lease.get("num_blocks", 0))
+                if k == 0:
+                    raise TransferError(lease.get("error", "peer holds none of the blocks any more"))
+                data = self._read(lease, k, len(hashes))
+                _send_json(sock, {"release": lease["blocks"]})
+                reply = _recv_json(sock)
+                if reply is None:
+                    raise TransferError("peer closed the connection before confirming the lease")
+                valid = int(reply["valid"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise TransferError(f"RDMA pull from {addr} failed: {e}") from e
+        if valid == 0:
+            raise TransferError(f"{addr} reused the blocks during the read")
+        data = data[:valid]
+        if self.checksum([data[:, layer] for layer in range(data.shape[1])]) != lease["checksums"][:valid]:
+            raise TransferError(f"checksum mismatch in blocks from {addr}")
+        return PulledBlocks(data, data.numel() * data.element_size(), time.perf_counter() - start)
+
+    def _read(self, lease: dict, k: int, num_asked: int) -> torch.Tensor:
+        """One-sided reads of the leased blocks -> [k, layers, ...] on the cache's device."""
+        layout, num_layers = self.cache.layout, len(self.cache.kv_caches)
+        if k > num_asked or len(lease["blocks"]) != k or len(lease["checksums"]) != k:
+            raise TransferError("lease disagrees with the request")
+        if BlockLayout.from_header(lease) != layout or len(lease["regions"]) != num_layers:
+            raise TransferError("peer's cache layout differs from ours")
+        row, block_bytes = self.cache.row_bytes, layout.num_bytes
+        out = torch.empty(k * block_bytes, dtype=torch.uint8, device=self.staging.device)
+        per_round = self.staging.numel() // block_bytes
+        base = self.staging.data_ptr()
+        with self._staging_lock:
+            for first in range(0, k, per_round):
+                blocks = lease["blocks"][first : first + per_round]
+                n = len(blocks) * num_layers
+                local = [base + i * row for i in range(n)]  # [block][layer] rows, as a block is laid out
+                remote = [region + int(b) * stride for b, _ in blocks for region, stride in lease["regions"]]
+                if self.engine.batch_transfer_sync_read(lease["session"], local, remote, [row] * n) != 0:
+                    raise TransferError(f"RDMA read from {lease['session']} failed")
+                out[first * block_bytes : (first + len(blocks)) * block_bytes].copy_(self.staging[: n * row])
+        return layout.view(out, k)
+
+    def _pull_over_tcp(self, addr: str, hashes: list[bytes]) -> PulledBlocks:
+        if addr not in self._tcp_peers:
+            self._tcp_peers.add(addr)
+            logger.info("KV peer %s does not serve RDMA reads; pulling from it over TCP", addr)
+        self.stats.fallback("rdma_peer_unavailable")
+        return self.tcp.pull(addr, hashes)
+
+
+def _has_hca(topology: str) -> bool:
+    """Mooncake's topology: {"cpu:0": [[preferred HCAs], [other HCAs]], ...}."""
+    try:
+        return any(any(hcas for hcas in entry) for entry in json.loads(topology).values())
+    except (ValueError, TypeError, AttributeError):
+        return False

@@ -1,0 +1,75 @@
+"""The RDMA transport's per-block checksum against a plain-Python reference (no transfer engine needed)."""
+
+import struct
+
+import pytest
+import torch
+
+from engine.kv.rdma import BlockChecksum
+
+PRIME = (1 << 31) - 1
+
+
+def reference(rows: list[bytes]) -> int:
+    """One block given as its row in each layer: a polynomial hash of the rows' 32-bit words (each row
+    zero-padded to whole words) at each base, modulo 2^31 - 1, two lanes side by side."""
+    data = b"".join(r + bytes(-len(r) % 4) for r in rows)
+    words = struct.unpack(f"<{len(data) // 4}I", data)
+    lanes = [sum(w % PRIME * pow(base, i + 1, PRIME) for i, w in enumerate(words)) % PRIME
+             for base in BlockChecksum.BASES]
+    return lanes[0] << 31 | lanes[1]
+
+
+def layer_rows(pulled: torch.Tensor) -> list[torch.Tensor]:
+    """[k, layers, ...] -> per layer [k, ...], as the puller checks a pull."""
+    return [pulled[:, layer] for layer in range(pulled.shape[1])]
+
+
+@pytest.mark.parametrize("dtype, shape", [(torch.bfloat16, (4, 8)), (torch.float32, (2, 3)),
+                                          (torch.float8_e4m3fn, (3, 3))])  # 9-byte rows need padding
+def test_checksums_match_the_reference(dtype, shape):
+    gen = torch.Generator().manual_seed(0)
+    pulled = torch.randn(5, 3, *shape, generator=gen).to(dtype)  # [k, layers, ...]
+    expected = [reference([bytes(pulled[i, layer].contiguous().view(torch.uint8).flatten().tolist())
+                           for layer in range(3)]) for i in range(5)]
+    assert BlockChecksum()(layer_rows(pulled)) == expected
+
+
+def test_served_and_pulled_layouts_hash_alike():
+    gen = torch.Generator().manual_seed(1)
+    caches = [torch.randn(10, 4, 6, generator=gen).to(torch.bfloat16) for _ in range(4)]  # per layer
+    ids = torch.tensor([7, 2, 9])
+    served = [c.index_select(0, ids) for c in caches]
+    pulled = torch.stack(served, dim=1).contiguous()  # what lands at the puller
+    checksum = BlockChecksum()
+    assert checksum(served) == checksum(layer_rows(pulled))
+    assert len(set(checksum(served))) == 3
+
+
+def test_every_single_bit_flip_changes_the_checksum():
+    gen = torch.Generator().manual_seed(2)
+    block = torch.randn(1, 3, 2, 4, generator=gen)  # 96 bytes
+    raw = block.view(torch.uint8).flatten()
+    flipped = raw.repeat(raw.numel() * 8, 1)  # one copy per bit, that bit flipped
+    bits = torch.arange(raw.numel() * 8)
+    flipped[bits, bits // 8] ^= (1 << (bits % 8)).to(torch.uint8)
+    variants = flipped.view(torch.float32).view(-1, *block.shape[1:])
+    checksum = BlockChecksum()
+    original = checksum(layer_rows(block))[0]
+    assert original not in checksum(layer_rows(variants))
+
+
+def test_large_pulls_are_hashed_in_chunks_with_the_same_result():
+    gen = torch.Generator().manual_seed(3)
+    pulled = torch.randn(9, 2, 4, 8, generator=gen)
+    whole, chunked = BlockChecksum(), BlockChecksum()
+    chunked.CHUNK_WORDS = 64  # two blocks per step
+    assert whole(layer_rows(pulled)) == chunked(layer_rows(pulled))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_checksums_on_the_gpu_equal_those_on_the_host():
+    gen = torch.Generator().manual_seed(4)
+    pulled = torch.randn(6, 5, 16, 576, generator=gen).to(torch.bfloat16)
+    checksum = BlockChecksum()
+    assert checksum(layer_rows(pulled.cuda())) == checksum(layer_rows(pulled))
