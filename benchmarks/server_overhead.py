@@ -31,6 +31,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", help="checkpoint directory or deepseek-tiny (default: a random tiny checkpoint)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--server-log", help="keep the server's log (one line per finished request) in this file")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
@@ -127,7 +128,7 @@ def main() -> None:
         prompts = make_prompts(llm.tokenizer, args.streams, args.prompt_tokens)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        with open(os.path.join(tmp, "server.log"), "w") as log:
+        with open(args.server_log or os.path.join(tmp, "server.log"), "w") as log:
             server = start_server(model, args.dtype, port, log)
             try:
                 offline, served = asyncio.run(

@@ -50,10 +50,13 @@ def resolve_backend(requested: str, device: torch.device) -> str:
 
 
 def enable_kernels(model: torch.nn.Module) -> None:
-    """Switch every layer that has a Triton fast path onto it."""
+    """Switch every layer that has a Triton fast path onto it (after loading: fusing moves weights)."""
     for module in model.modules():
         if hasattr(type(module), "use_kernels"):
             module.use_kernels = True
+    for module in model.modules():
+        if hasattr(module, "fuse"):
+            module.fuse()
 
 
 @torch.no_grad()

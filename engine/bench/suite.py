@@ -106,7 +106,7 @@ def run(opts: BenchOptions) -> dict:
                       if any(p <= 8192 for p in opts.prompt_lens) else min(opts.prompt_lens), opts.decode_context)
                if opts.kernels and runner.backend == "triton" else [])
 
-    variants = {"moe_gemv": _guard(_gemv_variant, runner, pool, opts, costs, ceilings)} if runner.backend == "triton" else {}
+    variants = {"grouped_moe": _guard(_grouped_variant, runner, pool, opts, costs, ceilings)} if runner.backend == "triton" else {}
 
     result = dict(
         preset=name, model=str(path) if path else None, command=opts.command, commit=_source_commit(),
@@ -131,30 +131,30 @@ def run(opts: BenchOptions) -> dict:
     return result
 
 
-def _gemv_variant(runner: ModelRunner, pool: BlockPool, opts: BenchOptions, costs: PhaseCosts, ceilings) -> dict:
-    """Decode again with small batches' experts as GEMVs (FusedExperts.gemv_max_pairs), for comparison."""
+def _grouped_variant(runner: ModelRunner, pool: BlockPool, opts: BenchOptions, costs: PhaseCosts, ceilings) -> dict:
+    """Decode again with every batch's experts on the grouped GEMM (no GEMV path for small batches,
+    shared experts apart), for comparison with the default."""
     from engine.layers.moe import FusedExperts
     from engine.model_runner import DecodeGraphs
 
-    max_pairs = 64
     experts = [m for m in runner.model.modules() if isinstance(m, FusedExperts)]
     fp8 = runner.model_config.quant is not None  # the fast path keeps FP8 blocks
-    top_k = runner.model_config.num_experts_per_tok
+    default = {m: m.gemv_max_tokens for m in experts}
     decode = {}
     try:
         for m in experts:
-            m.gemv_max_pairs = max_pairs
-        runner.graphs = DecodeGraphs(runner) if runner.use_cuda_graphs else None  # graphs of the new path
-        for c in (c for c in opts.concurrency if c * top_k <= max_pairs):
+            m.gemv_max_tokens = 0
+        runner.graphs = DecodeGraphs(runner) if runner.use_cuda_graphs else None  # graphs of this path
+        for c in (c for c in opts.concurrency if c <= max(max(default.values(), default=0), 8)):
             m = measure_decode(runner, pool, c, opts.decode_context, opts.decode_steps, runner.model_config.vocab_size)
             m.update(fractions(m["seconds_per_step"], *costs.decode(c, m["context"]), ceilings, fp8))
             decode[str(c)] = m
         layers = measure_layers(runner, pool, opts.decode_context, runner.model_config.vocab_size)
     finally:
         for m in experts:
-            m.gemv_max_pairs = 0
+            m.gemv_max_tokens = default[m]
         runner.graphs = DecodeGraphs(runner) if runner.use_cuda_graphs else None
-    return dict(gemv_max_pairs=max_pairs, decode_tok_s=_summary(decode, "tok_s"), decode=decode, layers=layers)
+    return dict(gemv_max_tokens=0, decode_tok_s=_summary(decode, "tok_s"), decode=decode, layers=layers)
 
 
 def _source_commit() -> str | None:

@@ -28,10 +28,14 @@ def check_last_contiguous(name: str, t: torch.Tensor) -> None:
 
 @triton.jit
 def mma(a, b, UPCAST: tl.constexpr):
-    """tl.dot, with operands widened to float32 under the interpreter (whose bf16 dot is wrong)."""
+    """tl.dot, with operands widened to float32 under the interpreter (whose bf16 dot is wrong). Float32
+    operands multiply in full float32, not TF32: float32 is the precision the tests compare paths in,
+    never a serving dtype, so exactness is worth more there than speed."""
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
 
 

@@ -1,66 +1,142 @@
-"""Routed experts for a handful of tokens, as GEMVs over (token, expert) pairs: no sort by expert.
+"""A whole MoE block for a handful of tokens, as GEMVs: routed and shared experts in three launches.
 
-At decode an expert meets about one token, so the grouped GEMM's sort (about 27 small launches) and its
-16-row tiles buy nothing; here one program computes BLOCK_N outputs of one pair by multiply-and-sum,
-reading the expert's rows once. Three launches for the whole MoE: w13 (SiLU(gate) * up fused), w2
-(times the routing weight), the sum over top_k. FP8 experts multiply the same FP8 math as the grouped
-kernel: activations quantized per group of block_k, weight blocks scaled.
+At decode an expert meets about one token, so the grouped GEMM's sort (about 27 small launches), its
+16-row tiles and the shared experts' own four launches buy nothing. Here each token has `top_k + S`
+slots: its routed experts, then the shared experts cut into S = shared_inter / inter pieces of the
+routed experts' width (a SwiGLU MLP of width S * I is the sum of S MLPs of width I over its row
+blocks), each of weight 1. Three launches:
+  up:   one program per (slot, BLOCK_N outputs): SiLU(x W_gate) * (x W_up) -> act [T * slots, I]
+  down: one program per (slot, BLOCK_N outputs): weight * act W_down -> [T * slots, hidden]
+  sum:  over each token's slots -> [T, hidden].
+Each program multiplies elementwise into a [BLOCK_N, BLOCK_K] accumulator and reduces it once at the
+end, so a K step is loads and FMAs only; many small programs keep enough loads in flight to stream the
+weights at memory bandwidth.
+FP8 experts multiply the same FP8 math as the grouped kernel: activations quantized per group of
+block_k, weight blocks scaled.
 
-Bytes: the chosen experts' weights (an expert picked by two tokens is read twice); FLOPs: as the GEMM.
+Bytes: the chosen experts' and the shared experts' weights (an expert picked by two tokens is read
+twice); FLOPs: as the GEMMs.
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, interpreted, pow2
+from engine.kernels._util import check, check_float, interpreted
 from engine.kernels.fp8_gemm import FP8, _round_to_e4m3
 
 
+class SharedExperts(NamedTuple):
+    """The shared experts' SwiGLU MLP: gate_up [2 * Is, H] (gate rows then up rows), down [H, Is],
+    with their FP8 block scales when the weights are FP8."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+
+
 @triton.jit
-def _moe_gemv_kernel(A, B, BS, C, Weights, Ids, N, K, top_k, stride_am, stride_be, stride_bn, stride_bse, stride_bsn,
-                     stride_cm, GATED: tl.constexpr, A_BY_TOKEN: tl.constexpr, USE_FP8: tl.constexpr,
-                     GROUP_N: tl.constexpr, PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp8_group(a, PRE_ROUND: tl.constexpr):
+    """One activation group as the FP8 GEMM sees it: quantized with a per-group scale, back to float."""
+    scale = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-10) / 448.0
+    q = a / scale
+    if PRE_ROUND:
+        q = _round_to_e4m3(q)
+    return q.to(tl.float8e4nv).to(tl.float32) * scale
+
+
+@triton.jit
+def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, stride_xm, stride_we, stride_wn,
+               stride_wse, stride_wsn, stride_sn, stride_ssn, stride_am,
+               USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, PRE_ROUND: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(Ids + pair).to(tl.int64)
-    row = (pair // top_k) if A_BY_TOKEN else pair
+    token, slot = pair // slots, pair % slots
+    routed = slot < top_k
+    expert = tl.load(Ids + token * top_k + tl.minimum(slot, top_k - 1)).to(tl.int64)
+    # routed: rows [0, N) gate and [N, 2N) up of expert `expert`; shared piece s: rows s*N.. and Is + s*N..
+    w = tl.where(routed, W + expert * stride_we, SW)
+    row_stride = tl.where(routed, stride_wn, stride_sn)
+    row0 = tl.where(routed, 0, (slot - top_k) * N)
+    up = tl.where(routed, N, shared_up)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    b_rows = B + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_N], tl.float32)
+    rows = (row0 + offs_n).to(tl.int64)
+    gate_ptrs = w + rows[:, None] * row_stride
+    up_ptrs = w + (rows + up)[:, None] * row_stride
+    if USE_FP8:
+        s = tl.where(routed, WS + expert * stride_wse, SWS)
+        srow = tl.where(routed, stride_wsn, stride_ssn)
+        gate_scales = s + (rows // GROUP_N) * srow
+        up_scales = s + ((rows + up) // GROUP_N) * srow
+    # products accumulate elementwise and are reduced once at the end: no cross-thread sum per K step
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        a = tl.load(A + row * stride_am + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        if USE_FP8:  # the activation group as the FP8 GEMM sees it (BLOCK_K is the scale block)
-            scale = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-10) / 448.0
-            q = a / scale
-            if PRE_ROUND:
-                q = _round_to_e4m3(q)
-            a = q.to(tl.float8e4nv).to(tl.float32) * scale
         mask = mask_n[:, None] & mask_k[None, :]
-        w = tl.load(b_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptrs + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptrs + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(X + token * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        if USE_FP8:  # BLOCK_K is the scale block
+            a = _fp8_group(a, PRE_ROUND)
+            g = g * tl.load(gate_scales + kb, mask=mask_n, other=0.0)[:, None]
+            u = u * tl.load(up_scales + kb, mask=mask_n, other=0.0)[:, None]
+        acc += g * a[None, :]
+        acc_up += u * a[None, :]
+    gate = tl.sum(acc, axis=1)
+    out = gate / (1.0 + tl.exp(-gate)) * tl.sum(acc_up, axis=1)
+    tl.store(Act + pair * stride_am + offs_n, out.to(Act.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _down_kernel(Act, W, WS, SW, SWS, Out, Weights, Ids, N, K, top_k, slots, stride_am, stride_we, stride_wn,
+                 stride_wse, stride_wsn, stride_sn, stride_ssn, stride_om,
+                 USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, PRE_ROUND: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pair, pid_n = tl.program_id(0), tl.program_id(1)
+    token, slot = pair // slots, pair % slots
+    routed = slot < top_k
+    pick = token * top_k + tl.minimum(slot, top_k - 1)
+    expert = tl.load(Ids + pick).to(tl.int64)
+    weight = tl.where(routed, tl.load(Weights + pick), 1.0)
+    # routed: the expert's [N, K]; shared piece s: columns [s*K, (s+1)*K) of the shared [N, Is]
+    w = tl.where(routed, W + expert * stride_we, SW)
+    row_stride = tl.where(routed, stride_wn, stride_sn)
+    col0 = tl.where(routed, 0, (slot - top_k) * K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    w_rows = w + offs_n[:, None].to(tl.int64) * row_stride + col0
+    if USE_FP8:
+        s = tl.where(routed, WS + expert * stride_wse, SWS)
+        srow = tl.where(routed, stride_wsn, stride_ssn)
+        scales = s + (offs_n // GROUP_N) * srow + col0 // BLOCK_K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        v = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        a = tl.load(Act + pair * stride_am + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         if USE_FP8:
-            bs = BS + expert * stride_bse + kb
-            w = w * tl.load(bs + (offs_n // GROUP_N) * stride_bsn, mask=mask_n, other=0.0)[:, None]
-        acc += tl.sum(w * a[None, :], axis=1)
-        if GATED:
-            u = tl.load(b_rows + N * stride_bn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-            if USE_FP8:
-                u = u * tl.load(bs + ((offs_n + N) // GROUP_N) * stride_bsn, mask=mask_n, other=0.0)[:, None]
-            acc_up += tl.sum(u * a[None, :], axis=1)
-    if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    else:
-        acc = acc * tl.load(Weights + pair)
-    tl.store(C + pair * stride_cm + offs_n, acc.to(C.dtype.element_ty), mask=mask_n)
+            a = _fp8_group(a, PRE_ROUND)
+            v = v * tl.load(scales + kb, mask=mask_n, other=0.0)[:, None]
+        acc += v * a[None, :]
+    # rounded to the activation dtype before the weight, as the reference path's expert outputs are
+    y = tl.sum(acc, axis=1).to(Out.dtype.element_ty).to(tl.float32)
+    tl.store(Out + pair * stride_om + offs_n, (y * weight).to(Out.dtype.element_ty), mask=mask_n)
 
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-             block: tuple[int, int] | None = None) -> torch.Tensor:
-    """Same contract as `fused_moe.fused_experts`; meant for T * top_k up to a few dozen pairs."""
+             block: tuple[int, int] | None = None, shared: SharedExperts | None = None,
+             config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """`fused_moe.fused_experts`'s contract, plus the shared experts' output when `shared` is given;
+    meant for T * top_k up to a few dozen pairs. `config`: (BLOCK_N, BLOCK_K, num_warps) for bf16
+    weights (FP8 weights take BLOCK_K = the scale block)."""
     check_float("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] contiguous, got {tuple(x.shape)}")
     num_tokens, hidden = x.shape
@@ -77,19 +153,39 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     else:
         check(w13.dtype == x.dtype and w2.dtype == x.dtype, f"expert weights ({w13.dtype}) must match x ({x.dtype})")
     top_k = topk_ids.shape[1]
-    num_pairs = num_tokens * top_k
+    num_shared = 0
+    if shared is not None:
+        shared_inter = shared.down.shape[1]
+        check(shared_inter % inter == 0 and shared.gate_up.shape == (2 * shared_inter, hidden)
+              and shared.down.shape == (hidden, shared_inter) and shared.gate_up.stride(-1) == 1
+              and shared.down.stride(-1) == 1 and shared.gate_up.dtype == w13.dtype and shared.down.dtype == w2.dtype,
+              f"shared experts must be gate_up [2 * k * {inter}, {hidden}] and down [{hidden}, k * {inter}] "
+              f"in the routed experts' dtype")
+        if fp8:
+            check(shared.gate_up_scale is not None and shared.down_scale is not None
+                  and inter % block[0] == 0 and inter % block[1] == 0,
+                  "FP8 shared experts need their scales, and blocks that tile the routed width")
+        num_shared = shared_inter // inter
     if num_tokens == 0:
         return torch.empty_like(x)
-    block_k = block[1] if fp8 else (256 if x.is_cuda else 32)
-    block_n = 32 if x.is_cuda else 16
-    inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    slots = top_k + num_shared
+    block_n, block_k, warps = config or ((16, 128, 4) if x.is_cuda else (16, 32, 4))
+    if fp8:
+        block_k = block[1]
     ids = topk_ids.int()
-    for a, w, s, out, n, k, gated in ((x, w13, w13_scale, inter_out, inter, hidden, True),
-                                      (inter_out, w2, w2_scale, pair_out, hidden, inter, False)):
-        _moe_gemv_kernel[(num_pairs, triton.cdiv(n, block_n))](
-            a, w, s if fp8 else w, out, topk_weights, ids, n, k, top_k, a.stride(0), w.stride(0), w.stride(1),
-            s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, out.stride(0), GATED=gated, A_BY_TOKEN=gated,
-            USE_FP8=fp8, GROUP_N=block[0] if fp8 else 1, PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=4)
-    return pair_out.view(num_tokens, top_k, hidden).sum(dim=1)
+    act = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)
+    partial = torch.empty(num_tokens * slots, hidden, dtype=x.dtype, device=x.device)
+    sw13, sw2 = (shared.gate_up, shared.down) if shared is not None else (w13, w2)
+    s13, s2 = (w13_scale, w2_scale) if fp8 else (w13, w2)
+    ss13, ss2 = ((shared.gate_up_scale, shared.down_scale) if shared is not None else (s13, s2)) if fp8 else (sw13, sw2)
+    common = dict(USE_FP8=fp8, GROUP_N=block[0] if fp8 else 1, PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n,
+                  BLOCK_K=block_k, num_warps=warps)
+    _up_kernel[(num_tokens * slots, triton.cdiv(inter, block_n))](
+        x, w13, s13, sw13, ss13, act, ids, inter, hidden, top_k, slots, sw13.shape[0] // 2,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
+        sw13.stride(0), ss13.stride(0) if fp8 else 0, act.stride(0), **common)
+    _down_kernel[(num_tokens * slots, triton.cdiv(hidden, block_n))](
+        act, w2, s2, sw2, ss2, partial, topk_weights, ids, hidden, inter, top_k, slots,
+        act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
+        sw2.stride(0), ss2.stride(0) if fp8 else 0, partial.stride(0), **common)
+    return partial.view(num_tokens, slots, hidden).sum(dim=1)

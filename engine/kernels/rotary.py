@@ -9,6 +9,20 @@ from engine.kernels._util import check, check_last_contiguous, pow2
 
 
 @triton.jit
+def rotate_heads_(Q, stride_qh, num_heads, cos, sin, offs_d, mask_d, BLOCK_H: tl.constexpr):
+    """One token's query heads in place, [BLOCK_H, HALF] pairs at a time; Q points at its head 0."""
+    offs_h = tl.arange(0, BLOCK_H)
+    for h0 in range(0, num_heads, BLOCK_H):
+        mask = ((h0 + offs_h) < num_heads)[:, None] & mask_d[None, :]
+        base = Q + (h0 + offs_h)[:, None] * stride_qh + 2 * offs_d[None, :]
+        x1 = tl.load(base, mask=mask, other=0.0)
+        x2 = tl.load(base + 1, mask=mask, other=0.0)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        tl.store(base, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=mask)
+        tl.store(base + 1, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=mask)
+
+
+@triton.jit
 def _rope_kernel(Q, K, Pos, Cos, Sin, stride_qt, stride_qh, stride_kt, stride_cos, num_heads,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
@@ -17,16 +31,7 @@ def _rope_kernel(Q, K, Pos, Cos, Sin, stride_qt, stride_qh, stride_kt, stride_co
     mask_d = offs_d < HALF
     cos = tl.load(Cos + pos * stride_cos + offs_d, mask=mask_d, other=0.0)
     sin = tl.load(Sin + pos * stride_cos + offs_d, mask=mask_d, other=0.0)
-    # the query heads: [BLOCK_H, HALF] pairs
-    offs_h = tl.arange(0, BLOCK_H)
-    for h0 in range(0, num_heads, BLOCK_H):
-        mask = ((h0 + offs_h) < num_heads)[:, None] & mask_d[None, :]
-        base = Q + t * stride_qt + (h0 + offs_h)[:, None] * stride_qh + 2 * offs_d[None, :]
-        x1 = tl.load(base, mask=mask, other=0.0)
-        x2 = tl.load(base + 1, mask=mask, other=0.0)
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(base, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=mask)
-        tl.store(base + 1, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=mask)
+    rotate_heads_(Q + t * stride_qt, stride_qh, num_heads, cos, sin, offs_d, mask_d, BLOCK_H)
     kbase = K + t * stride_kt + 2 * offs_d
     k1 = tl.load(kbase, mask=mask_d, other=0.0)
     k2 = tl.load(kbase + 1, mask=mask_d, other=0.0)

@@ -146,4 +146,8 @@ def mla_decode_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv_
     first = meta.num_prefills
     out = mla_decode_attention(q_latent, q_pe.to(q_latent.dtype), kv_cache, meta.block_tables[first:].int(),
                                meta.context_lens[first:].int(), softmax_scale)
-    return torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)  # [B, H, v]
+    # [B, H, v] written head by head through a transposed view (a strided batched GEMM), so o_proj
+    # reads it flat without another copy
+    result = torch.empty(out.shape[0], num_heads, v_head_dim, dtype=out.dtype, device=out.device)
+    torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2), out=result.transpose(0, 1))
+    return result

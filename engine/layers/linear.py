@@ -132,6 +132,33 @@ class RowParallelLinear(Linear):
         _copy_checked(param.data, loaded)
 
 
+def fuse_linears(*layers: Linear) -> Linear | None:
+    """One layer computing several layers' outputs side by side, for projections of the same input:
+    one GEMM instead of several small ones at decode. The layers' weights (and FP8 scales) become views
+    of the fused layer's, so nothing is held twice and later loads still land in the right rows.
+    None where they cannot share a GEMM (biases, different quantization, FP8 rows off the block grid)."""
+    first = layers[0]
+    if any(m.bias is not None or m.block != first.block or m.in_features != first.in_features for m in layers):
+        return None
+    if first.block is not None and any(m.out_features % first.block[0] for m in layers[:-1]):
+        return None
+    fused = Linear.__new__(Linear)
+    nn.Module.__init__(fused)
+    fused.par, fused.block, fused.use_kernels = first.par, first.block, first.use_kernels
+    fused.in_features, fused.out_features = first.in_features, sum(m.out_features for m in layers)
+    fused.register_parameter("bias", None)
+    names = ["weight"] + (["weight_scale_inv"] if first.block is not None else [])
+    for name in names:
+        merged = torch.cat([getattr(m, name).data for m in layers])
+        setattr(fused, name, nn.Parameter(merged, requires_grad=False))
+        start = 0
+        for m in layers:
+            rows = getattr(m, name).shape[0]
+            getattr(m, name).data = merged[start : start + rows]
+            start += rows
+    return fused
+
+
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"shape mismatch: checkpoint tensor {tuple(src.shape)}, model expects {tuple(dst.shape)}")

@@ -68,14 +68,16 @@ class FusedExperts(nn.Module):
     """
 
     use_kernels = False
-    # batches of at most this many (token, expert) pairs run as GEMVs without the sort by expert
-    # (kernels.moe_gemv); 0 keeps every batch on the grouped GEMM, the path measured in docs/perf.md
-    gemv_max_pairs = 0
 
     def __init__(self, num_experts: int, hidden: int, inter: int, quant: QuantConfig | None = None):
         super().__init__()
         self.num_experts, self.inter = num_experts, inter
         self.block = quant.weight_block_size if quant is not None else None
+        # batches of at most this many tokens run as GEMVs without the sort by expert, the shared experts
+        # folded in (kernels.moe_gemv); 0 keeps every batch on the grouped GEMM. Crossovers measured on
+        # an H200 (docs/perf.md): bf16 GEMVs stream the experts at 3.3-3.6 TB/s up to 8 tokens, ahead of
+        # the grouped GEMM; FP8 ones only win at one token (their dequantization costs more per byte)
+        self.gemv_max_tokens = 1 if quant is not None else 8
         dtype = torch.float8_e4m3fn if quant is not None else None
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False)
@@ -116,15 +118,23 @@ class FusedExperts(nn.Module):
         deq = lambda w, s: torch.stack([dequantize_fp8_block(a, b, self.block) for a, b in zip(w, s)])
         return deq(self.w13, self.w13_scale_inv), deq(self.w2, self.w2_scale_inv)
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden]. The reference path loops over the experts that received tokens."""
+    def takes_gemv(self, topk_ids: torch.Tensor) -> bool:
+        return self.use_kernels and topk_ids.shape[0] <= self.gemv_max_tokens
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                shared=None) -> torch.Tensor:
+        """x: [T, hidden]. The reference path loops over the experts that received tokens. `shared`
+        (kernels.moe_gemv.SharedExperts, GEMV path only) adds the shared experts' output."""
         if self.use_kernels:
             from engine.kernels.fused_moe import fused_experts
             from engine.kernels.moe_gemv import moe_gemv
 
             scales = (self.w13_scale_inv, self.w2_scale_inv) if self.block is not None else (None, None)
-            run = moe_gemv if topk_ids.numel() <= self.gemv_max_pairs else fused_experts
-            return run(x, self.w13, self.w2, topk_weights, topk_ids, *scales, block=self.block)
+            if self.takes_gemv(topk_ids):
+                return moe_gemv(x, self.w13, self.w2, topk_weights, topk_ids, *scales, block=self.block, shared=shared)
+            if shared is not None:
+                raise ValueError("shared experts fold into the GEMV path only")
+            return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, *scales, block=self.block)
         w13, w2 = (self.w13, self.w2) if self.block is None else self.dequantized()
         # FP8 experts: activations go through FP8 per token group too, as in the kernels
         qdq = (lambda a: a) if self.block is None else (lambda a: quantize_activations_reference(a, self.block[1]))

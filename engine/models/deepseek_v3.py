@@ -21,6 +21,7 @@ from engine.layers.linear import (
     SINGLE,
     ColumnParallelLinear,
     Linear,
+    fuse_linears,
     MergedColumnParallelLinear,
     ParallelContext,
     RowParallelLinear,
@@ -62,27 +63,49 @@ class MLA(nn.Module):
         self.rotary = rotary
         self.softmax_scale = yarn_softmax_scale(cfg.qk_head_dim, cfg.rope_scaling)
         self.kv_cache: torch.Tensor | None = None  # set by the model runner
+        self.fused_input_proj: Linear | None = None  # (q_proj or q_a_proj) + kv_a_proj_with_mqa, see fuse()
+
+    def fuse(self) -> None:
+        """After loading, for the fast path: the two projections of the layer input as one GEMM."""
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        # not registered as a submodule: its parameters are the two layers', seen once in parameters()
+        object.__setattr__(self, "fused_input_proj", fuse_linears(first, self.kv_a_proj_with_mqa))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
+        if self.fused_input_proj is not None and self.use_kernels:
+            q, kv = self.fused_input_proj(x).split(
+                [self.fused_input_proj.out_features - self.kv_a_proj_with_mqa.out_features,
+                 self.kv_a_proj_with_mqa.out_features], dim=-1)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q, kv = (self.q_proj if self.q_lora_rank is None else self.q_a_proj)(x), self.kv_a_proj_with_mqa(x)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(num_tokens, self.num_heads, -1)  # [T, H, nope + rope]
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
-        q_pe, k_pe = self.rotary.rotate_query_and_key(positions, q_pe, k_pe)
-        write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe], dim=-1), meta.slot_mapping)
+        # kv: [T, kv_lora + rope]
+        if self.use_kernels:
+            from engine.kernels.latent_cache import write_latent_
 
-        out = torch.empty(num_tokens, self.num_heads, self.v_head_dim, dtype=x.dtype, device=x.device)
+            # kv norm, rope on q_pe and k_pe, cache write: one launch (rotates q_pe in place)
+            write_latent_(self.kv_cache, kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, q_pe, positions,
+                          self.rotary.cos_cache, self.rotary.sin_cache, meta.slot_mapping)
+        else:
+            c_kv, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+            c_kv = self.kv_a_layernorm(c_kv)
+            q_pe, k_pe = self.rotary.rotate_query_and_key(positions, q_pe, k_pe)
+            write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe], dim=-1), meta.slot_mapping)
+
         n = meta.num_prefill_tokens
         args = (self.kv_cache, meta, self.kv_b_proj.weight, self.kv_lora_rank, self.v_head_dim, self.softmax_scale)
         prefill, decode = (mla_prefill_fast, mla_decode_fast) if self.use_kernels else (mla_prefill, mla_decode)
-        if meta.num_prefills:
+        if not meta.num_prefills:  # decode-only steps (every CUDA-graph step) skip the copy into `out`
+            out = decode(q_nope, q_pe, *args)
+        elif not meta.num_decodes:
+            out = prefill(q_nope, q_pe, *args)
+        else:
+            out = torch.empty(num_tokens, self.num_heads, self.v_head_dim, dtype=x.dtype, device=x.device)
             out[:n] = prefill(q_nope[:n], q_pe[:n], *args)
-        if meta.num_decodes:
             out[n:] = decode(q_nope[n:], q_pe[n:], *args)
         return self.o_proj(out.flatten(1))
 
@@ -99,6 +122,17 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def foldable(self) -> bool:
+        """Whole on this rank (no tensor-parallel split to reduce), so the MoE GEMVs can run it."""
+        return self.down_proj.par.tp_size == 1 and self.gate_up_proj.bias is None and self.down_proj.bias is None
+
+    def as_shared_experts(self):
+        from engine.kernels.moe_gemv import SharedExperts
+
+        up, down = self.gate_up_proj, self.down_proj
+        return SharedExperts(up.weight, down.weight, getattr(up, "weight_scale_inv", None),
+                             getattr(down, "weight_scale_inv", None))
+
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, par: ParallelContext = SINGLE):
@@ -112,6 +146,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        if self.experts.takes_gemv(ids) and self.shared_experts is not None and self.shared_experts.foldable():
+            # a few tokens: routed and shared experts in the same two GEMV launches
+            return self.experts(x, weights, ids, shared=self.shared_experts.as_shared_experts())
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -30,7 +30,7 @@ from engine.layers.fp8 import dequantize_fp8_block, quantize_fp8_block
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(DEV != "cuda", reason="real DeepSeek shapes need a GPU")
-F32_TOL = 1e-5 if DEV == "cpu" else 2e-3  # a GPU multiplies float32 tiles in TF32 (10-bit mantissa)
+F32_TOL = 1e-5 if DEV == "cpu" else 1e-4  # float32 dots are full float32 (not TF32) on a GPU too; sums differ in order
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -70,6 +70,32 @@ def test_rope_in_place_on_strided_views():
     apply_rope_(q[..., 16:], kv[:, 32:], pos, cos, sin)
     assert rel_err(q[..., 16:], want_q) < 1e-6 and rel_err(kv[:, 32:], want_k) < 1e-6
     assert torch.equal(q[..., :16], untouched_q) and torch.equal(kv[:, :32], untouched_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_latent_is_norm_rope_and_cache_write(dtype):
+    from engine.kernels.latent_cache import write_latent_
+
+    g = torch.Generator().manual_seed(3)
+    t, heads, lora, rope, blocks, page = 5, 3, 32, 8, 6, 4
+    q = torch.randn(t, heads, 16 + rope, generator=g).to(DEV, dtype)  # [T, H, nope 16 + rope 8]
+    kv = torch.randn(t, lora + rope, generator=g).to(DEV, dtype)
+    weight = (1 + 0.1 * torch.randn(lora, generator=g)).to(DEV, dtype)
+    cos, sin = torch.randn(50, rope // 2, generator=g).to(DEV), torch.randn(50, rope // 2, generator=g).to(DEV)
+    pos = torch.randint(0, 50, (t,), generator=g).to(DEV)
+    slots = torch.randperm(blocks * page, generator=g)[:t].to(DEV)
+    cache = torch.full((blocks, page, lora + rope), float("nan"), dtype=dtype, device=DEV)
+    want_rows = torch.cat([reference_rms_norm(kv[:, :lora], weight, 1e-6), reference_rope(kv[:, lora:], pos, cos, sin)], -1)
+    want_q = reference_rope(q[..., 16:], pos, cos, sin)
+    nope = q[..., :16].clone()
+    write_latent_(cache, kv, weight, 1e-6, q[..., 16:], pos, cos, sin, slots)
+    rows = cache.view(-1, lora + rope)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(rows[slots], want_rows) < tol and rel_err(q[..., 16:], want_q) < tol
+    assert torch.equal(q[..., :16], nope)
+    untouched = torch.ones(blocks * page, dtype=torch.bool, device=DEV)
+    untouched[slots] = False
+    assert rows[untouched].isnan().all()  # nothing but the slots is written
 
 
 # -- MLA decode ------------------------------------------------------------------------------------
@@ -310,9 +336,15 @@ def test_launchers_reject_bad_inputs():
 
 
 # -- small-batch experts as GEMVs ------------------------------------------------------------------
+def _swiglu(x, gate_up, down):
+    gate, up = (x.float() @ gate_up.float().T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up) @ down.float().T
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_gemv_matches_reference(dtype):
-    from engine.kernels.moe_gemv import moe_gemv
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_moe_gemv_matches_reference(dtype, with_shared):
+    from engine.kernels.moe_gemv import SharedExperts, moe_gemv
 
     g = torch.Generator().manual_seed(19)
     t, hidden, inter, e, k = 3, 64, 48, 8, 2
@@ -321,12 +353,19 @@ def test_moe_gemv_matches_reference(dtype):
     w2 = (0.1 * torch.randn(e, hidden, inter, generator=g)).to(DEV, dtype)
     ids = torch.tensor([[1, 5], [5, 1], [7, 0]], dtype=torch.int32, device=DEV)  # experts shared between tokens
     weights = torch.rand(t, k, generator=g).to(DEV)
-    out = moe_gemv(x, w13, w2, weights, ids)
-    assert rel_err(out, reference_fused_experts(x, w13, w2, weights, ids)) < (1e-5 if dtype == torch.float32 else 2e-2)
+    want = reference_fused_experts(x, w13, w2, weights, ids).float()
+    shared = None
+    if with_shared:  # two pieces of the routed width, as DeepSeek's n_shared_experts=2
+        shared = SharedExperts((0.1 * torch.randn(4 * inter, hidden, generator=g)).to(DEV, dtype),
+                               (0.1 * torch.randn(hidden, 2 * inter, generator=g)).to(DEV, dtype))
+        want = want + _swiglu(x, shared.gate_up, shared.down)
+    out = moe_gemv(x, w13, w2, weights, ids, shared=shared)
+    assert rel_err(out, want) < (F32_TOL if dtype == torch.float32 else 2e-2)
 
 
 def test_moe_gemv_fp8_is_the_grouped_kernels_math():
-    from engine.kernels.moe_gemv import moe_gemv
+    from engine.kernels.fp8_gemm import fp8_linear
+    from engine.kernels.moe_gemv import SharedExperts, moe_gemv
 
     g = torch.Generator().manual_seed(20)
     t, hidden, inter, e, k, block = 2, 64, 32, 6, 3, (16, 16)
@@ -337,3 +376,12 @@ def test_moe_gemv_fp8_is_the_grouped_kernels_math():
     weights = torch.rand(t, k, generator=g).to(DEV)
     out = moe_gemv(x, w13, w2, weights, ids, s13, s2, block)
     assert rel_err(out, fused_experts(x, w13, w2, weights, ids, s13, s2, block)) < F32_TOL
+    # shared experts (width 2 * inter) through the same FP8 math as the FP8 linear layers
+    (gu, sgu), (dn, sdn) = (_fp8_experts(0.1 * torch.randn(1, 4 * inter, hidden, generator=g), block),
+                            _fp8_experts(0.1 * torch.randn(1, hidden, 2 * inter, generator=g), block))
+    gu, sgu, dn, sdn = gu[0], sgu[0], dn[0], sdn[0]
+    gate, up = fp8_linear(x, gu, sgu, block).chunk(2, dim=-1)
+    want = fused_experts(x, w13, w2, weights, ids, s13, s2, block) + fp8_linear(
+        torch.nn.functional.silu(gate) * up, dn, sdn, block)
+    out = moe_gemv(x, w13, w2, weights, ids, s13, s2, block, shared=SharedExperts(gu, dn, sgu, sdn))
+    assert rel_err(out, want) < F32_TOL
