@@ -70,57 +70,64 @@ class ServedCache:
 
 
 class BlockChecksum:
-    """Per-block checksums computed where the blocks live, with no copy to the host: a polynomial hash
-    of the block's 32-bit words modulo the prime 2^31 - 1, at two fixed points (62 bits in all). Layers
-    are hashed one by one and folded as if the block's rows were one string, so a pulled block
-    ([layers, ...], contiguous) and a served one (a row in each layer's cache) hash alike."""
+    """Per-block checksums computed where the blocks live, with no copy to the host: a polynomial hash of
+    the block's 16-bit words modulo a prime below 2^21, at three bases (63 bits in all). Each row is
+    zero-padded to whole chunks of CHUNK words; a chunk's sum is one float64 matrix product, exact
+    because every partial sum stays below 2^53 (CHUNK * 2^16 * 2^21). Layers are hashed one by one and
+    folded as if the block's rows were one string, so a pulled block ([layers, ...], contiguous) and a
+    served one (a row in each layer's cache) hash alike."""
 
-    PRIME = (1 << 31) - 1
-    BASES = (48271, 16807)  # primitive roots of the prime
-    CHUNK_WORDS = 1 << 22  # blocks per step are bounded by this many words (int64 temporaries)
+    PRIME = 2_097_143  # the largest prime below 2^21
+    BASES = (5, 11, 17)  # primitive roots of the prime
+    CHUNK = 1024  # 16-bit words per exact dot product
+    STEP_WORDS = 1 << 22  # words hashed per step, bounding the float64 temporaries
 
     def __init__(self):
-        self._powers: dict[tuple[int, str], torch.Tensor] = {}  # (words per row, device) -> [2, n]
+        self._tables: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # by (chunks, device)
 
     def __call__(self, rows: list[torch.Tensor]) -> list[int]:
         """rows: per layer [k, ...], block i of every layer together -> k checksums."""
         k = rows[0].shape[0]
         if k == 0:
             return []
-        total = torch.zeros(k, 2, dtype=torch.int64, device=rows[0].device)
+        total = torch.zeros(k, len(self.BASES), dtype=torch.int64, device=rows[0].device)
         for layer, r in enumerate(rows):
-            words = self._words(r)  # [k, n]
-            powers = self._row_powers(words.shape[1], words.device)
-            # layer l's words sit l*n places further along the string: scale by base^(l*n)
-            shift = torch.tensor([pow(b, layer * words.shape[1], self.PRIME) for b in self.BASES],
-                                 dtype=torch.int64, device=words.device)
-            total = (total + self._hash(words, powers) * shift % self.PRIME) % self.PRIME
-        return (total[:, 0] << 31 | total[:, 1]).tolist()
+            row_hash = torch.cat([self._hash(part) for part in r.split(self._blocks_per_step(r))])
+            row_words = self._num_chunks(r) * self.CHUNK  # layer l starts l padded rows along
+            shift = torch.tensor([pow(b, layer * row_words, self.PRIME) for b in self.BASES],
+                                 dtype=torch.int64, device=total.device)
+            total = (total + row_hash * shift) % self.PRIME
+        packed = total[:, 0] << 42 | total[:, 1] << 21 | total[:, 2]
+        return packed.tolist()
 
-    def _hash(self, words: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:
-        # [k, n] x [2, n] -> [k, 2]; every product < 2^62 and every sum of residues < 2^63
-        step = max(1, self.CHUNK_WORDS // words.shape[1])
-        parts = [(w.unsqueeze(1) * powers % self.PRIME).sum(-1) % self.PRIME for w in words.split(step)]
-        return torch.cat(parts)
+    def _num_chunks(self, rows: torch.Tensor) -> int:
+        row_bytes = rows[0].numel() * rows.element_size()
+        return -(-row_bytes // (2 * self.CHUNK))
 
-    @staticmethod
-    def _words(rows: torch.Tensor) -> torch.Tensor:
-        raw = rows.reshape(rows.shape[0], -1).view(torch.uint8)
-        if raw.shape[1] % 4:
-            raw = F.pad(raw, (0, 4 - raw.shape[1] % 4))
-        return (raw.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) % BlockChecksum.PRIME
+    def _blocks_per_step(self, rows: torch.Tensor) -> int:
+        return max(1, self.STEP_WORDS // (self._num_chunks(rows) * self.CHUNK))
 
-    def _row_powers(self, n: int, device: torch.device) -> torch.Tensor:
-        key = (n, str(device))
-        if key not in self._powers:
-            lanes = []
-            for base in self.BASES:
-                p = torch.tensor([base], dtype=torch.int64)  # base^1 .. base^n, doubling
-                while p.numel() < n:
-                    p = torch.cat([p, p * pow(base, p.numel(), self.PRIME) % self.PRIME])
-                lanes.append(p[:n])
-            self._powers[key] = torch.stack(lanes).to(device)
-        return self._powers[key]
+    def _hash(self, rows: torch.Tensor) -> torch.Tensor:
+        """[k, ...] -> [k, bases]: each row's hash, positions counted from the row's start."""
+        k, num_chunks = rows.shape[0], self._num_chunks(rows)
+        raw = rows.reshape(k, -1).view(torch.uint8)
+        raw = F.pad(raw, (0, num_chunks * 2 * self.CHUNK - raw.shape[1]))
+        words = (raw.view(torch.int16).to(torch.int32) & 0xFFFF).to(torch.float64)
+        powers, shifts = self._table(num_chunks, rows.device)
+        sums = (words.view(k, num_chunks, self.CHUNK) @ powers).to(torch.int64) % self.PRIME  # [k, chunks, bases]
+        # chunk c starts c * CHUNK words along: products < 2^42, their sum over < 2^21 chunks < 2^63
+        return (sums * shifts).sum(1) % self.PRIME
+
+    def _table(self, num_chunks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """base^1 .. base^CHUNK (float64, [CHUNK, bases]) and base^(c * CHUNK) per chunk (int64, [chunks, bases])."""
+        key = (num_chunks, str(device))
+        if key not in self._tables:
+            p = self.PRIME
+            powers = [[pow(b, j + 1, p) for b in self.BASES] for j in range(self.CHUNK)]
+            shifts = [[pow(b, c * self.CHUNK, p) for b in self.BASES] for c in range(num_chunks)]
+            self._tables[key] = (torch.tensor(powers, dtype=torch.float64, device=device),
+                                 torch.tensor(shifts, dtype=torch.int64, device=device))
+        return self._tables[key]
 
 
 def _send_json(sock: socket.socket, obj: dict, magic: bytes = b"") -> None:

@@ -7,17 +7,15 @@ import torch
 
 from engine.kv.rdma import BlockChecksum
 
-PRIME = (1 << 31) - 1
-
-
 def reference(rows: list[bytes]) -> int:
-    """One block given as its row in each layer: a polynomial hash of the rows' 32-bit words (each row
-    zero-padded to whole words) at each base, modulo 2^31 - 1, two lanes side by side."""
-    data = b"".join(r + bytes(-len(r) % 4) for r in rows)
-    words = struct.unpack(f"<{len(data) // 4}I", data)
-    lanes = [sum(w % PRIME * pow(base, i + 1, PRIME) for i, w in enumerate(words)) % PRIME
-             for base in BlockChecksum.BASES]
-    return lanes[0] << 31 | lanes[1]
+    """One block given as its row in each layer: a polynomial hash of the rows' 16-bit words (each row
+    zero-padded to whole chunks) at each base modulo the prime, the bases' hashes side by side."""
+    chunk_bytes = 2 * BlockChecksum.CHUNK
+    data = b"".join(r + bytes(-len(r) % chunk_bytes) for r in rows)
+    words = struct.unpack(f"<{len(data) // 2}H", data)
+    p = BlockChecksum.PRIME
+    lanes = [sum(w * pow(base, i + 1, p) for i, w in enumerate(words)) % p for base in BlockChecksum.BASES]
+    return lanes[0] << 42 | lanes[1] << 21 | lanes[2]
 
 
 def layer_rows(pulled: torch.Tensor) -> list[torch.Tensor]:
@@ -26,7 +24,8 @@ def layer_rows(pulled: torch.Tensor) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype, shape", [(torch.bfloat16, (4, 8)), (torch.float32, (2, 3)),
-                                          (torch.float8_e4m3fn, (3, 3))])  # 9-byte rows need padding
+                                          (torch.float8_e4m3fn, (3, 3)),  # 9-byte rows: odd padding
+                                          (torch.bfloat16, (40, 32))])  # rows of two chunks
 def test_checksums_match_the_reference(dtype, shape):
     gen = torch.Generator().manual_seed(0)
     pulled = torch.randn(5, 3, *shape, generator=gen).to(dtype)  # [k, layers, ...]
@@ -61,9 +60,9 @@ def test_every_single_bit_flip_changes_the_checksum():
 
 def test_large_pulls_are_hashed_in_chunks_with_the_same_result():
     gen = torch.Generator().manual_seed(3)
-    pulled = torch.randn(9, 2, 4, 8, generator=gen)
+    pulled = torch.randn(9, 2, 40, 32, generator=gen)  # 5120-byte rows: 2.5 chunks, padded to 3
     whole, chunked = BlockChecksum(), BlockChecksum()
-    chunked.CHUNK_WORDS = 64  # two blocks per step
+    chunked.STEP_WORDS = 2 * 3 * chunked.CHUNK  # two blocks per step
     assert whole(layer_rows(pulled)) == chunked(layer_rows(pulled))
 
 
