@@ -362,6 +362,8 @@ class RdmaTransport:
                 if self.engine.batch_transfer_sync_read(lease["session"], local, remote, [row] * n) != 0:
                     raise TransferError(f"RDMA read from {lease['session']} failed")
                 out[first * block_bytes : (first + len(blocks)) * block_bytes].copy_(self.staging[: n * row])
+                if self.staging.is_cuda:  # the next read must not overwrite what the copy still reads
+                    torch.cuda.current_stream(self.staging.device).synchronize()
         return layout.view(out, k)
 
     def _pull_over_tcp(self, addr: str, hashes: list[bytes]) -> PulledBlocks:
