@@ -39,6 +39,7 @@ from engine.kv.transfer import BlockLayout, PulledBlocks, TcpTransport, Transfer
 logger = logging.getLogger(__name__)
 
 LEASE_MAGIC = b"DSKL"
+LESSOR_TIMEOUT = 30.0  # a silent or stalled client is dropped after this long
 _LEN = struct.Struct(">I")
 _MAX_HEADER = 64 << 20
 
@@ -195,6 +196,7 @@ class Lessor:
 
     def _handle(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(LESSOR_TIMEOUT)
         try:
             magic = sock.recv(len(LEASE_MAGIC), socket.MSG_PEEK | socket.MSG_WAITALL)
             if magic != LEASE_MAGIC:
