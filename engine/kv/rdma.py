@@ -72,55 +72,42 @@ class ServedCache:
 
 class BlockChecksum:
     """Per-block checksums computed where the blocks live, with no copy to the host: a polynomial hash of
-    the block's 16-bit words modulo a prime below 2^21, at three bases (63 bits in all). Each row is
-    zero-padded to whole chunks of CHUNK words; a chunk's sum is one float64 matrix product, exact
-    because every partial sum stays below 2^53 (CHUNK * 2^16 * 2^21). Layers are hashed one by one and
-    folded as if the block's rows were one string, so a pulled block ([layers, ...], contiguous) and a
-    served one (a row in each layer's cache) hash alike."""
+    a block's signed 16-bit words modulo a prime below 2^21, at three bases (63 bits in all). Each layer's
+    row is zero-padded to whole chunks of CHUNK words; a chunk's sum is one float64 matrix product, exact
+    because every partial sum stays below 2^53 (CHUNK * 2^15 * 2^21)."""
 
     PRIME = 2_097_143  # the largest prime below 2^21
     BASES = (5, 11, 17)  # primitive roots of the prime
-    CHUNK = 1024  # 16-bit words per exact dot product
-    STEP_WORDS = 1 << 22  # words hashed per step, bounding the float64 temporaries
+    CHUNK = 1024  # words per exact dot product
+    STEP_BYTES = 16 << 20  # of blocks hashed at once: the float64 words take four times as much
 
     def __init__(self):
         self._tables: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # by (chunks, device)
 
-    def __call__(self, rows: list[torch.Tensor]) -> list[int]:
-        """rows: per layer [k, ...], block i of every layer together -> k checksums."""
-        k = rows[0].shape[0]
+    def __call__(self, blocks: torch.Tensor) -> list[int]:
+        """[k, layers, ...] -> k checksums."""
+        k, num_layers = blocks.shape[:2]
         if k == 0:
             return []
-        total = torch.zeros(k, len(self.BASES), dtype=torch.int64, device=rows[0].device)
-        for layer, r in enumerate(rows):
-            row_hash = torch.cat([self._hash(part) for part in r.split(self._blocks_per_step(r))])
-            row_words = self._num_chunks(r) * self.CHUNK  # layer l starts l padded rows along
-            shift = torch.tensor([pow(b, layer * row_words, self.PRIME) for b in self.BASES],
-                                 dtype=torch.int64, device=total.device)
-            total = (total + row_hash * shift) % self.PRIME
-        packed = total[:, 0] << 42 | total[:, 1] << 21 | total[:, 2]
-        return packed.tolist()
-
-    def _num_chunks(self, rows: torch.Tensor) -> int:
-        row_bytes = rows[0].numel() * rows.element_size()
-        return -(-row_bytes // (2 * self.CHUNK))
-
-    def _blocks_per_step(self, rows: torch.Tensor) -> int:
-        return max(1, self.STEP_WORDS // (self._num_chunks(rows) * self.CHUNK))
-
-    def _hash(self, rows: torch.Tensor) -> torch.Tensor:
-        """[k, ...] -> [k, bases]: each row's hash, positions counted from the row's start."""
-        k, num_chunks = rows.shape[0], self._num_chunks(rows)
-        raw = rows.reshape(k, -1).view(torch.uint8)
-        raw = F.pad(raw, (0, num_chunks * 2 * self.CHUNK - raw.shape[1]))
-        words = (raw.view(torch.int16).to(torch.int32) & 0xFFFF).to(torch.float64)
-        powers, shifts = self._table(num_chunks, rows.device)
-        sums = (words.view(k, num_chunks, self.CHUNK) @ powers).to(torch.int64) % self.PRIME  # [k, chunks, bases]
-        # chunk c starts c * CHUNK words along: products < 2^42, their sum over < 2^21 chunks < 2^63
-        return (sums * shifts).sum(1) % self.PRIME
+        row_bytes = blocks[0, 0].numel() * blocks.element_size()
+        chunks_per_row = -(-row_bytes // (2 * self.CHUNK))
+        num_chunks = num_layers * chunks_per_row
+        powers, shifts = self._table(num_chunks, blocks.device)
+        step = max(1, self.STEP_BYTES // (num_layers * row_bytes))
+        sums = []
+        for part in blocks.split(step):
+            raw = part.reshape(part.shape[0], num_layers, -1).view(torch.uint8)
+            if row_bytes % (2 * self.CHUNK):
+                raw = F.pad(raw, (0, chunks_per_row * 2 * self.CHUNK - row_bytes))
+            words = raw.view(torch.int16).to(torch.float64).view(part.shape[0], num_chunks, self.CHUNK)
+            chunk_sums = (words @ powers).to(torch.int64) % self.PRIME  # [n, chunks, bases]
+            # chunk c starts c * CHUNK words along: products < 2^42, their sum over < 2^21 chunks < 2^63
+            sums.append((chunk_sums * shifts).sum(1) % self.PRIME)
+        total = torch.cat(sums)
+        return (total[:, 0] << 42 | total[:, 1] << 21 | total[:, 2]).tolist()
 
     def _table(self, num_chunks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """base^1 .. base^CHUNK (float64, [CHUNK, bases]) and base^(c * CHUNK) per chunk (int64, [chunks, bases])."""
+        """base^1 .. base^CHUNK ([CHUNK, bases], float64) and base^(c * CHUNK) ([chunks, bases], int64)."""
         key = (num_chunks, str(device))
         if key not in self._tables:
             p = self.PRIME
@@ -225,7 +212,10 @@ class Lessor:
                 return {"num_blocks": 0, "error": "peer holds none of the blocks any more"}
             caches = self.cache.kv_caches
             ids = torch.tensor([b for b, _ in held], device=caches[0].device)
-            checksums = self.checksum([c.index_select(0, ids) for c in caches])
+            blocks = torch.empty(len(held), *self.cache.layout.shape, dtype=caches[0].dtype, device=ids.device)
+            for layer, cache in enumerate(caches):
+                torch.index_select(cache, 0, ids, out=blocks[:, layer])
+            checksums = self.checksum(blocks)
         except (RuntimeError, ValueError, KeyError, TypeError) as e:  # e.g. out of device memory
             return {"num_blocks": 0, "error": f"lease failed: {e}"}
         return {"num_blocks": len(held), "session": self.session, "blocks": held, **self.cache.layout.header(),
@@ -340,7 +330,7 @@ class RdmaTransport:
         if valid == 0:
             raise TransferError(f"{addr} reused the blocks during the read")
         data = data[:valid]
-        if self.checksum([data[:, layer] for layer in range(data.shape[1])]) != lease["checksums"][:valid]:
+        if self.checksum(data) != lease["checksums"][:valid]:
             raise TransferError(f"checksum mismatch in blocks from {addr}")
         return PulledBlocks(data, data.numel() * data.element_size(), time.perf_counter() - start)
 
