@@ -8,9 +8,11 @@ OUT_DIR="${1:-benchmarks/results}"
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/engine/test_kernels.py tests/engine/test_fast_path.py \
-  >"$OUT_DIR/tests.log" 2>&1
+  tests/engine/test_linear_fusion.py >"$OUT_DIR/tests.log" 2>&1
 echo "tests: exit $?" ; tail -3 "$OUT_DIR/tests.log"
-timeout 240 python3 -m engine.bench --preset v2-lite --compare-hf --out "$OUT_DIR" >"$OUT_DIR/bench-v2-lite.log" 2>&1
+timeout 170 python3 benchmarks/moe_gemv_configs.py >"$OUT_DIR/moe-gemv-configs.log" 2>&1
+echo "moe_gemv configs: exit $?" ; tail -10 "$OUT_DIR/moe-gemv-configs.log" | cut -c1-200
+timeout 260 python3 -m engine.bench --preset v2-lite --compare-hf --out "$OUT_DIR" >"$OUT_DIR/bench-v2-lite.log" 2>&1
 echo "v2-lite: exit $?" ; tail -12 "$OUT_DIR/bench-v2-lite.log"
 timeout 200 python3 -m engine.bench --preset v3-slice --compare-hf --out "$OUT_DIR" >"$OUT_DIR/bench-v3-slice.log" 2>&1
 echo "v3-slice: exit $?" ; tail -12 "$OUT_DIR/bench-v3-slice.log"

@@ -32,15 +32,14 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 @pytest.fixture(params=["float32", "bfloat16"] if ON_GPU else ["float32"])
 def dtype(request) -> str:
     """Float32 shows whether the two paths compute the same function (the kernels multiply float32 in
-    full float32); bf16 is what serves, where only clear greedy choices must agree."""
+    full float32); bf16 is what serves, where the fast path must be as close to the float32 truth as
+    the reference path in bf16 is, and agree with it wherever its choice is clear."""
     return request.param
 
 
-# per dtype: logits within `logit_tol` of the reference's (float32), or within `rel_tol` of its norm
-# (bf16: two orders of bf16 rounding, and a near-tie between experts may route differently), and
-# identical greedy tokens wherever the reference's top-2 margin exceeds `margin`
-TOL = {"float32": dict(logit_tol=1e-3, rel_tol=None, margin=1e-3),
-       "bfloat16": dict(logit_tol=None, rel_tol=5e-2, margin=0.5)}
+# float32: logits within logit_tol of the reference's, identical greedy tokens wherever the
+# reference's top-2 margin exceeds `margin`. bf16: see assert_bf16_as_good.
+TOL = {"float32": dict(logit_tol=1e-3, margin=1e-3), "bfloat16": dict(logit_tol=None, margin=None)}
 
 
 def pair(path, dtype="float32", **engine_args) -> tuple[LLM, LLM]:
@@ -54,12 +53,17 @@ def pair(path, dtype="float32", **engine_args) -> tuple[LLM, LLM]:
 
 
 def assert_same_where_clear(ref: LLM, fast: LLM, batch: list[list[int]], logit_tol: float | None,
-                            rel_tol: float | None, margin: float) -> None:
+                            margin: float | None) -> None:
+    if logit_tol is None:
+        return assert_bf16_as_good(ref, fast, batch)
     for ids, want, got in zip(batch, ref.score(batch), fast.score(batch)):
-        diff, rel = (want - got).abs().max().item(), ((want - got).norm() / want.norm()).item()
-        print(f"logits: max |diff| {diff:.3g}, relative {rel:.3g}, max |ref| {want.abs().max().item():.3g}")
-        assert logit_tol is None or diff <= logit_tol, f"max |logit diff| {diff:.3g} > {logit_tol}"
-        assert rel_tol is None or rel <= rel_tol, f"relative logit diff {rel:.3g} > {rel_tol}"
+        diff = (want - got).abs().max().item()
+        print(f"logits: max |diff| {diff:.3g}, max |ref| {want.abs().max().item():.3g}")
+        assert diff <= logit_tol, f"max |logit diff| {diff:.3g} > {logit_tol}"
+    assert_tokens_where_clear(ref, fast, batch, margin)
+
+
+def assert_tokens_where_clear(ref: LLM, fast: LLM, batch: list[list[int]], margin: float) -> None:
     ref_outs, fast_outs = ref.generate(batch, GREEDY), fast.generate(batch, GREEDY)
     for ids, r, f in zip(batch, ref_outs, fast_outs):
         if r.token_ids == f.token_ids:
@@ -70,6 +74,23 @@ def assert_same_where_clear(ref: LLM, fast: LLM, batch: list[list[int]], logit_t
         top2 = logits.topk(2).values
         print(f"paths part at step {j}: reference top-2 margin {(top2[0] - top2[1]).item():.3g}")
         assert (top2[0] - top2[1]).item() < margin, f"fast path chose {f.token_ids[j]} over a clear {r.token_ids[j]}"
+
+
+def assert_bf16_as_good(ref: LLM, fast: LLM, batch: list[list[int]]) -> None:
+    """bf16 rounds at different points on the two paths, and on these small random models (weights of
+    std 0.15, near-tied experts) the rounding alone moves logits a lot: the float32 reference path is
+    the truth. The fast path's error against it may not exceed the bf16 reference path's by more than
+    half; tokens must agree wherever the reference's margin exceeds twice what bf16 moved its logits."""
+    truth = LLM(str(ref.engine.model_path), dtype="float32", attention_backend="torch", enable_prefix_caching=False)
+    want, by_ref, by_fast = truth.score(batch), ref.score(batch), fast.score(batch)
+    rel = lambda got: (sum(((g.float() - w) ** 2).sum() for g, w in zip(got, want))
+                       / sum((w ** 2).sum() for w in want)).sqrt().item()
+    err_ref, err_fast = rel(by_ref), rel(by_fast)
+    noise = max((g.float() - w).abs().max().item() for g, w in zip(by_ref, want))
+    print(f"bf16 vs float32 truth: reference path {err_ref:.3g}, fast path {err_fast:.3g}; "
+          f"reference max |logit move| {noise:.3g}")
+    assert err_fast <= 1.5 * err_ref + 0.02, f"fast path error {err_fast:.3g} vs reference path {err_ref:.3g}"
+    assert_tokens_where_clear(ref, fast, batch, max(2 * noise, 0.1))
 
 
 def test_fast_path_matches_reference(tmp_path, dtype):
