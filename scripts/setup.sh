@@ -12,11 +12,18 @@ dev=0
 "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
 
 if [[ $dev == 1 ]]; then
+  # redis-server for the KV directory tests; the verbs, NUMA and curl libraries Mooncake's transfer
+  # engine links against (its RDMA transport is tested over Mooncake's own TCP protocol: no NIC here)
+  export DEBIAN_FRONTEND=noninteractive
   if ! command -v redis-server >/dev/null 2>&1; then
-    export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
   fi
+  if ! ldconfig -p | grep -q libibverbs.so.1; then  # without them the Mooncake tests skip, nothing else
+    apt-get install -y -qq libibverbs1 libnuma1 libcurl4 >/dev/null || echo "warning: Mooncake's libraries not installed"
+  fi
   "$PY" -m pip install -q --disable-pip-version-check -e '.[engine,operator,dev]'
+  # the CPU build of the `rdma` extra's transfer engine (the CUDA build needs a GPU driver to load)
+  "$PY" -m pip install -q --disable-pip-version-check mooncake-transfer-engine-non-cuda==0.3.13.post1
   bash scripts/install-helm.sh
 else
   "$PY" -m pip install -q --disable-pip-version-check -e '.[engine]'

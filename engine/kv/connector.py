@@ -16,7 +16,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.kv.directory import KVDirectory
 from engine.kv.transfer import BlockLayout, KVTransferServer, PulledBlocks, TcpTransport, TransferError
-from engine.kv.transport import select_transport
+from engine.kv.transport import ServedCache, select_transport
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +92,13 @@ class KVConnector:
         self.block_bytes = sum(c[0].numel() * c.element_size() for c in kv_caches)
         layout = BlockLayout((len(kv_caches), *kv_caches[0].shape[1:]), kv_caches[0].dtype)
         self.server = KVTransferServer(config.transfer_host, config.transfer_port, model_key, layout, self._gather)
-        self.transport, transport_name = select_transport(config.transport, model_key, config.timeout, self.stats)
+        served = ServedCache(kv_caches, block_manager.lookup_cached, self._served, config.advertise_host,
+                             self.server.port, config.transfer_host)
+        self.transport, transport_name = select_transport(config.transport, model_key, config.timeout, self.stats,
+                                                          served)
+        addr = self.transport.addr if transport_name == "rdma" else f"{config.advertise_host}:{self.server.port}"
         self.directory = KVDirectory(config.directory_url, model_key, self.replica_id, self.incarnation,
-                                     f"{config.advertise_host}:{self.server.port}", transport_name,
+                                     addr, transport_name,
                                      heartbeat_ttl=config.heartbeat_ttl)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull")
         block_manager.on_cached = self.directory.publish
@@ -111,7 +115,15 @@ class KVConnector:
         self.directory.close_replica()
         self.directory.stop()
         self.server.stop()
+        if transport_close := getattr(self.transport, "close", None):
+            transport_close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _served(self, held: list[tuple[int, int]]) -> int:
+        """RDMA reads of these blocks ended: how many leading ones were not reused meanwhile."""
+        valid = self.bm.still_valid(held)
+        self.stats.served_blocks += valid
+        return valid
 
     # -- exporting (transfer-server threads) ---------------------------------------------------------
     def _gather(self, hashes: list[bytes], out: torch.Tensor) -> int:
