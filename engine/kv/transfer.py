@@ -14,6 +14,7 @@ every stripe straight into its place in one reused staging buffer and checks eac
 import json
 import logging
 import math
+import os
 import socket
 import socketserver
 import struct
@@ -32,10 +33,11 @@ MAGIC = b"DSK2"  # v1 peers ("DSKV") and v2 peers hang up on each other: the pul
 _LEN = struct.Struct(">I")
 _MAX_HEADER = 64 << 20
 
-# Defaults, measured on loopback (benchmarks/kv_reuse.py): frames small enough to stay in cache
-# between gather, checksum and send; a few streams because one TCP stream is bound by one core's copy.
-FRAME_BYTES = 2 << 20
-NUM_STRIPES = 4
+# Defaults, measured on loopback (docs/perf.md): frames large enough that per-frame work (a GPU gather
+# and its sync, the Python between syscalls) is small, small enough to stay in the L3 cache between
+# gather, checksum and send; a few streams because one TCP stream is bound by one core's copies.
+FRAME_BYTES = 8 << 20
+NUM_STRIPES = 4  # at most: never more than this process may use cores (each stream keeps one busy)
 MIN_STRIPE_BYTES = 16 << 20
 
 
@@ -122,7 +124,10 @@ def _checksums(raw: memoryview, block_bytes: int) -> list[int]:
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        try:  # MSG_WAITALL: a whole frame in one call (the kernel's SO_RCVTIMEO still bounds it)
+            n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+        except BlockingIOError as e:
+            raise TransferError("timed out waiting for the peer") from e
         if n == 0:
             raise TransferError("peer closed the connection mid-transfer")
         got += n
@@ -154,7 +159,13 @@ def _recv_json(sock: socket.socket) -> dict:
     return json.loads(_recv_exact(sock, n))
 
 
-def _tune(sock: socket.socket, buffer_bytes: int) -> None:
+def _tune(sock: socket.socket, buffer_bytes: int, timeout: float) -> None:
+    # Blocking, with the kernel's timeouts rather than Python's: a socket with a Python timeout is
+    # non-blocking underneath, where MSG_WAITALL returns whatever has arrived.
+    sock.settimeout(None)
+    limit = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if buffer_bytes:  # 0 leaves the kernel's autotuning on (a fixed size turns it off)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
@@ -202,8 +213,7 @@ class KVTransferServer:
         self._server.server_close()
 
     def _handle(self, sock: socket.socket) -> None:
-        _tune(sock, self.socket_buffer_bytes)
-        sock.settimeout(self.timeout)
+        _tune(sock, self.socket_buffer_bytes, self.timeout)
         try:
             while _next_request(sock):
                 req = _recv_json(sock)
@@ -275,11 +285,14 @@ class TcpTransport:
 
     name = "tcp"
 
-    def __init__(self, model_key: str, timeout: float = 5.0, *, num_stripes: int = NUM_STRIPES,
+    def __init__(self, model_key: str, timeout: float = 5.0, *, num_stripes: int | None = None,
                  min_stripe_bytes: int = MIN_STRIPE_BYTES, socket_buffer_bytes: int = 0,
                  pool: StagingPool | None = None):
+        num_stripes = min(NUM_STRIPES, len(os.sched_getaffinity(0))) if num_stripes is None else num_stripes
         if num_stripes < 1:
             raise ValueError(f"num_stripes must be >= 1, got {num_stripes}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.model_key = model_key
         self.timeout = timeout  # per socket operation: a silent peer fails the pull after this long
         self.num_stripes = num_stripes
@@ -335,7 +348,7 @@ class TcpTransport:
         """Receives blocks[0], blocks[1], ... into their places; returns how many the peer sent."""
         try:
             with socket.create_connection(addr, timeout=self.timeout) as sock:
-                _tune(sock, self.socket_buffer_bytes)
+                _tune(sock, self.socket_buffer_bytes, self.timeout)
                 _send_json(sock, {"model": self.model_key, "hashes": [hashes[i].hex() for i in blocks]}, MAGIC)
                 header = _recv_json(sock)
                 if "error" in header:
