@@ -125,6 +125,7 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.graphs = DecodeGraphs(self) if self.use_cuda_graphs else None
         if self.graphs is not None and config.extra.get("capture_graphs_at_start", True):
+            self.warm_up()
             self.graphs.capture_all()
 
     def _num_blocks(self) -> int:
@@ -136,6 +137,27 @@ class ModelRunner:
         # more than every sequence at full length cannot be used (beyond keeping old prefixes cached)
         by_need = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
         return max(1, min(by_memory, by_need))
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run prefill steps of 1, 2, 4, ... tokens up to the step budget (fresh and over a cached prefix)
+        into the scratch block, so Triton compiles every kernel variant serving meets now: a variant
+        compiled on first use stalls every request in that step for about a second (seen as late
+        first tokens in the server benchmark). Tile choices depend on the step's size only in powers of
+        two, and the kernels do not specialize on batch-dependent integers."""
+        from engine.sampling_params import SamplingParams
+
+        scratch, bs = self.num_blocks, self.block_size
+        budget = max(1, min(self.config.max_num_batched_tokens, self.max_model_len - 1 - bs))
+        sizes = sorted({min(1 << i, budget) for i in range(budget.bit_length() + 1)})
+        for n in sizes:
+            for prefix in (0, bs):
+                seq = Sequence("warm-up", [0] * (prefix + n), SamplingParams(max_tokens=1), None, None)
+                seq.block_table = [scratch] * -(-(prefix + n) // bs)  # every row lands in the scratch block
+                seq.num_computed_tokens = prefix
+                self.run(ScheduledBatch(prefills=[(seq, n)]))
+        torch.cuda.synchronize(self.device)
+        logger.info("warmed up the prefill kernels for steps of %d to %d tokens", sizes[0], sizes[-1])
 
     def _allocate_kv_cache(self) -> None:
         # with CUDA graphs, one extra block past num_blocks takes the writes of padded batch rows

@@ -58,7 +58,7 @@ def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
     return q, s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # varies with the batch: one compiled variant
 def _block_gemm_kernel(A, AS, W, WS, C, M, N, K, stride_am, stride_asm, stride_wn, stride_wsn, stride_cm,
                        GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr):

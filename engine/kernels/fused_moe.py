@@ -15,7 +15,7 @@ from engine.kernels.fp8_gemm import FP8, per_token_group_quant
 from engine.kernels.moe_routing import align_by_expert
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # varies with the batch: one compiled variant
 def _moe_gemm_kernel(A, AS, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded, N, K, num_pairs, top_k,
                      stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
                      GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_BY_TOKEN: tl.constexpr, USE_FP8: tl.constexpr,

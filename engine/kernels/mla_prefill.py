@@ -18,7 +18,7 @@ from engine.kernels._util import check, check_float, check_last_contiguous, inte
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m_blocks"])  # varies with the batch: one compiled variant
 def _prefill_kernel(QN, QP, KN, KP, V, O, CuQ, CuK, scale_log2,
                     stride_qnt, stride_qnh, stride_qpt, stride_qph, stride_knt, stride_knh, stride_kpt,
                     stride_vt, stride_vh, stride_ot, stride_oh, num_m_blocks,

@@ -1,0 +1,32 @@
+"""ModelRunner.warm_up: prefill steps of every power-of-two size run through the model at start-up
+(so kernel variants compile before serving) and touch nothing but the scratch cache block."""
+
+import logging
+
+import torch
+
+from engine import LLM, SamplingParams
+
+
+def test_warm_up_runs_every_step_size_into_the_scratch_block_only(random_checkpoint, monkeypatch, caplog):
+    llm = LLM(str(random_checkpoint), dtype="float32", max_num_batched_tokens=100, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    # on a GPU the cache has one spare block past num_blocks; here the last block plays that part
+    runner.num_blocks -= 1
+    before = [layer.kv_cache.clone() for layer in runner.model.attention_layers()]
+    sizes = []
+    run = runner.run
+    monkeypatch.setattr(runner, "run", lambda batch: (sizes.append(batch.prefills[0][1]), run(batch))[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+        runner.warm_up()
+    assert sorted(set(sizes)) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert len(sizes) == 16  # each size fresh and over a cached prefix
+    for layer, old in zip(runner.model.attention_layers(), before):
+        assert torch.equal(layer.kv_cache[:-1], old[:-1])  # the blocks sequences own are untouched
+        assert not torch.equal(layer.kv_cache[-1], old[-1])  # the scratch block took the writes
+    assert "warmed up the prefill kernels" in caplog.text
+    runner.num_blocks += 1
+    monkeypatch.undo()
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))
+    assert len(out[0].token_ids) == 2  # the engine serves on after it
