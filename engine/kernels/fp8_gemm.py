@@ -120,7 +120,7 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor,
     c = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return c
-    bm, bn, warps, stages = _gemm_config(m, a.is_cuda)
+    bm, bn, warps, stages = _gemm_config(m, not interpreted(a))
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _block_gemm_kernel[grid](a, a_scale, weight, weight_scale, c, m, n, k, a.stride(0), a_scale.stride(0),
                              weight.stride(0), weight_scale.stride(0), c.stride(0), GROUP_N=block[0],

@@ -123,8 +123,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if num_tokens == 0:
         return out
     bk = block[1] if fp8 else None
-    cfg13 = _config(num_pairs / num_experts, x.is_cuda, True, bk)
-    cfg2 = _config(num_pairs / num_experts, x.is_cuda, False, bk)
+    cfg13 = _config(num_pairs / num_experts, not interpreted(x), True, bk)
+    cfg2 = _config(num_pairs / num_experts, not interpreted(x), False, bk)
     check(cfg13[0] == cfg2[0], "both GEMMs must share BLOCK_M (one alignment)")
     align = align_by_expert(topk_ids, num_experts, cfg13[0])
     inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)

@@ -94,7 +94,7 @@ def mla_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torc
     batch = cu_seqlens_q.shape[0] - 1
     if num_q == 0 or batch == 0:
         return out
-    big = nope + rope > 128 and q_nope.is_cuda
+    big = nope + rope > 128 and not interpreted(q_nope)
     block_m, block_n = (128, 64) if big else (64, 32)
     num_m_blocks = triton.cdiv(max_seqlen_q, block_m)
     _prefill_kernel[(num_m_blocks, num_heads, batch)](

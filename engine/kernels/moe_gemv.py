@@ -169,7 +169,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     if num_tokens == 0:
         return torch.empty_like(x)
     slots = top_k + num_shared
-    block_n, block_k, warps = config or ((16, 128, 4) if x.is_cuda else (16, 32, 4))
+    block_n, block_k, warps = config or ((16, 32, 4) if interpreted(x) else (16, 128, 4))
     if fp8:
         block_k = block[1]
     ids = topk_ids.int()

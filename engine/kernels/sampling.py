@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check
+from engine.kernels._util import check, interpreted
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
         out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch:
         _sample_kernel[(batch,)](logits, temperature, seeds, step, out, logits.stride(0), vocab,
-                                 BLOCK_V=4096 if logits.is_cuda else 128, num_warps=8)
+                                 BLOCK_V=128 if interpreted(logits) else 4096, num_warps=8)
     return out
 
 

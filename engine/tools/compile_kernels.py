@@ -1,0 +1,177 @@
+"""Compile every Triton kernel of the fast path for a GPU architecture, on a machine without a GPU.
+
+    python -m engine.tools.compile_kernels [--arch 90]
+
+Triton's interpreter (the CPU kernel tests) runs a kernel's Python, not its compilation: a type error
+that only the compiler sees, or a tile that needs more shared memory than the chip has, passes there
+and fails on the first GPU. Here every launcher runs on CPU tensors of DeepSeek-V2-Lite's (bf16) and
+DeepSeek-V3's (FP8) real shapes with the GPU's choices (tiles, no interpreter workarounds); each
+kernel launch is caught and compiled for the target instead (through PTX to a cubin, with Triton's
+own ptxas), and its shared memory checked against the architecture's per-block limit. Weights keep
+their real rows and columns; expert counts are cut, since they change no compiled code.
+"""
+
+import argparse
+import contextlib
+import importlib
+import sys
+from collections.abc import Callable, Iterator
+from unittest import mock
+
+import torch
+
+KERNEL_MODULES = ["fp8_gemm", "fused_moe", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing",
+                  "rms_norm", "rotary", "sampling"]
+# largest shared memory one block may use, by compute capability (bytes)
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv",
+          torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}
+
+
+def _signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
+    """Launch arguments -> (signature, constexprs, compile options) for triton.compile."""
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = dict(zip(kernel.arg_names, args)) | kwargs
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        value = bound[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + _TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.__name__}: cannot type argument {param.name}={value!r}")
+    return signature, constexprs, options
+
+
+class _Compiler:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` compiles instead of launching."""
+
+    def __init__(self, kernel, arch: int, results: list):
+        self.kernel, self.arch, self.results = kernel, arch, results
+
+    def __getitem__(self, grid) -> Callable[..., None]:
+        def compile_launch(*args, **kwargs) -> None:
+            import triton
+            from triton.backends.compiler import GPUTarget
+            from triton.compiler import ASTSource
+
+            signature, constexprs, options = _signature(self.kernel, args, dict(kwargs))
+            key = (self.kernel.__name__, tuple(sorted((k, str(v)) for k, v in constexprs.items())),
+                   tuple(sorted(signature.items())), tuple(sorted(options.items())))
+            if any(r["key"] == key for r in self.results):
+                return
+            compiled = triton.compile(ASTSource(self.kernel, signature, constexprs=constexprs),
+                                      target=GPUTarget("cuda", self.arch, 32), options=options)
+            self.results.append(dict(key=key, kernel=self.kernel.__name__, shared=compiled.metadata.shared,
+                                     constexprs=constexprs, options=options))
+
+        return compile_launch
+
+
+@contextlib.contextmanager
+def compiling_for(arch: int, results: list) -> Iterator[None]:
+    """Inside, kernel launches compile for `arch` and the launchers take their GPU choices."""
+    from engine.kernels import _util
+
+    modules = [importlib.import_module(f"engine.kernels.{name}") for name in KERNEL_MODULES]
+    with contextlib.ExitStack() as stack:
+        for module in [_util, *modules]:
+            if hasattr(module, "interpreted"):
+                stack.enter_context(mock.patch.object(module, "interpreted", lambda t: False))
+        for module in modules:
+            for name, obj in vars(module).items():
+                if name.startswith("_") and name.endswith("_kernel"):
+                    stack.enter_context(mock.patch.object(module, name, _Compiler(obj, arch, results)))
+        yield
+
+
+def _empty(*shape, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype)
+
+
+def launch_all() -> None:
+    """Every launcher at V2-Lite's bf16 and V3's FP8 shapes, at decode and prefill sizes."""
+    from engine.kernels.fp8_gemm import FP8, fp8_linear
+    from engine.kernels.fused_moe import fused_experts
+    from engine.kernels.latent_cache import write_latent_
+    from engine.kernels.mla_decode import mla_decode_attention
+    from engine.kernels.mla_prefill import mla_prefill_attention
+    from engine.kernels.moe_gemv import SharedExperts, moe_gemv
+    from engine.kernels.moe_routing import route
+    from engine.kernels.rms_norm import rms_norm
+    from engine.kernels.rotary import apply_rope_
+    from engine.kernels.sampling import sample
+
+    f32, i32, i64 = torch.float32, torch.int32, torch.int64
+    for hidden, heads, experts, top_k, inter, shared, vocab, fp8 in ((2048, 16, 64, 6, 1408, 2, 102400, False),
+                                                                     (7168, 128, 256, 8, 2048, 1, 129280, True)):
+        lora, rope, nope, vdim, page, block = 512, 64, 128, 128, 64, (128, 128)
+        for tokens in (1, 64, 4096):
+            x = _empty(tokens, hidden)
+            rms_norm(x, _empty(hidden), 1e-6, _empty(tokens, hidden))
+            rms_norm(_empty(tokens, lora + rope)[:, :lora], _empty(lora), 1e-6)
+            q = _empty(tokens, heads, nope + rope)
+            kv = _empty(tokens, lora + rope)
+            cos = sin = _empty(4096, rope // 2, dtype=f32)
+            pos = torch.zeros(tokens, dtype=i64)
+            write_latent_(_empty(64, page, lora + rope), kv, _empty(lora), 1e-6, q[..., nope:], pos, cos, sin, pos)
+            apply_rope_(q[..., nope:], kv[:, lora:], pos, cos, sin)
+            ids = torch.randint(0, experts, (tokens, experts)).argsort(-1)[:, :top_k].to(i32).contiguous()
+            route(_empty(tokens, experts, dtype=f32), _empty(experts, dtype=f32) if fp8 else None, top_k,
+                  "sigmoid" if fp8 else "softmax", "noaux_tc" if fp8 else "group_limited_greedy", 8,
+                  4 if fp8 else 3, fp8, 2.5)
+            weights = _empty(tokens, top_k, dtype=f32)
+            wdtype = FP8 if fp8 else torch.bfloat16
+            ids = ids % 16  # sixteen experts stand in for all: the count changes no compiled code
+            w13, w2 = _empty(16, 2 * inter, hidden, dtype=wdtype), _empty(16, hidden, inter, dtype=wdtype)
+            scales = ((_empty(16, 2 * inter // 128, hidden // 128, dtype=f32),
+                       _empty(16, hidden // 128, inter // 128, dtype=f32)) if fp8 else (None, None))
+            fused_experts(x, w13, w2, weights, ids, *scales, block=block if fp8 else None)
+            if tokens <= 8:
+                sh = SharedExperts(_empty(2 * shared * inter, hidden, dtype=wdtype),
+                                   _empty(hidden, shared * inter, dtype=wdtype),
+                                   *((_empty(2 * shared * inter // 128, hidden // 128, dtype=f32),
+                                      _empty(hidden // 128, shared * inter // 128, dtype=f32)) if fp8 else ()))
+                moe_gemv(x, w13, w2, weights, ids, *scales, block=block if fp8 else None, shared=sh)
+            if fp8:
+                fp8_linear(x, _empty(1536, hidden, dtype=FP8), _empty(12, hidden // 128, dtype=f32), block)
+            lens = torch.full((min(tokens, 64),), 1024, dtype=i32)
+            mla_decode_attention(_empty(len(lens), heads, lora), _empty(len(lens), heads, rope),
+                                 _empty(64 * 16, page, lora + rope), torch.zeros(len(lens), 16, dtype=i32), lens, 0.1)
+            cu = torch.tensor([0, tokens], dtype=i32)
+            mla_prefill_attention(q[..., :nope], q[..., nope:], _empty(tokens, heads, nope), _empty(tokens, rope),
+                                  _empty(tokens, heads, vdim), cu, cu, tokens, 0.1)
+        sample(_empty(8, vocab, dtype=f32), _empty(8, dtype=f32), torch.zeros(8, dtype=i64), torch.zeros(1, dtype=i64))
+
+
+def compile_all(arch: int = 90) -> list[dict]:
+    """-> one entry per distinct kernel variant compiled: name, shared memory bytes, constexprs."""
+    results: list[dict] = []
+    with compiling_for(arch, results):
+        launch_all()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability times ten (90: Hopper)")
+    args = p.parse_args(argv)
+    results = compile_all(args.arch)
+    limit = SHARED_LIMIT.get(args.arch)
+    bad = [r for r in results if limit is not None and r["shared"] > limit]
+    for r in results:
+        flag = "  over the limit" if r in bad else ""
+        print(f"{r['kernel']:22s} shared {r['shared']:7d} B  {r['options']}{flag}")
+    print(f"{len(results)} kernel variants compiled for sm_{args.arch}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
