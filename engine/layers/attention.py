@@ -113,15 +113,32 @@ def mla_decode(
     return torch.einsum("bhc,hvc->bhv", out_latent, w_uv.float()).to(q_nope.dtype)
 
 
+# Prefill chunks of at most this many tokens take the weight-absorbed path: expanding a long cached
+# context through W_UKV costs 2 * kv_lora * H * (nope + v) FLOPs per context token whatever the chunk,
+# while absorbed attention costs about 2 * H * (2 * kv_lora + rope) per (query, context) pair, so
+# short chunks over long prefixes (a conversation's next turn) are far cheaper absorbed.
+ABSORBED_MAX_QUERY = 16
+
+
 def mla_prefill_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv_lora_rank, v_head_dim,
                      softmax_scale) -> torch.Tensor:
-    """`mla_prefill` through the Triton kernel: gather each chunk's whole context (cached prefix + chunk)
-    from the cache, expand it through W_UKV in one GEMM, then causal variable-length attention."""
+    """`mla_prefill` through the Triton kernels. Chunks of up to ABSORBED_MAX_QUERY tokens: each query
+    token attends as its own sequence over the context it may see, through the absorbed decode kernel.
+    Longer ones: gather each chunk's whole context (cached prefix + chunk) from the cache, expand it
+    through W_UKV in one GEMM, then causal variable-length attention."""
     from engine.kernels.mla_prefill import mla_prefill_attention  # first use: Triton picks compiled or interpreted
 
     num_heads, nope = q_nope.shape[1], q_nope.shape[2]
     bs, dev = meta.block_size, q_nope.device
     ctx_lens = meta.context_lens_cpu[: meta.num_prefills]
+    q_lens = meta.query_lens_cpu[: meta.num_prefills]
+    if max(q_lens) <= ABSORBED_MAX_QUERY:
+        # query j of a chunk of q tokens over a context of c sees the first c - q + j + 1 rows
+        lens = [c - q + j + 1 for c, q in zip(ctx_lens, q_lens) for j in range(q)]
+        rows = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens)).to(dev, non_blocking=True)
+        tables = meta.block_tables[: meta.num_prefills][rows]
+        lens_t = torch.tensor(lens, dtype=torch.int32).to(dev, non_blocking=True)
+        return _absorbed_attention(q_nope, q_pe, kv_cache, tables, lens_t, w_kv_b, v_head_dim, softmax_scale)
     slots = []
     for i, ctx in enumerate(ctx_lens):
         pos = torch.arange(ctx, device=dev)
@@ -138,14 +155,22 @@ def mla_prefill_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv
 def mla_decode_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv_lora_rank, v_head_dim,
                     softmax_scale) -> torch.Tensor:
     """`mla_decode` through the Triton split-KV kernel; the absorptions are batched GEMMs per head."""
+    first = meta.num_prefills
+    return _absorbed_attention(q_nope, q_pe, kv_cache, meta.block_tables[first:], meta.context_lens[first:], w_kv_b,
+                               v_head_dim, softmax_scale)
+
+
+def _absorbed_attention(q_nope, q_pe, kv_cache, block_tables, context_lens, w_kv_b, v_head_dim,
+                        softmax_scale) -> torch.Tensor:
+    """One query token per row of block_tables / context_lens, weight-absorbed -> [B, H, v]."""
     from engine.kernels.mla_decode import mla_decode_attention
 
     num_heads, nope = q_nope.shape[1], q_nope.shape[2]
+    kv_lora_rank = w_kv_b.shape[1]
     w = w_kv_b.view(num_heads, nope + v_head_dim, kv_lora_rank)
     q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [B, H, kv_lora]
-    first = meta.num_prefills
-    out = mla_decode_attention(q_latent, q_pe.to(q_latent.dtype), kv_cache, meta.block_tables[first:].int(),
-                               meta.context_lens[first:].int(), softmax_scale)
+    out = mla_decode_attention(q_latent, q_pe.to(q_latent.dtype), kv_cache, block_tables.int(), context_lens.int(),
+                               softmax_scale)
     # [B, H, v] written head by head through a transposed view (a strided batched GEMM), so o_proj
     # reads it flat without another copy
     result = torch.empty(out.shape[0], num_heads, v_head_dim, dtype=out.dtype, device=out.device)

@@ -157,6 +157,34 @@ def test_mla_prefill_with_cached_prefix(dtype):
     assert rel_err(out, reference_mla_prefill_attention(*args, 0.25)) < (F32_TOL if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("q_lens", [[3, 5], [16, 17]])  # absorbed (all chunks <= 16 tokens) / plain
+def test_mla_prefill_fast_paths_match_the_reference_layer(q_lens):
+    from engine.layers.attention import AttentionMetadata, mla_prefill, mla_prefill_fast
+
+    g = torch.Generator().manual_seed(8)
+    heads, nope, vdim, lora, rope, page = 3, 16, 16, 32, 8, 4
+    ctx = [40, q_lens[1] + 7]  # long cached prefixes under short chunks
+    num_blocks = sum(-(-c // page) for c in ctx) + 2
+    cache = torch.randn(num_blocks, page, lora + rope, generator=g).to(DEV)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, start = [], 0
+    for c in ctx:
+        n = -(-c // page)
+        tables.append(perm[start : start + n] + [0] * (max(-(-x // page) for x in ctx) - n))
+        start += n
+    cu = [0, q_lens[0], q_lens[0] + q_lens[1]]
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(cu[-1], dtype=torch.long, device=DEV), query_start_loc=torch.tensor(cu, device=DEV),
+        context_lens=torch.tensor(ctx, device=DEV), block_tables=torch.tensor(tables, device=DEV), num_prefills=2,
+        num_prefill_tokens=cu[-1], block_size=page, query_start_loc_cpu=cu, query_lens_cpu=q_lens,
+        context_lens_cpu=ctx)
+    q_nope = torch.randn(cu[-1], heads, nope, generator=g).to(DEV)
+    q_pe = torch.randn(cu[-1], heads, rope, generator=g).to(DEV)
+    w_kv_b = (0.2 * torch.randn(heads * (nope + vdim), lora, generator=g)).to(DEV)
+    args = (q_nope, q_pe, cache, meta, w_kv_b, lora, vdim, 0.3)
+    assert rel_err(mla_prefill_fast(*args), mla_prefill(*args)) < F32_TOL
+
+
 @gpu
 def test_mla_prefill_deepseek_shapes():
     args = _prefill_case([1000, 300], [1000, 2348], heads=16, nope=128, rope=64, vdim=128, dtype=torch.bfloat16, seed=7)
