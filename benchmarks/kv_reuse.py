@@ -7,9 +7,10 @@ Two engine processes share a real redis-server. Process A prefills each prefix (
 its blocks; process B then serves turn 2 (the prefix plus 32 new tokens) twice: once pulling the prefix
 from A over TCP, once recomputing it (engine C beside B, which never pulls). B pulls once before the
 measured turns, so its transport has learnt the block size and holds a staging buffer, as a replica
-that has served for a while does. Raw pull loops then measure the TCP transfer rate on its own, over
-one stream and striped over --stripes connections. The model is random, with DeepSeek-V3's latent
-width (kv_lora 512 + rope 64).
+that has served for a while does. A third turn on B, whose prefix is then local, gives the floor: the
+prefill of the new tokens over the cached prefix. Raw pull loops then measure the TCP transfer rate on
+its own (best of 5), over one stream and striped over --stripes connections. The model is random, with
+DeepSeek-V3's latent width (kv_lora 512 + rope 64).
 """
 
 import argparse
@@ -31,6 +32,7 @@ SHAPE = dict(vocab_size=2048, hidden_size=512, intermediate_size=1024, moe_inter
              n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
              max_position_embeddings=40000, rope_scaling=None)
 NEW_TOKENS = 32
+WARM_TOKENS = 100
 BLOCK_SIZE = 16
 RAW_PULLS = 5  # per prefix and transport; the best is reported (other work on the machine only slows)
 
@@ -86,7 +88,7 @@ def engine(ckpt, redis_url, name, device, policy, prefixes):
     return LLMEngine(EngineConfig(model=str(ckpt), dtype="bfloat16" if device == "cuda" else "float32", device=device,
                                   kv_directory=redis_url, replica_id=name, kv_transfer_port=0, kv_pull_policy=policy,
                                   block_size=BLOCK_SIZE, max_num_batched_tokens=4096,
-                                  max_model_len=max(prefixes) + 2 * NEW_TOKENS,
+                                  max_model_len=max(*prefixes, WARM_TOKENS) + 2 * NEW_TOKENS,
                                   # every conversation stays cached (warm-up prompts get evicted first)
                                   num_kv_blocks=(sum(prefixes) + len(prefixes) * 2 * NEW_TOKENS) // BLOCK_SIZE + 64,
                                   max_num_seqs=4,
@@ -144,10 +146,32 @@ def main() -> None:
     if any(n < BLOCK_SIZE for n in args.prefixes):
         ap.error(f"every prefix needs at least one full block ({BLOCK_SIZE} tokens)")
 
+    load_at_start = os.getloadavg()  # other work on the machine slows every figure here
+    with tempfile.TemporaryDirectory() as work:
+        rows, num_stripes = run(args, Path(work))
+    import torch
+
+    gpu = f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
+    result = {"benchmark": "kv_reuse", "date": date.today().isoformat(), "device": args.device,
+              "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores{gpu}, torch {torch.__version__}",
+              "shape": SHAPE, "block_size": BLOCK_SIZE, "new_tokens": NEW_TOKENS, "stripes": num_stripes,
+              "loadavg_1_5_15min": {"start": load_at_start, "end": os.getloadavg()}, "rows": rows,
+              "command": " ".join(["python -m benchmarks.kv_reuse", *sys.argv[1:]])}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'prefix':>7} {'ttft pull':>10} {'ttft recompute':>15} {'speedup':>8} {'pull GB/s':>10} "
+          f"{'raw 1-stream':>13} {'raw striped':>12}")
+    for r in rows:
+        print(f"{r['prefix_tokens']:>7} {r['ttft_pull_s']:>10.3f} {r['ttft_recompute_s']:>15.3f} {r['speedup']:>8.1f} "
+              f"{r['pull_gb_s'] or 0:>10.2f} {r['raw_one_stream_gb_s']:>13.2f} "
+              f"{r['raw_striped_gb_s']:>12.2f} (x{r['raw_striped_streams']})")
+
+
+def run(args, work: Path) -> tuple[list[dict], int]:
+    """-> (one row per prefix, streams of the striped raw pull)."""
     from engine.kv.transfer import TcpTransport
     from engine.tools.make_random_checkpoint import make_random_checkpoint
 
-    work = Path(tempfile.mkdtemp())
     ckpt = make_random_checkpoint(work / "ckpt", seed=0, **SHAPE)
     redis = RedisServer(args.redis_server, work)
     ctx = mp.get_context("spawn")
@@ -161,7 +185,7 @@ def main() -> None:
         c = engine(ckpt, redis.url, "c", args.device, "never", args.prefixes)
         # a prefill from scratch, then one after a cached prefix; on a GPU at every length, since kernels
         # compile (and tune) per shape on first use, which would land in whichever turn came first
-        for n in args.prefixes if args.device == "cuda" else [100]:
+        for n in args.prefixes if args.device == "cuda" else [WARM_TOKENS]:
             for eng in (b, c):
                 ttft(eng, f"warm{n}", tokens(n, 1))
                 ttft(eng, f"warm{n}-hit", tokens(n, 1) + tokens(NEW_TOKENS, 2))
@@ -193,26 +217,12 @@ def main() -> None:
             print(rows[-1], flush=True)
         b.shutdown()
         c.shutdown()
+        return rows, striped.num_stripes
     finally:
-        parent.send("done")
+        if proc.is_alive():
+            parent.send("done")
         proc.join()
         redis.stop()
-    import torch
-
-    gpu = f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
-    result = {"benchmark": "kv_reuse", "date": date.today().isoformat(), "device": args.device,
-              "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores{gpu}, torch {torch.__version__}",
-              "shape": SHAPE, "block_size": BLOCK_SIZE,
-              "new_tokens": NEW_TOKENS, "stripes": striped.num_stripes, "rows": rows,
-              "command": " ".join(["python -m benchmarks.kv_reuse", *sys.argv[1:]])}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'prefix':>7} {'ttft pull':>10} {'ttft recompute':>15} {'speedup':>8} {'pull GB/s':>10} "
-          f"{'raw 1-stream':>13} {'raw striped':>12}")
-    for r in rows:
-        print(f"{r['prefix_tokens']:>7} {r['ttft_pull_s']:>10.3f} {r['ttft_recompute_s']:>15.3f} {r['speedup']:>8.1f} "
-              f"{r['pull_gb_s'] or 0:>10.2f} {r['raw_one_stream_gb_s']:>13.2f} "
-              f"{r['raw_striped_gb_s']:>12.2f} (x{r['raw_striped_streams']})")
 
 
 if __name__ == "__main__":

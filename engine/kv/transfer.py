@@ -156,7 +156,10 @@ def _recv_json(sock: socket.socket) -> dict:
     (n,) = _LEN.unpack(_recv_exact(sock, 4))
     if n > _MAX_HEADER:
         raise TransferError(f"oversized header ({n} bytes)")
-    return json.loads(_recv_exact(sock, n))
+    obj = json.loads(_recv_exact(sock, n))
+    if not isinstance(obj, dict):
+        raise TransferError("malformed header")
+    return obj
 
 
 def _tune(sock: socket.socket, buffer_bytes: int, timeout: float) -> None:
@@ -223,8 +226,10 @@ class KVTransferServer:
                 hashes = [bytes.fromhex(h) for h in req.get("hashes", [])]
                 _send_json(sock, self.layout.header())
                 self._stream(sock, hashes)
-        except (OSError, TransferError, ValueError) as e:
+        except (OSError, TransferError, ValueError, TypeError) as e:  # the peer left or spoke nonsense
             logger.debug("KV transfer connection ended: %s", e)
+        except Exception:  # e.g. the gather ran out of device memory: the peer sees a dead connection
+            logger.warning("KV transfer: serving a pull failed", exc_info=True)
 
     def _stream(self, sock: socket.socket, hashes: list[bytes]) -> None:
         per_frame, block_bytes = self.blocks_per_frame, self.layout.num_bytes
@@ -335,7 +340,7 @@ class TcpTransport:
         except TransferError:
             landing.release()
             raise
-        except (OSError, ValueError, KeyError, struct.error) as e:
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
             landing.release()
             raise TransferError(f"pull from {addr} failed: {e}") from e
         self._block_bytes = landing.layout.num_bytes

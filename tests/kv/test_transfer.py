@@ -2,7 +2,9 @@
 standing in for the block manager (the engine-level tests in tests/engine/test_kv_reuse.py pull through
 real engines). Striped pulls are forced with a tiny minimum stripe size."""
 
+import json
 import socket
+import struct
 import threading
 
 import pytest
@@ -239,3 +241,33 @@ def test_layout_from_a_bad_header_is_refused():
         BlockLayout.from_header({**good, "block_bytes": good["block_bytes"] + 1})
     with pytest.raises(TransferError, match="unknown block dtype"):
         BlockLayout.from_header({**good, "dtype": "Tensor"})
+
+
+def test_a_peer_speaking_nonsense_is_a_transfer_error():
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer():
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(b"\x00\x00\x00\x02[]")  # a well-framed header that is not an object
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        with pytest.raises(TransferError, match="malformed header"):
+            TcpTransport(MODEL, 2.0).pull(f"127.0.0.1:{listener.getsockname()[1]}", Peer().hashes)
+    finally:
+        listener.close()
+
+
+def test_the_server_hangs_up_on_other_protocols_and_keeps_serving(serve):
+    peer = Peer()
+    server = serve(peer)
+    bad_hashes = json.dumps({"model": MODEL, "hashes": [1]}).encode()
+    for request in (b"DSKV\x00\x00\x00\x02{}",  # the first wire format
+                    b"DSK2\x00\x00\x00\x02[]", b"DSK2" + struct.pack(">I", len(bad_hashes)) + bad_hashes):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=2.0) as sock:
+            sock.sendall(request)
+            assert sock.recv(65536) == b""  # closed without an answer
+    pulled = TcpTransport(MODEL, 2.0).pull(f"127.0.0.1:{server.port}", peer.hashes[:3])
+    assert torch.equal(pulled.data, peer.blocks[:3])
