@@ -142,11 +142,10 @@ def fuse_linears(*layers: Linear) -> Linear | None:
         return None
     if first.block is not None and any(m.out_features % first.block[0] for m in layers[:-1]):
         return None
-    fused = Linear.__new__(Linear)
-    nn.Module.__init__(fused)
-    fused.par, fused.block, fused.use_kernels = first.par, first.block, first.use_kernels
-    fused.in_features, fused.out_features = first.in_features, sum(m.out_features for m in layers)
-    fused.register_parameter("bias", None)
+    quant = QuantConfig(weight_block_size=first.block) if first.block is not None else None
+    with torch.device("meta"):  # shapes only: the parameters are the layers' weights, concatenated below
+        fused = Linear(first.in_features, sum(m.out_features for m in layers), par=first.par, quant=quant)
+    fused.use_kernels = first.use_kernels
     names = ["weight"] + (["weight_scale_inv"] if first.block is not None else [])
     for name in names:
         merged = torch.cat([getattr(m, name).data for m in layers])
