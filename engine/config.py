@@ -218,6 +218,7 @@ class EngineConfig:
     advertise_host: str = "127.0.0.1"
     kv_transport: str = "auto"
     kv_transfer_port: int = 8100
+    kv_transfer_streams: int | None = None  # TCP connections per large pull (None: min(4, usable cores))
     kv_min_prefix_tokens: int = 64
     kv_pull_policy: str = "auto"  # auto | always | never
     extra: dict = field(default_factory=dict, hash=False, compare=False)
@@ -230,6 +231,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_transfer_streams is not None and self.kv_transfer_streams < 1:
+            raise ValueError(f"kv_transfer_streams must be >= 1, got {self.kv_transfer_streams}")
         if self.kv_pull_policy not in ("auto", "always", "never"):
             raise ValueError(f"kv_pull_policy must be auto, always or never, got {self.kv_pull_policy!r}")
         if self.kv_transport not in ("auto", "tcp", "rdma"):

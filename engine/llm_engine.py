@@ -59,6 +59,7 @@ class LLMEngine:
         c = self.config
         kv_config = KVConfig(directory_url=c.kv_directory, replica_id=c.replica_id, advertise_host=c.advertise_host,
                              transfer_port=c.kv_transfer_port, transport=c.kv_transport,
+                             transfer_streams=c.kv_transfer_streams,
                              min_prefix_tokens=c.kv_min_prefix_tokens, pull_policy=c.kv_pull_policy)
         caches = [attn.kv_cache for attn in self.runner.model.attention_layers()]
         connector = KVConnector(kv_config, self.block_manager, caches, self.model_key)

@@ -29,6 +29,7 @@ class KVConfig:
     transfer_host: str = "0.0.0.0"
     transfer_port: int = 8100  # 0: any free port
     transport: str = "auto"  # auto | tcp | rdma
+    transfer_streams: int | None = None  # TCP connections per large pull (None: min(4, usable cores))
     min_prefix_tokens: int = 64
     pull_policy: str = "auto"  # auto: when the estimated pull beats recomputing | always | never
     heartbeat_ttl: float = 15.0
@@ -95,7 +96,7 @@ class KVConnector:
         served = ServedCache(kv_caches, block_manager.lookup_cached, self._served, config.advertise_host,
                              self.server.port, config.transfer_host)
         self.transport, transport_name = select_transport(config.transport, model_key, config.timeout, self.stats,
-                                                          served)
+                                                          served, streams=config.transfer_streams)
         addr = self.transport.addr if transport_name == "rdma" else f"{config.advertise_host}:{self.server.port}"
         self.directory = KVDirectory(config.directory_url, model_key, self.replica_id, self.incarnation,
                                      addr, transport_name,

@@ -51,6 +51,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "rdma"])
     fleet.add_argument("--kv-transfer-port", type=_port_or_any, default=8100, help="0: any free port")
     fleet.add_argument(
+        "--kv-transfer-streams", type=_positive_int,
+        help="TCP connections one large KV pull is striped over (default: min(4, usable cores))",
+    )  # fmt: skip
+    fleet.add_argument(
         "--kv-min-prefix-tokens", type=_non_negative_int, default=64,
         help="shorter missing prefixes are recomputed without asking the directory",
     )  # fmt: skip
@@ -113,7 +117,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         "kv_pull_policy": args.kv_pull_policy,
     }  # fmt: skip
     # Unset: the engine's own defaults.
-    for name in ("max_num_seqs", "advertise_host"):
+    for name in ("max_num_seqs", "advertise_host", "kv_transfer_streams"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     try:

@@ -236,7 +236,7 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
         "TENSOR_PARALLEL_SIZE": "1", "MAX_MODEL_LEN": "8192", "REPLICA_ID": "pod-0", "ADVERTISE_HOST": "10.0.0.7",
         "KV_DIRECTORY": "redis://dir:6379/0", "KV_TRANSPORT": "rdma", "KV_TRANSFER_PORT": "8101",
         "API_KEY_FILE": str(key), "MAX_WAITING_REQUESTS": "32", "MAX_NUM_SEQS": "8", "DRAIN_TIMEOUT": "12.5",
-        "DTYPE": "bfloat16", "KV_MIN_PREFIX_TOKENS": "32", "KV_PULL_POLICY": "never",
+        "DTYPE": "bfloat16", "KV_MIN_PREFIX_TOKENS": "32", "KV_PULL_POLICY": "never", "KV_TRANSFER_STREAMS": "3",
     }  # fmt: skip
     for name, value in env.items():
         monkeypatch.setenv(f"DEEPSEEK_ENGINE_{name}", value)
@@ -252,7 +252,7 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
     assert (c.replica_id, c.advertise_host, c.kv_directory, c.kv_transport, c.kv_transfer_port) == (
         "pod-0", "10.0.0.7", "redis://dir:6379/0", "rdma", 8101,
     )  # fmt: skip
-    assert (c.kv_min_prefix_tokens, c.kv_pull_policy) == (32, "never")
+    assert (c.kv_min_prefix_tokens, c.kv_pull_policy, c.kv_transfer_streams) == (32, "never", 3)
     assert parser.parse_args(["--port", "9100"]).port == 9100  # the command line wins
 
 

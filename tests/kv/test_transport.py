@@ -43,6 +43,12 @@ def test_tcp_is_taken_as_asked_without_a_fallback(caplog):
     assert stats.fallbacks == {} and not caplog.records
 
 
+def test_tcp_takes_the_configured_stream_count_on_either_path():
+    assert select("tcp", streams=3)[0].num_stripes == 3
+    assert select("auto", devices=[], streams=2)[0].num_stripes == 2  # the fallback too
+    assert select("tcp")[0].num_stripes >= 1  # default: from the usable cores
+
+
 @pytest.mark.parametrize("requested, level", [("auto", logging.INFO), ("rdma", logging.WARNING)])
 def test_no_rdma_device_falls_back_to_tcp(requested, level, caplog):
     caplog.set_level(logging.INFO, "engine.kv.transport")
