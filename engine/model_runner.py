@@ -144,7 +144,9 @@ class ModelRunner:
         into the scratch block, so Triton compiles every kernel variant serving meets now: a variant
         compiled on first use stalls every request in that step for about a second (seen as late
         first tokens in the server benchmark). Tile choices depend on the step's size only in powers of
-        two, and the kernels do not specialize on batch-dependent integers."""
+        two, and the kernels do not specialize on batch-dependent integers; the decode attention's slice
+        count (a power of two) is warmed directly."""
+        from engine.kernels.mla_decode import SPLIT_CHOICES, mla_decode_attention
         from engine.sampling_params import SamplingParams
 
         scratch, bs = self.num_blocks, self.block_size
@@ -152,11 +154,23 @@ class ModelRunner:
         sizes = sorted({min(1 << i, budget) for i in range(budget.bit_length() + 1)})
         for n in sizes:
             for prefix in (0, bs):
+                if prefix + n > self.max_model_len - 1:
+                    continue  # positions past the rope table
                 seq = Sequence("warm-up", [0] * (prefix + n), SamplingParams(max_tokens=1), None, None)
                 seq.block_table = [scratch] * -(-(prefix + n) // bs)  # every row lands in the scratch block
                 seq.num_computed_tokens = prefix
                 self.run(ScheduledBatch(prefills=[(seq, n)]))
-        torch.cuda.synchronize(self.device)
+        if self.backend == "triton":  # every slice count the decode attention may take
+            attn = self.model.attention_layers()[0]
+            cache, dev = attn.kv_cache, attn.kv_cache.device
+            q = torch.zeros(1, attn.num_heads, attn.kv_lora_rank, dtype=cache.dtype, device=dev)
+            q_pe = torch.zeros(1, attn.num_heads, attn.qk_rope_head_dim, dtype=cache.dtype, device=dev)
+            table = torch.full((1, 1), scratch, dtype=torch.int32, device=dev)
+            for splits in SPLIT_CHOICES:
+                mla_decode_attention(q, q_pe, cache, table, torch.ones(1, dtype=torch.int32, device=dev),
+                                     attn.softmax_scale, num_splits=splits)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         logger.info("warmed up the prefill kernels for steps of %d to %d tokens", sizes[0], sizes[-1])
 
     def _allocate_kv_cache(self) -> None:

@@ -84,10 +84,14 @@ def _merge_kernel(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_ob,
     tl.store(Out + b * stride_ob + h * stride_oh + offs_c, res.to(Out.dtype.element_ty), mask=mask_c)
 
 
+SPLIT_CHOICES = (1, 2, 4, 8, 16, 32)  # powers of two: the slice count is a compile-time constant
+
+
 def default_num_splits(batch: int, num_heads: int, num_sms: int = 132, block_h: int = 16) -> int:
-    """Enough (sequence, head block, slice) programs to fill the GPU twice over, at most 32 slices."""
+    """Enough (sequence, head block, slice) programs to fill the GPU twice over, at most 32 slices,
+    rounded up to a power of two so that serving meets six compiled variants, not one per batch size."""
     programs = batch * triton.cdiv(num_heads, block_h)
-    return max(1, min(32, triton.cdiv(2 * num_sms, programs)))
+    return min(32, triton.next_power_of_2(max(1, triton.cdiv(2 * num_sms, programs))))
 
 
 def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

@@ -118,6 +118,9 @@ def mla_decode(
 # while absorbed attention costs about 2 * H * (2 * kv_lora + rope) per (query, context) pair, so
 # short chunks over long prefixes (a conversation's next turn) are far cheaper absorbed.
 ABSORBED_MAX_QUERY = 16
+# ... and at most this many query tokens in the step: each is a row of the decode kernel with its own
+# float32 partial results (H x slices x kv_lora), which a step of many short fresh prompts would inflate
+ABSORBED_MAX_TOKENS = 256
 
 
 def mla_prefill_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv_lora_rank, v_head_dim,
@@ -132,7 +135,7 @@ def mla_prefill_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv
     bs, dev = meta.block_size, q_nope.device
     ctx_lens = meta.context_lens_cpu[: meta.num_prefills]
     q_lens = meta.query_lens_cpu[: meta.num_prefills]
-    if max(q_lens) <= ABSORBED_MAX_QUERY:
+    if max(q_lens) <= ABSORBED_MAX_QUERY and sum(q_lens) <= ABSORBED_MAX_TOKENS:
         # query j of a chunk of q tokens over a context of c sees the first c - q + j + 1 rows
         lens = [c - q + j + 1 for c, q in zip(ctx_lens, q_lens) for j in range(q)]
         rows = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens)).to(dev, non_blocking=True)

@@ -65,6 +65,12 @@ class MLA(nn.Module):
         self.kv_cache: torch.Tensor | None = None  # set by the model runner
         self.fused_input_proj: Linear | None = None  # (q_proj or q_a_proj) + kv_a_proj_with_mqa, see fuse()
 
+    def _apply(self, fn, *args, **kwargs):
+        module = super()._apply(fn, *args, **kwargs)
+        if self.fused_input_proj is not None:
+            self.fuse()  # .to() and casts copy the layers' weights apart: fuse the new copies again
+        return module
+
     def fuse(self) -> None:
         """After loading, for the fast path: the two projections of the layer input as one GEMM."""
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
@@ -143,10 +149,15 @@ class MoE(nn.Module):
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, par, cfg.quant)
             if cfg.n_shared_experts else None
         )
+        # the shared experts run inside the small-batch MoE GEMVs as pieces of the routed width: whole on
+        # this rank, and (FP8) on the routed experts' block grid
+        block = self.experts.block
+        self.fold_shared = (self.shared_experts is not None and self.shared_experts.foldable()
+                            and (block is None or cfg.moe_intermediate_size % block[1] == 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        if self.experts.takes_gemv(ids) and self.shared_experts is not None and self.shared_experts.foldable():
+        if self.fold_shared and self.experts.takes_gemv(ids):
             # a few tokens: routed and shared experts in the same two GEMV launches
             return self.experts(x, weights, ids, shared=self.shared_experts.as_shared_experts())
         out = self.experts(x, weights, ids)

@@ -160,6 +160,22 @@ def test_cuda_graph_decode_matches_eager(tmp_path, dtype):
     assert [o.token_ids for o in outs] == [o.token_ids for o in graphs.generate(batch, GREEDY)]
 
 
+def test_warm_up_runs_the_fast_path_and_every_decode_slice_count(tmp_path):
+    from engine.kernels.mla_decode import SPLIT_CHOICES, default_num_splits
+
+    hf = build_hf_model(seed=26)
+    llm = LLM(str(save_hf_checkpoint(hf, tmp_path / "ckpt")), dtype="float32", attention_backend="triton",
+              max_num_batched_tokens=8, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    runner.num_blocks -= 1  # the last block plays the scratch block a GPU run allocates past the pool
+    before = [layer.kv_cache.clone() for layer in runner.model.attention_layers()]
+    runner.warm_up()
+    for layer, old in zip(runner.model.attention_layers(), before):
+        assert torch.equal(layer.kv_cache[:-1], old[:-1]) and not torch.equal(layer.kv_cache[-1], old[-1])
+    # serving can only meet the slice counts warmed up
+    assert {default_num_splits(b, h) for b in range(1, 300) for h in (16, 128)} <= set(SPLIT_CHOICES)
+
+
 def test_backend_choice_is_checked(monkeypatch):
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu) == "torch" and resolve_backend("auto", torch.device("cuda")) == "triton"

@@ -44,3 +44,16 @@ def test_what_cannot_share_a_gemm_is_left_alone():
     assert fuse_linears(_fp8_linear(40, 48, g), _fp8_linear(32, 48, g)) is None  # first ends off the block grid
     assert fuse_linears(Linear(24, 8, bias=True), Linear(24, 5)) is None
     assert fuse_linears(Linear(24, 8), Linear(16, 5)) is None
+
+
+def test_a_fused_attention_follows_the_model_through_to(random_checkpoint):
+    from engine import LLM
+
+    model = LLM(str(random_checkpoint), dtype="float32").engine.runner.model
+    attn = model.attention_layers()[0]
+    attn.fuse()
+    model.to(torch.float64)  # a cast (or a device move) copies every parameter
+    fused = attn.fused_input_proj
+    assert fused.weight.dtype == torch.float64
+    kv_a = attn.kv_a_proj_with_mqa.weight
+    assert kv_a.data_ptr() == fused.weight[fused.out_features - kv_a.shape[0]:].data_ptr()  # views again
