@@ -24,7 +24,6 @@ import logging
 import math
 import os
 import socket
-import socketserver
 import struct
 import threading
 import time
@@ -34,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.kv.transfer import BlockLayout, PulledBlocks, TcpTransport, TransferError
+from engine.kv.transfer import BlockLayout, ConnectionServer, PulledBlocks, TcpTransport, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -163,23 +162,12 @@ class Lessor:
 
     def __init__(self, cache: ServedCache, model_key: str, session: str, checksum: BlockChecksum):
         self.cache, self.model_key, self.session, self.checksum = cache, model_key, session, checksum
-        outer = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                outer._handle(self.request)
-
-        class Server(socketserver.ThreadingTCPServer):
-            allow_reuse_address = True
-            daemon_threads = True
-
-        self._server = Server((cache.bind_host, 0), Handler)
-        self.port = self._server.server_address[1]
-        threading.Thread(target=self._server.serve_forever, args=(0.05,), name="kv-lessor", daemon=True).start()
+        self._tcp = ConnectionServer(cache.bind_host, 0, self._handle, "kv-lessor")
+        self.port = self._tcp.port
+        self._tcp.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._tcp.stop()
 
     def _handle(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

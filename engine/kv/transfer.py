@@ -181,6 +181,31 @@ def _tune(sock: socket.socket, buffer_bytes: int, timeout: float) -> None:
 Gather = Callable[[list[bytes], torch.Tensor], int]
 
 
+class ConnectionServer:
+    """A threaded TCP server handing each connection to `handle(sock)` on a daemon thread of its own."""
+
+    def __init__(self, host: str, port: int, handle: Callable[[socket.socket], None], name: str):
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                handle(self.request)
+
+        class Server(socketserver.ThreadingTCPServer):
+            allow_reuse_address = True
+            daemon_threads = True
+
+        self._server = Server((host, port), Handler)
+        self.port = self._server.server_address[1]
+        # a short poll interval: stop() returns within it
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
 class KVTransferServer:
     """Serves this replica's cached blocks to peers; `gather` runs on the server's connection threads."""
 
@@ -193,28 +218,14 @@ class KVTransferServer:
         self.socket_buffer_bytes = socket_buffer_bytes
         self.timeout = timeout  # a stalled or silent client is dropped after this long
         self.pool = StagingPool()
-        outer = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                outer._handle(self.request)
-
-        class Server(socketserver.ThreadingTCPServer):
-            allow_reuse_address = True
-            daemon_threads = True
-
-        self._server = Server((host, port), Handler)
-        self.port = self._server.server_address[1]
-        # a short poll interval: stop() returns within it
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="kv-transfer",
-                                        daemon=True)
+        self._tcp = ConnectionServer(host, port, self._handle, "kv-transfer")
+        self.port = self._tcp.port
 
     def start(self) -> None:
-        self._thread.start()
+        self._tcp.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._tcp.stop()
 
     def _handle(self, sock: socket.socket) -> None:
         _tune(sock, self.socket_buffer_bytes, self.timeout)
