@@ -50,7 +50,8 @@ def resolve_backend(requested: str, device: torch.device) -> str:
 
 
 def enable_kernels(model: torch.nn.Module) -> None:
-    """Switch every layer that has a Triton fast path onto it (after loading: fusing moves weights)."""
+    """Switch every layer that has a Triton fast path onto it, then fuse what runs fused (after loading:
+    fusing moves weights; second: a fused layer takes its parts' switch)."""
     for module in model.modules():
         if hasattr(type(module), "use_kernels"):
             module.use_kernels = True

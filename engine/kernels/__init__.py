@@ -10,7 +10,8 @@ plain-PyTorch reference the tests compare against.
 | `moe_gemv` | the same experts for a handful of tokens as GEMVs over the pairs, without the sort |
 | `fp8_gemm` | per-token-group activation quantization + FP8 block-scaled GEMM |
 | `rms_norm` | RMSNorm, optionally fused with the residual add |
-| `rotary` | DeepSeek's interleaved rotary embedding, in place |
+| `latent_cache` | kv norm, rope of the queries and the shared key, and the latent cache write in one launch |
+| `rotary` | the in-kernel rotation of query heads (interleaved rope) and its reference |
 | `sampling` | temperature / greedy sampling on the GPU (Gumbel-max) |
 
 Kernels run compiled on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before the

@@ -49,27 +49,37 @@ def _fp8_group(a, PRE_ROUND: tl.constexpr):
 
 
 @triton.jit
+def _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn, stride_wse, stride_wsn, stride_sn, stride_ssn):
+    """One (token, slot) program's operands: slots below top_k are the token's routed experts, the rest the
+    shared pieces -> (token, piece index (-1 when routed), pick, matrix base, its row stride, scale base,
+    its row stride)."""
+    token, slot = pair // slots, pair % slots
+    routed = slot < top_k
+    pick = token * top_k + tl.minimum(slot, top_k - 1)
+    expert = tl.load(Ids + pick).to(tl.int64)
+    w = tl.where(routed, W + expert * stride_we, SW)
+    s = tl.where(routed, WS + expert * stride_wse, SWS)
+    return (token, tl.where(routed, -1, slot - top_k), pick, w, tl.where(routed, stride_wn, stride_sn), s,
+            tl.where(routed, stride_wsn, stride_ssn))
+
+
+@triton.jit
 def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, stride_xm, stride_we, stride_wn,
                stride_wse, stride_wsn, stride_sn, stride_ssn, stride_am,
                USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, PRE_ROUND: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair, pid_n = tl.program_id(0), tl.program_id(1)
-    token, slot = pair // slots, pair % slots
-    routed = slot < top_k
-    expert = tl.load(Ids + token * top_k + tl.minimum(slot, top_k - 1)).to(tl.int64)
-    # routed: rows [0, N) gate and [N, 2N) up of expert `expert`; shared piece s: rows s*N.. and Is + s*N..
-    w = tl.where(routed, W + expert * stride_we, SW)
-    row_stride = tl.where(routed, stride_wn, stride_sn)
-    row0 = tl.where(routed, 0, (slot - top_k) * N)
-    up = tl.where(routed, N, shared_up)
+    token, piece, _, w, row_stride, s, srow = _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn,
+                                                    stride_wse, stride_wsn, stride_sn, stride_ssn)
+    # routed: rows [0, N) gate and [N, 2N) up of its expert; shared piece p: rows p*N.. and Is + p*N..
+    row0 = tl.where(piece < 0, 0, piece * N)
+    up = tl.where(piece < 0, N, shared_up)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     rows = (row0 + offs_n).to(tl.int64)
     gate_ptrs = w + rows[:, None] * row_stride
     up_ptrs = w + (rows + up)[:, None] * row_stride
     if USE_FP8:
-        s = tl.where(routed, WS + expert * stride_wse, SWS)
-        srow = tl.where(routed, stride_wsn, stride_ssn)
         gate_scales = s + (rows // GROUP_N) * srow
         up_scales = s + ((rows + up) // GROUP_N) * srow
     # products accumulate elementwise and are reduced once at the end: no cross-thread sum per K step
@@ -99,21 +109,15 @@ def _down_kernel(Act, W, WS, SW, SWS, Out, Weights, Ids, N, K, top_k, slots, str
                  USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, PRE_ROUND: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair, pid_n = tl.program_id(0), tl.program_id(1)
-    token, slot = pair // slots, pair % slots
-    routed = slot < top_k
-    pick = token * top_k + tl.minimum(slot, top_k - 1)
-    expert = tl.load(Ids + pick).to(tl.int64)
-    weight = tl.where(routed, tl.load(Weights + pick), 1.0)
-    # routed: the expert's [N, K]; shared piece s: columns [s*K, (s+1)*K) of the shared [N, Is]
-    w = tl.where(routed, W + expert * stride_we, SW)
-    row_stride = tl.where(routed, stride_wn, stride_sn)
-    col0 = tl.where(routed, 0, (slot - top_k) * K)
+    _, piece, pick, w, row_stride, s, srow = _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn,
+                                                   stride_wse, stride_wsn, stride_sn, stride_ssn)
+    weight = tl.where(piece < 0, tl.load(Weights + pick), 1.0)
+    # routed: its expert's [N, K]; shared piece p: columns [p*K, (p+1)*K) of the shared [N, Is]
+    col0 = tl.where(piece < 0, 0, piece * K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     w_rows = w + offs_n[:, None].to(tl.int64) * row_stride + col0
     if USE_FP8:
-        s = tl.where(routed, WS + expert * stride_wse, SWS)
-        srow = tl.where(routed, stride_wsn, stride_ssn)
         scales = s + (offs_n // GROUP_N) * srow + col0 // BLOCK_K
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):

@@ -54,8 +54,6 @@ def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None) -> tuple[
 class RotaryEmbedding(nn.Module):
     """Applies rope to the trailing `dim` features; pairs (x0, x1), (x2, x3), ... share a frequency."""
 
-    use_kernels = False  # the model runner switches the Triton fast path on per instance
-
     def __init__(self, dim: int, max_position: int, theta: float, scaling: RopeScaling | None):
         super().__init__()
         inv_freq, attn_factor = rope_inv_freq(dim, theta, scaling)
@@ -76,10 +74,6 @@ class RotaryEmbedding(nn.Module):
 
     def rotate_query_and_key(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q_pe: [T, H, dim], k_pe: [T, dim] -> both rotated (in place on the fast path)."""
-        if self.use_kernels:
-            from engine.kernels.rotary import apply_rope_
-
-            apply_rope_(q_pe, k_pe, positions, self.cos_cache, self.sin_cache)
-            return q_pe, k_pe
+        """q_pe: [T, H, dim], k_pe: [T, dim] -> both rotated (the fast path rotates them inside
+        kernels.latent_cache.write_latent_)."""
         return self(positions, q_pe), self(positions, k_pe)

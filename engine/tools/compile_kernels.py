@@ -106,7 +106,6 @@ def launch_all() -> None:
     from engine.kernels.moe_gemv import SharedExperts, moe_gemv
     from engine.kernels.moe_routing import route
     from engine.kernels.rms_norm import rms_norm
-    from engine.kernels.rotary import apply_rope_
     from engine.kernels.sampling import sample
 
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
@@ -122,7 +121,6 @@ def launch_all() -> None:
             cos = sin = _empty(4096, rope // 2, dtype=f32)
             pos = torch.zeros(tokens, dtype=i64)
             write_latent_(_empty(64, page, lora + rope), kv, _empty(lora), 1e-6, q[..., nope:], pos, cos, sin, pos)
-            apply_rope_(q[..., nope:], kv[:, lora:], pos, cos, sin)
             ids = torch.randint(0, experts, (tokens, experts)).argsort(-1)[:, :top_k].to(i32).contiguous()
             route(_empty(tokens, experts, dtype=f32), _empty(experts, dtype=f32) if fp8 else None, top_k,
                   "sigmoid" if fp8 else "softmax", "noaux_tc" if fp8 else "group_limited_greedy", 8,

@@ -37,9 +37,9 @@ def dtype(request) -> str:
     return request.param
 
 
-# float32: logits within logit_tol of the reference's, identical greedy tokens wherever the
-# reference's top-2 margin exceeds `margin`. bf16: see assert_bf16_as_good.
-TOL = {"float32": dict(logit_tol=1e-3, margin=1e-3), "bfloat16": dict(logit_tol=None, margin=None)}
+# float32: logits within LOGIT_TOL of the reference's, identical greedy tokens wherever the
+# reference's top-2 margin exceeds it. bf16: see assert_bf16_as_good.
+LOGIT_TOL = 1e-3
 
 
 def pair(path, dtype="float32", **engine_args) -> tuple[LLM, LLM]:
@@ -52,15 +52,14 @@ def pair(path, dtype="float32", **engine_args) -> tuple[LLM, LLM]:
     return ref, fast
 
 
-def assert_same_where_clear(ref: LLM, fast: LLM, batch: list[list[int]], logit_tol: float | None,
-                            margin: float | None) -> None:
-    if logit_tol is None:
+def assert_same_where_clear(ref: LLM, fast: LLM, batch: list[list[int]], dtype: str) -> None:
+    if dtype == "bfloat16":
         return assert_bf16_as_good(ref, fast, batch)
     for ids, want, got in zip(batch, ref.score(batch), fast.score(batch)):
         diff = (want - got).abs().max().item()
         print(f"logits: max |diff| {diff:.3g}, max |ref| {want.abs().max().item():.3g}")
-        assert diff <= logit_tol, f"max |logit diff| {diff:.3g} > {logit_tol}"
-    assert_tokens_where_clear(ref, fast, batch, margin)
+        assert diff <= LOGIT_TOL, f"max |logit diff| {diff:.3g} > {LOGIT_TOL}"
+    assert_tokens_where_clear(ref, fast, batch, LOGIT_TOL)
 
 
 def assert_tokens_where_clear(ref: LLM, fast: LLM, batch: list[list[int]], margin: float) -> None:
@@ -100,7 +99,7 @@ def assert_bf16_as_good(ref: LLM, fast: LLM, batch: list[list[int]]) -> None:
 def test_fast_path_matches_reference(tmp_path, dtype):
     hf = build_hf_model(seed=21, rope_parameters=YARN)
     ref, fast = pair(save_hf_checkpoint(hf, tmp_path / "ckpt"), dtype)
-    assert_same_where_clear(ref, fast, prompts(21, [7, 21]), **TOL[dtype])
+    assert_same_where_clear(ref, fast, prompts(21, [7, 21]), dtype)
 
 
 def test_small_batch_experts_as_gemvs_match_reference(tmp_path, dtype):
@@ -109,14 +108,14 @@ def test_small_batch_experts_as_gemvs_match_reference(tmp_path, dtype):
     experts = [m for m in fast.engine.runner.model.modules() if type(m).__name__ == "FusedExperts"]
     for m in experts:
         m.gemv_max_tokens = 4  # decode steps of up to 4 sequences take the GEMV path, prefills do not
-    assert_same_where_clear(ref, fast, prompts(25, [6, 11]), **TOL[dtype])
+    assert_same_where_clear(ref, fast, prompts(25, [6, 11]), dtype)
 
 
 def test_fast_path_chunked_prefill_over_cached_prefix(tmp_path, dtype):
     hf = build_hf_model(seed=22, rope_parameters=YARN)
     # a 7-token budget splits every prompt into chunks that attend to their cached prefix
     ref, fast = pair(save_hf_checkpoint(hf, tmp_path / "ckpt"), dtype, max_num_batched_tokens=7, block_size=4)
-    assert_same_where_clear(ref, fast, prompts(22, [23, 9]), **TOL[dtype])
+    assert_same_where_clear(ref, fast, prompts(22, [23, 9]), dtype)
 
 
 def test_fp8_checkpoint_keeps_blocks_and_matches_reference(tmp_path, dtype):
@@ -140,7 +139,7 @@ def test_fp8_checkpoint_keeps_blocks_and_matches_reference(tmp_path, dtype):
         if getattr(module, "block", None) is not None:
             module.use_kernels = False
     batch = prompts(23, [9, 17])
-    assert_same_where_clear(emulated, fast, batch, **TOL[dtype])
+    assert_same_where_clear(emulated, fast, batch, dtype)
     # against bf16-style dequantized weights the activation rounding shows, but stays bounded
     for want, got in zip(dequantized.score(batch), fast.score(batch)):
         assert ((want - got).norm() / want.norm()).item() < 0.5
@@ -156,7 +155,7 @@ def test_cuda_graph_decode_matches_eager(tmp_path, dtype):
     outs = graphs.generate(batch, GREEDY)
     assert graphs.engine.runner.graphs.graphs  # decode steps were replayed from graphs
     ref = LLM(str(path), dtype=dtype, attention_backend="torch")
-    assert_same_where_clear(ref, graphs, batch, **TOL[dtype])
+    assert_same_where_clear(ref, graphs, batch, dtype)
     assert [o.token_ids for o in outs] == [o.token_ids for o in graphs.generate(batch, GREEDY)]
 
 
