@@ -128,6 +128,11 @@ class ModelRunner:
         if self.graphs is not None and config.extra.get("capture_graphs_at_start", True):
             self.warm_up()
             self.graphs.capture_all()
+            from engine.kernels._util import on_compile
+
+            # anything built from here on stalls a serving step: name it, so warm_up can learn it
+            on_compile(lambda variant: logger.warning("Triton built a kernel variant after warm-up "
+                                                      "(this step stalls until it is ready): %s", variant))
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:

@@ -1,5 +1,7 @@
 """Small helpers shared by the launchers."""
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -48,3 +50,17 @@ def upcast_fp8_dot(t: torch.Tensor, block_k: int) -> bool:
     """FP8 tensor-core products need K tiles of 32 or more; smaller blocks (test checkpoints) multiply in
     float32, which holds every e4m3 value and product exactly."""
     return interpreted(t) or block_k < 32
+
+
+def on_compile(callback: Callable[[str], None] | None) -> None:
+    """Call callback(kernel variant) each time a Triton kernel variant is about to be built in this
+    process (a miss of its in-memory cache: compiled, or loaded from the disk cache); None stops.
+    Serving uses it to name kernels met only after warm-up, whose first use stalls a whole step."""
+    def hook(*args, **kwargs) -> None:
+        callback(kwargs.get("repr") or str(kwargs.get("key", "?")))  # returning a true value would skip the build
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        knobs.runtime.jit_cache_hook = hook if callback else None
+    else:  # before Triton 3.4
+        triton.runtime.jit.JITFunction.cache_hook = hook if callback else None

@@ -29,3 +29,22 @@ def test_warm_up_runs_every_step_size_into_the_scratch_block_only(random_checkpo
     monkeypatch.undo()
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))
     assert len(out[0].token_ids) == 2  # the engine serves on after it
+
+
+def test_on_compile_reports_each_kernel_build_and_never_skips_it():
+    import triton
+
+    from engine.kernels._util import on_compile
+
+    built = []
+    on_compile(built.append)
+    try:
+        hook = triton.knobs.runtime.jit_cache_hook
+        # Triton calls the hook with keyword arguments before building a variant, and skips the build
+        # when it returns a true value
+        assert not hook(key="k", repr="_rms_norm_kernel[num_warps=4](X: *bf16)", fn=None, compile=None,
+                        is_manual_warmup=False, already_compiled=False)
+        assert built == ["_rms_norm_kernel[num_warps=4](X: *bf16)"]
+    finally:
+        on_compile(None)
+    assert triton.knobs.runtime.jit_cache_hook is None
