@@ -1,6 +1,6 @@
 """Tile sizes for the small-batch MoE GEMVs (`engine.kernels.moe_gemv`), measured on the GPU at hand.
 
-    python benchmarks/moe_gemv_configs.py
+    python benchmarks/moe_gemv_configs.py [fp8|bf16]   (only the shapes whose name holds it)
 
 For DeepSeek-V2-Lite's experts (bf16: 64 experts top-6, hidden 2048, width 1408, two shared experts)
 and DeepSeek-V3's (FP8 128x128 blocks: 256 experts top-8, hidden 7168, width 2048, one shared expert),
@@ -11,6 +11,7 @@ microseconds per call and the weight bytes' rate.
 """
 
 import itertools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; times in us per call (4 calls on different experts per replay)")
     best = {}
     for name, shape in SHAPES.items():
+        if len(sys.argv) > 1 and sys.argv[1] not in name:
+            continue
         m = build(shape)
         e, k, h, i = shape["experts"], shape["top_k"], shape["hidden"], shape["inter"]
         el = 1 if shape["fp8"] else 2

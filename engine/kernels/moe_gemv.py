@@ -7,7 +7,7 @@ routed experts' width (a SwiGLU MLP of width S * I is the sum of S MLPs of width
 blocks), each of weight 1. Three launches:
   up:   one program per (slot, BLOCK_N outputs): SiLU(x W_gate) * (x W_up) -> act [T * slots, I]
   down: one program per (slot, BLOCK_N outputs): weight * act W_down -> [T * slots, hidden]
-  sum:  over each token's slots -> [T, hidden].
+  sum:  over each token's slots, in order -> [T, hidden].
 Each program multiplies elementwise into a [BLOCK_N, BLOCK_K] accumulator and reduces it once at the
 end, so a K step is loads and FMAs only; many small programs keep enough loads in flight to stream the
 weights at memory bandwidth.
@@ -79,9 +79,9 @@ def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, strid
     rows = (row0 + offs_n).to(tl.int64)
     gate_ptrs = w + rows[:, None] * row_stride
     up_ptrs = w + (rows + up)[:, None] * row_stride
-    if USE_FP8:
-        gate_scales = s + (rows // GROUP_N) * srow
-        up_scales = s + ((rows + up) // GROUP_N) * srow
+    if USE_FP8:  # BLOCK_N divides GROUP_N: the program's rows share one scale per K block
+        gate_scales = s + ((row0 + pid_n * BLOCK_N) // GROUP_N) * srow
+        up_scales = s + ((row0 + pid_n * BLOCK_N + up) // GROUP_N) * srow
     # products accumulate elementwise and are reduced once at the end: no cross-thread sum per K step
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -92,12 +92,13 @@ def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, strid
         g = tl.load(gate_ptrs + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(up_ptrs + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
         a = tl.load(X + token * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        if USE_FP8:  # BLOCK_K is the scale block
+        a_up = a
+        if USE_FP8:  # BLOCK_K is the scale block; the block's scale goes onto the activations, not each weight
             a = _fp8_group(a, PRE_ROUND)
-            g = g * tl.load(gate_scales + kb, mask=mask_n, other=0.0)[:, None]
-            u = u * tl.load(up_scales + kb, mask=mask_n, other=0.0)[:, None]
+            a_up = a * tl.load(up_scales + kb)
+            a = a * tl.load(gate_scales + kb)
         acc += g * a[None, :]
-        acc_up += u * a[None, :]
+        acc_up += u * a_up[None, :]
     gate = tl.sum(acc, axis=1)
     out = gate / (1.0 + tl.exp(-gate)) * tl.sum(acc_up, axis=1)
     tl.store(Act + pair * stride_am + offs_n, out.to(Act.dtype.element_ty), mask=mask_n)
@@ -117,8 +118,8 @@ def _down_kernel(Act, W, WS, SW, SWS, Out, Weights, Ids, N, K, top_k, slots, str
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     w_rows = w + offs_n[:, None].to(tl.int64) * row_stride + col0
-    if USE_FP8:
-        scales = s + (offs_n // GROUP_N) * srow + col0 // BLOCK_K
+    if USE_FP8:  # one scale per K block for the program's rows, as in the up kernel
+        scales = s + ((pid_n * BLOCK_N) // GROUP_N) * srow + col0 // BLOCK_K
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -126,12 +127,23 @@ def _down_kernel(Act, W, WS, SW, SWS, Out, Weights, Ids, N, K, top_k, slots, str
         v = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         a = tl.load(Act + pair * stride_am + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         if USE_FP8:
-            a = _fp8_group(a, PRE_ROUND)
-            v = v * tl.load(scales + kb, mask=mask_n, other=0.0)[:, None]
+            a = _fp8_group(a, PRE_ROUND) * tl.load(scales + kb)
         acc += v * a[None, :]
     # rounded to the activation dtype before the weight, as the reference path's expert outputs are
     y = tl.sum(acc, axis=1).to(Out.dtype.element_ty).to(tl.float32)
     tl.store(Out + pair * stride_om + offs_n, (y * weight).to(Out.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _sum_kernel(Partial, Out, N, slots, stride_pm, stride_om, BLOCK_N: tl.constexpr):
+    """Out[t] = sum over the token's slots of Partial[t * slots + s], in float32, slots in order."""
+    token, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for s in range(0, slots):
+        acc += tl.load(Partial + (token * slots + s) * stride_pm + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(Out + token * stride_om + offs_n, acc.to(Out.dtype.element_ty), mask=mask_n)
 
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -176,6 +188,8 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     block_n, block_k, warps = config or ((16, 32, 4) if interpreted(x) else (16, 128, 4))
     if fp8:
         block_k = block[1]
+        while block[0] % block_n:  # a program's rows must sit in one scale block
+            block_n //= 2
     ids = topk_ids.int()
     act = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)
     partial = torch.empty(num_tokens * slots, hidden, dtype=x.dtype, device=x.device)
@@ -192,4 +206,9 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         act, w2, s2, sw2, ss2, partial, topk_weights, ids, hidden, inter, top_k, slots,
         act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
         sw2.stride(0), ss2.stride(0) if fp8 else 0, partial.stride(0), **common)
-    return partial.view(num_tokens, slots, hidden).sum(dim=1)
+    out = torch.empty_like(x)
+    # torch's reduction over the middle dimension took 5 us for one token on an H200: a plain loop instead
+    block = 256 if interpreted(x) else 1024
+    _sum_kernel[(num_tokens, triton.cdiv(hidden, block))](partial, out, hidden, slots, partial.stride(0),
+                                                          out.stride(0), BLOCK_N=block, num_warps=4)
+    return out
