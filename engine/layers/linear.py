@@ -39,6 +39,9 @@ class Linear(nn.Module):
     """y = x W^T (replicated on every rank)."""
 
     use_kernels = False  # the model runner switches the Triton fast path on per instance
+    # on the fast path, inputs of at most this many rows run as GEMVs (kernels.gemv), which stream the
+    # weight at near copy bandwidth where GEMM tiles for one row do not (measured crossover, docs/perf.md)
+    gemv_max_tokens = 1
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, par: ParallelContext = SINGLE,
                  quant: QuantConfig | None = None):
@@ -71,6 +74,11 @@ class Linear(nn.Module):
         _copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels and x.dim() == 2 and x.shape[0] <= self.gemv_max_tokens and x.stride(-1) == 1:
+            from engine.kernels.gemv import gemv
+
+            y = gemv(x, self.weight, getattr(self, "weight_scale_inv", None), self.block)
+            return y if self.bias is None else y + self.bias
         if self.block is None:
             return F.linear(x, self.weight, self.bias)
         if self.use_kernels:

@@ -16,6 +16,7 @@ class Gate(nn.Module):
     """Token -> top-k experts. Scores and weights are computed in float32 (the checkpoint keeps them so)."""
 
     use_kernels = False
+    gemv_max_tokens = 8  # the router's few rows: its float32 weight is small, one launch beats cast + GEMM
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -33,7 +34,12 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k])."""
-        logits = F.linear(x.float(), self.weight)
+        if self.use_kernels and x.shape[0] <= self.gemv_max_tokens:
+            from engine.kernels.gemv import gemv
+
+            logits = gemv(x, self.weight, out_dtype=torch.float32)  # x widened in the kernel: one launch, not three
+        else:
+            logits = F.linear(x.float(), self.weight)
         if self.use_kernels:
             from engine.kernels.moe_routing import route  # first use: Triton picks compiled or interpreted then
 

@@ -20,7 +20,7 @@ from unittest import mock
 
 import torch
 
-KERNEL_MODULES = ["fp8_gemm", "fused_moe", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing",
+KERNEL_MODULES = ["fp8_gemm", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing",
                   "rms_norm", "rotary", "sampling"]
 # largest shared memory one block may use, by compute capability (bytes)
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
@@ -100,6 +100,7 @@ def launch_all() -> None:
     """Every launcher at V2-Lite's bf16 and V3's FP8 shapes, at decode and prefill sizes."""
     from engine.kernels.fp8_gemm import FP8, fp8_linear
     from engine.kernels.fused_moe import fused_experts
+    from engine.kernels.gemv import gemv
     from engine.kernels.latent_cache import write_latent_
     from engine.kernels.mla_decode import mla_decode_attention
     from engine.kernels.mla_prefill import mla_prefill_attention
@@ -140,6 +141,10 @@ def launch_all() -> None:
                 moe_gemv(x, w13, w2, weights, ids, *scales, block=block if fp8 else None, shared=sh)
             if fp8:
                 fp8_linear(x, _empty(1536, hidden, dtype=FP8), _empty(12, hidden // 128, dtype=f32), block)
+            if tokens == 1:  # projections and the router of one token
+                w, ws = _empty(1536, hidden, dtype=wdtype), _empty(12, hidden // 128, dtype=f32) if fp8 else None
+                gemv(x, w, ws, block if fp8 else None)
+                gemv(x, _empty(experts, hidden, dtype=f32), out_dtype=f32)
             lens = torch.full((min(tokens, 64),), 1024, dtype=i32)
             mla_decode_attention(_empty(len(lens), heads, lora), _empty(len(lens), heads, rope),
                                  _empty(64 * 16, page, lora + rope), torch.zeros(len(lens), 16, dtype=i32), lens, 0.1)

@@ -400,3 +400,48 @@ def test_moe_gemv_fp8_is_the_grouped_kernels_math():
         torch.nn.functional.silu(gate) * up, dn, sdn, block)
     out = moe_gemv(x, w13, w2, weights, ids, s13, s2, block, shared=SharedExperts(gu, dn, sgu, sdn))
     assert rel_err(out, want) < F32_TOL
+
+
+# -- GEMV (a few rows of x) ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 36, 200), (3, 64, 512), (2, 17, 100)])
+def test_gemv_matches_linear(dtype, m, n, k):
+    from engine.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(30)
+    x, w = torch.randn(m, k, generator=g).to(DEV, dtype), torch.randn(n, k, generator=g).to(DEV, dtype)
+    # every K-step remainder and a partial last block of outputs
+    assert rel_err(gemv(x, w), (x.float() @ w.float().T)) < (F32_TOL if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("n,k,block", [(48, 64, (16, 16)), (40, 80, (16, 16)), (64, 96, (32, 32))])
+def test_gemv_fp8_is_the_fp8_linear_math(n, k, block):
+    from engine.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(31)
+    wq, ws = (t.to(DEV) for t in quantize_fp8_block(torch.randn(n, k, generator=g) * 0.1, block))
+    x = torch.randn(2, k, generator=g).to(DEV, torch.float32)
+    # ragged blocks (N, K off the block grid) included: the same quantized activations, the same scales
+    assert rel_err(gemv(x, wq, ws, block), reference_fp8_linear(x, wq, ws, block)) < F32_TOL
+
+
+@gpu
+def test_gemv_deepseek_shapes():
+    from engine.kernels.gemv import gemv
+
+    g = torch.Generator(DEV).manual_seed(32)
+    x = torch.randn(1, 2048, device=DEV, generator=g, dtype=torch.bfloat16)
+    w = torch.randn(3648, 2048, device=DEV, generator=g, dtype=torch.bfloat16) * 0.02
+    assert rel_err(gemv(x, w), x.float() @ w.float().T) < 1e-2
+    wq, ws = quantize_fp8_block(torch.randn(2112, 7168, device=DEV, generator=g) * 0.02)
+    x = torch.randn(1, 7168, device=DEV, generator=g, dtype=torch.bfloat16)
+    assert rel_err(gemv(x, wq, ws, (128, 128)), reference_fp8_linear(x, wq, ws, (128, 128))) < 1e-2
+
+
+def test_gemv_checks_its_contract():
+    from engine.kernels.gemv import gemv
+
+    with pytest.raises(ValueError, match="must match"):
+        gemv(torch.zeros(1, 8, device=DEV), torch.zeros(4, 8, device=DEV, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="FP8 weights need"):
+        gemv(torch.zeros(1, 8, device=DEV), torch.zeros(4, 8, device=DEV).to(FP8))

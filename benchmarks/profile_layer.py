@@ -1,0 +1,98 @@
+"""Where one decode step's layer time goes: each kernel's GPU time against the layer's replayed time.
+
+    python benchmarks/profile_layer.py --preset v2-lite [--layer 1] [--batch 1] [--context 1024]
+
+Builds the preset with random weights (as `deepseek-engine bench` does), prefills `batch` sequences of
+`context` tokens, then runs one decoder layer: replayed from a CUDA graph (its wall time per call) and
+under torch.profiler (each kernel's device time). The difference between the wall time and the sum of
+kernel times is what launches and the gaps between dependent kernels cost. Prints one table.
+"""
+
+import argparse
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from engine.bench.ours import BlockPool, make_sequence, prefill, random_prompt
+from engine.bench.presets import preset_config
+from engine.bench.timing import time_fn
+from engine.config import EngineConfig, ModelConfig
+from engine.model_runner import ModelRunner
+
+
+def build(preset: str, batch: int, context: int) -> tuple[ModelRunner, list]:
+    cfg = ModelConfig.from_hf(preset_config(preset))
+    bs = 64
+    num_blocks = batch * -(-(context + 64) // bs) + 4
+    ec = EngineConfig(model=preset, max_num_seqs=max(batch, 1), block_size=bs, num_kv_blocks=num_blocks,
+                      show_progress=False, extra={"capture_graphs_at_start": False})
+    runner = ModelRunner(ec, cfg, None, context + 64)
+    pool = BlockPool(runner.num_blocks, bs)
+    seqs = [make_sequence(random_prompt(context, cfg.vocab_size, 11 + i), pool.take(context + 32), f"p{i}")
+            for i in range(batch)]
+    prefill(runner, seqs)
+    return runner, seqs
+
+
+def short(name: str) -> str:
+    for cut in ("(", "<"):
+        name = name.split(cut)[0]
+    return name[:60]
+
+
+@torch.inference_mode()
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="v2-lite")
+    p.add_argument("--layer", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--calls", type=int, default=20)
+    a = p.parse_args()
+    runner, seqs = build(a.preset, a.batch, a.context)
+    runner.graphs.load(seqs)
+    meta, positions = runner.graphs.metadata(a.batch)
+    layer = runner.model.model.layers[a.layer]
+    hidden = runner.model_config.hidden_size
+    g = torch.Generator(runner.device).manual_seed(0)
+    h = torch.randn(a.batch, hidden, generator=g, device=runner.device, dtype=runner.dtype)
+    residual = torch.randn_like(h)
+    run = lambda: layer(positions, h, residual, meta)
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=runner.graphs.pool):
+        run()
+    wall = time_fn(lambda: [graph.replay() for _ in range(50)], runner.device, repeats=5, warmup=1) / 50
+
+    per = defaultdict(list)
+    for mode, fn in (("graph", graph.replay), ("eager", run)):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.calls):
+                fn()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        per[mode] = kernels
+    src = "graph" if per["graph"] else "eager"
+    order, times = [], defaultdict(list)
+    for e in per[src]:
+        k = short(e.name)
+        if k not in times:
+            order.append(k)
+        times[k].append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
+    total = 0.0
+    print(f"{a.preset} layer {a.layer} batch {a.batch} context {a.context}: kernels from the {src} run")
+    print(f"{'kernel':60s} {'per call':>8s} {'us each':>8s} {'us/call':>8s}")
+    for k in order:
+        n = len(times[k]) / a.calls
+        us = sum(times[k]) / len(times[k])
+        total += us * n
+        print(f"{k:60s} {n:8.1f} {us:8.2f} {us * n:8.2f}")
+    launches = len(per[src]) / a.calls
+    print(f"kernels {launches:.0f} per call, busy {total:.1f} us, replayed wall {wall * 1e6:.1f} us, "
+          f"gaps {wall * 1e6 - total:.1f} us ({(wall * 1e6 - total) / max(launches, 1):.2f} us per launch)")
+
+
+if __name__ == "__main__":
+    main()

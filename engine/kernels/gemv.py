@@ -1,0 +1,94 @@
+"""y = x W^T for a handful of rows of x: a GEMV that streams W once per row at memory bandwidth.
+
+At decode a projection multiplies one token (or a few) by a matrix of a few to a hundred megabytes:
+the time is the matrix's bytes over HBM bandwidth, and a GEMM library's tile for M = 1 leaves much of
+it on the table (measured: `o_proj` of DeepSeek-V2-Lite at 1.4 TB/s of the H200's 4.2). One program
+per (row of x, BLOCK_N outputs); each multiplies elementwise into a [BLOCK_N, GROUPS, GROUP_K]
+accumulator and reduces it once at the end, so a K step is loads and FMAs only.
+
+FP8 block-scaled weights (DeepSeek's 128 x 128 blocks) multiply the same math as `fp8_gemm.fp8_linear`:
+activations quantized to e4m3 per group of block_k, weight blocks scaled. BLOCK_N divides the block's
+rows, so a program's rows share one scale per K group, applied to the activations (GROUP_K values)
+instead of every weight.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._util import check, check_float, interpreted
+from engine.kernels.fp8_gemm import FP8, _round_to_e4m3
+
+# (BLOCK_N, K groups per step, num_warps) by weight dtype; K groups are block_k wide for FP8 weights, 128
+# for bf16. Chosen on an H200 with benchmarks/gemv_configs.py at DeepSeek-V2-Lite's and V3's shapes
+CONFIG = {"bf16": (8, 4, 4), "fp8": (8, 4, 4)}
+INTERPRETED_CONFIG = (4, 2, 4)
+
+
+@triton.jit
+def _gemv_kernel(X, W, WS, Out, N, K, stride_xm, stride_wn, stride_wsn, stride_om,
+                 USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
+                 PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr):
+    row, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_g = tl.arange(0, GROUPS)
+    offs_k = offs_g[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]  # [GROUPS, GROUP_K]
+    w_ptrs = W + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, :, :]
+    x_ptrs = X + row * stride_xm + offs_k
+    if USE_FP8:
+        scales = WS + ((pid_n * BLOCK_N) // GROUP_N) * stride_wsn
+    acc = tl.zeros([BLOCK_N, GROUPS, GROUP_K], tl.float32)
+    for k0 in range(0, K, GROUPS * GROUP_K):
+        mask_k = offs_k < K - k0
+        w = tl.load(w_ptrs + k0, mask=mask_n[:, None, None] & mask_k[None, :, :], other=0.0).to(tl.float32)
+        a = tl.load(x_ptrs + k0, mask=mask_k, other=0.0).to(tl.float32)
+        if USE_FP8:  # each GROUP_K slice as the FP8 GEMM sees it, times its weight block's scale
+            a_scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10) / 448.0
+            q = a / a_scale[:, None]
+            if PRE_ROUND:
+                q = _round_to_e4m3(q)
+            w_scale = tl.load(scales + k0 // GROUP_K + offs_g, mask=offs_g * GROUP_K < K - k0, other=0.0)
+            a = q.to(tl.float8e4nv).to(tl.float32) * (a_scale * w_scale)[:, None]
+        acc += w * a[None, :, :]
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(Out + row * stride_om + offs_n, y.to(Out.dtype.element_ty), mask=mask_n)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+         block: tuple[int, int] | None = None, out_dtype: torch.dtype | None = None,
+         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (M small: each row streams the whole weight) times weight [N, K] -> [M, N] in out_dtype
+    (default x's). The weight is x's dtype, float32 (x widened: the router's float32 logits), or FP8 with
+    its [ceil(N / block_n), ceil(K / block_k)] scales and the block size.
+    `config`: (BLOCK_N, K groups per step, num_warps)."""
+    check_float("x", x)
+    check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [M, K] with contiguous rows, got {tuple(x.shape)}")
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    check(weight.dim() == 2 and weight.shape[1] == k and weight.stride(-1) == 1,
+          f"weight must be [N, {k}] with contiguous rows, got {tuple(weight.shape)}")
+    fp8 = weight.dtype == FP8
+    if fp8:
+        check(block is not None and weight_scale is not None, "FP8 weights need weight_scale and the block size")
+        check(block[1] & (block[1] - 1) == 0, f"block_k must be a power of two, got {block[1]}")
+        check(tuple(weight_scale.shape) == (-(-n // block[0]), -(-k // block[1])) and weight_scale.stride(-1) == 1,
+              f"weight_scale must be [{-(-n // block[0])}, {-(-k // block[1])}], got {tuple(weight_scale.shape)}")
+    else:
+        check(weight.dtype in (x.dtype, torch.float32), f"weight ({weight.dtype}) must match x ({x.dtype}) or be float32")
+    block_n, groups, warps = config or (INTERPRETED_CONFIG if interpreted(x) else CONFIG["fp8" if fp8 else "bf16"])
+    # enough programs to keep every SM streaming when N is small (the router: 64-256 outputs)
+    block_n = max(1, min(block_n, triton.next_power_of_2(n) // 64))
+    group_k = block[1] if fp8 else 128
+    if fp8:
+        while block[0] % block_n:  # a program's rows must sit in one scale block
+            block_n //= 2
+    out = torch.empty(num_rows, n, dtype=out_dtype or x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    ws = weight_scale if fp8 else weight
+    _gemv_kernel[(num_rows, triton.cdiv(n, block_n))](
+        x, weight, ws, out, n, k, x.stride(0), weight.stride(0), ws.stride(0) if fp8 else 0, out.stride(0),
+        USE_FP8=fp8, GROUP_N=block[0] if fp8 else 1, GROUP_K=group_k, GROUPS=groups,
+        PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n, num_warps=warps)
+    return out
