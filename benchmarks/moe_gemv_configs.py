@@ -1,10 +1,10 @@
 """Tile sizes for the small-batch MoE GEMVs (`engine.kernels.moe_gemv`), measured on the GPU at hand.
 
-    python benchmarks/moe_gemv_configs.py [fp8|bf16]   (only the shapes whose name holds it)
+    python benchmarks/moe_gemv_configs.py [fp8|bf16 [TOKENS...]]   (only those shapes, token counts)
 
 For DeepSeek-V2-Lite's experts (bf16: 64 experts top-6, hidden 2048, width 1408, two shared experts)
 and DeepSeek-V3's (FP8 128x128 blocks: 256 experts top-8, hidden 7168, width 2048, one shared expert),
-at 1, 2, 4 and 8 tokens: every (BLOCK_N, BLOCK_K, num_warps) candidate of the GEMV path, then the
+at 1, 2, 4 and 8 tokens: every (BLOCK_N, K groups per step, num_warps) candidate of the GEMV path, then the
 grouped GEMM plus the shared experts' own MLP, which the GEMV path replaces. Each is a CUDA graph of
 four calls on different experts (so the weights come from memory, not L2), replayed; printed as
 microseconds per call and the weight bytes' rate.
@@ -27,7 +27,8 @@ SHAPES = {
     "v3 fp8": dict(experts=256, top_k=8, hidden=7168, inter=2048, shared=1, fp8=True),
 }
 BLOCK = (128, 128)
-CONFIGS = [(n, k, w) for n, k, w in itertools.product((8, 16, 32), (128, 256), (4, 8)) if n * k <= 8192]
+# (BLOCK_N, K groups of 128 columns per step, num_warps)
+CONFIGS = [(n, g, w) for n, g, w in itertools.product((4, 8, 16, 32), (1, 2, 4), (4, 8)) if n * g * 128 <= 4096]
 
 
 def fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +68,7 @@ def main() -> None:
         m = build(shape)
         e, k, h, i = shape["experts"], shape["top_k"], shape["hidden"], shape["inter"]
         el = 1 if shape["fp8"] else 2
-        for tokens in (1, 2, 4, 8):
+        for tokens in [int(t) for t in sys.argv[2:]] or (1, 2, 4, 8):
             g = torch.Generator(device="cuda").manual_seed(tokens)
             xs = [torch.randn(tokens, h, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
             ids = [torch.rand(tokens, e, generator=g, device="cuda").topk(k, dim=-1).indices.int() for _ in range(4)]
@@ -77,7 +78,7 @@ def main() -> None:
             ref = fused_experts(xs[0], m["w13"], m["w2"], ws[0], ids[0], *m["scales"], block=m["block"]) + shared_mlp(
                 xs[0], m["shared"], m["block"])
             rows = []
-            for cfg in CONFIGS if not shape["fp8"] else [c for c in CONFIGS if c[1] == BLOCK[1]]:
+            for cfg in CONFIGS:
                 try:
                     out = moe_gemv(xs[0], m["w13"], m["w2"], ws[0], ids[0], *m["scales"], block=m["block"],
                                    shared=m["shared"], config=cfg)

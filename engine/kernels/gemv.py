@@ -20,9 +20,41 @@ from engine.kernels._util import check, check_float, interpreted
 from engine.kernels.fp8_gemm import FP8, _round_to_e4m3
 
 # (BLOCK_N, K groups per step, num_warps) by weight dtype; K groups are block_k wide for FP8 weights, 128
-# for bf16. Chosen on an H200 with benchmarks/gemv_configs.py at DeepSeek-V2-Lite's and V3's shapes
-CONFIG = {"bf16": (8, 4, 4), "fp8": (8, 4, 4)}
+# for bf16 and float32. Chosen on an H200 with benchmarks/gemv_configs.py at DeepSeek-V2-Lite's and V3's
+# shapes (within 5 % of each shape's best, except V3's q_a + kv_a, 10.0 vs 8.8 us)
+CONFIG = {"bf16": (8, 8, 4), "fp8": (8, 4, 4)}
 INTERPRETED_CONFIG = (4, 2, 4)
+
+
+@triton.jit
+def fp8_groups(a, PRE_ROUND: tl.constexpr):
+    """Activations [GROUPS, GROUP_K] as the FP8 GEMM sees them: quantized to e4m3 with one scale per
+    group, back to float32."""
+    scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10) / 448.0
+    q = a / scale[:, None]
+    if PRE_ROUND:
+        q = _round_to_e4m3(q)
+    return q.to(tl.float8e4nv).to(tl.float32) * scale[:, None]
+
+
+@triton.jit
+def gemv_rows(w_ptrs, x_ptrs, scales, mask_n, K, USE_FP8: tl.constexpr, GROUP_K: tl.constexpr,
+              GROUPS: tl.constexpr, PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr):
+    """sum_k w[n, k] x[k] over K for a program's BLOCK_N rows -> [BLOCK_N] float32.
+    w_ptrs [BLOCK_N, GROUPS, GROUP_K] and x_ptrs [GROUPS, GROUP_K] point at k = 0 (k = g * GROUP_K + j);
+    FP8: scales points at the rows' scale block for k = 0 (one scale per GROUP_K columns)."""
+    offs_g = tl.arange(0, GROUPS)
+    offs_k = offs_g[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
+    acc = tl.zeros([BLOCK_N, GROUPS, GROUP_K], tl.float32)
+    for k0 in range(0, K, GROUPS * GROUP_K):
+        mask_k = offs_k < K - k0
+        w = tl.load(w_ptrs + k0, mask=mask_n[:, None, None] & mask_k[None, :, :], other=0.0).to(tl.float32)
+        a = tl.load(x_ptrs + k0, mask=mask_k, other=0.0).to(tl.float32)
+        if USE_FP8:  # each GROUP_K slice as the FP8 GEMM sees it, times its weight block's scale
+            w_scale = tl.load(scales + k0 // GROUP_K + offs_g, mask=offs_g * GROUP_K < K - k0, other=0.0)
+            a = fp8_groups(a, PRE_ROUND) * w_scale[:, None]
+        acc += w * a[None, :, :]
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
@@ -31,28 +63,12 @@ def _gemv_kernel(X, W, WS, Out, N, K, stride_xm, stride_wn, stride_wsn, stride_o
                  PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr):
     row, pid_n = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_g = tl.arange(0, GROUPS)
-    offs_k = offs_g[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]  # [GROUPS, GROUP_K]
+    offs_k = tl.arange(0, GROUPS)[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
     w_ptrs = W + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, :, :]
-    x_ptrs = X + row * stride_xm + offs_k
-    if USE_FP8:
-        scales = WS + ((pid_n * BLOCK_N) // GROUP_N) * stride_wsn
-    acc = tl.zeros([BLOCK_N, GROUPS, GROUP_K], tl.float32)
-    for k0 in range(0, K, GROUPS * GROUP_K):
-        mask_k = offs_k < K - k0
-        w = tl.load(w_ptrs + k0, mask=mask_n[:, None, None] & mask_k[None, :, :], other=0.0).to(tl.float32)
-        a = tl.load(x_ptrs + k0, mask=mask_k, other=0.0).to(tl.float32)
-        if USE_FP8:  # each GROUP_K slice as the FP8 GEMM sees it, times its weight block's scale
-            a_scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10) / 448.0
-            q = a / a_scale[:, None]
-            if PRE_ROUND:
-                q = _round_to_e4m3(q)
-            w_scale = tl.load(scales + k0 // GROUP_K + offs_g, mask=offs_g * GROUP_K < K - k0, other=0.0)
-            a = q.to(tl.float8e4nv).to(tl.float32) * (a_scale * w_scale)[:, None]
-        acc += w * a[None, :, :]
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    tl.store(Out + row * stride_om + offs_n, y.to(Out.dtype.element_ty), mask=mask_n)
+    scales = WS + ((pid_n * BLOCK_N) // GROUP_N) * stride_wsn
+    y = gemv_rows(w_ptrs, X + row * stride_xm + offs_k, scales, offs_n < N, K, USE_FP8, GROUP_K, GROUPS,
+                  PRE_ROUND, BLOCK_N)
+    tl.store(Out + row * stride_om + offs_n, y.to(Out.dtype.element_ty), mask=offs_n < N)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,

@@ -8,11 +8,11 @@ blocks), each of weight 1. Three launches:
   up:   one program per (slot, BLOCK_N outputs): SiLU(x W_gate) * (x W_up) -> act [T * slots, I]
   down: one program per (slot, BLOCK_N outputs): weight * act W_down -> [T * slots, hidden]
   sum:  over each token's slots, in order -> [T, hidden].
-Each program multiplies elementwise into a [BLOCK_N, BLOCK_K] accumulator and reduces it once at the
-end, so a K step is loads and FMAs only; many small programs keep enough loads in flight to stream the
-weights at memory bandwidth.
+Each program multiplies elementwise into a [BLOCK_N, GROUPS, GROUP_K] accumulator and reduces it once
+at the end, so a K step is loads and FMAs only (the K loop is `gemv.gemv_rows`'s); many small programs
+keep enough loads in flight to stream the weights at memory bandwidth.
 FP8 experts multiply the same FP8 math as the grouped kernel: activations quantized per group of
-block_k, weight blocks scaled.
+block_k, weight blocks scaled (the scale applied to the group's activations, shared by a program's rows).
 
 Bytes: the chosen experts' and the shared experts' weights (an expert picked by two tokens is read
 twice); FLOPs: as the GEMMs.
@@ -25,7 +25,13 @@ import triton
 import triton.language as tl
 
 from engine.kernels._util import check, check_float, interpreted
-from engine.kernels.fp8_gemm import FP8, _round_to_e4m3
+from engine.kernels.fp8_gemm import FP8
+from engine.kernels.gemv import fp8_groups, gemv_rows
+
+
+# (BLOCK_N, K groups per step, num_warps), chosen on an H200 with benchmarks/moe_gemv_configs.py
+CONFIG = {"bf16": (16, 1, 4), "fp8": (8, 4, 4)}
+INTERPRETED_CONFIG = (8, 1, 4)
 
 
 class SharedExperts(NamedTuple):
@@ -36,16 +42,6 @@ class SharedExperts(NamedTuple):
     down: torch.Tensor
     gate_up_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
-
-
-@triton.jit
-def _fp8_group(a, PRE_ROUND: tl.constexpr):
-    """One activation group as the FP8 GEMM sees it: quantized with a per-group scale, back to float."""
-    scale = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-10) / 448.0
-    q = a / scale
-    if PRE_ROUND:
-        q = _round_to_e4m3(q)
-    return q.to(tl.float8e4nv).to(tl.float32) * scale
 
 
 @triton.jit
@@ -66,8 +62,8 @@ def _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn, stride_
 @triton.jit
 def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, stride_xm, stride_we, stride_wn,
                stride_wse, stride_wsn, stride_sn, stride_ssn, stride_am,
-               USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, PRE_ROUND: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
+               PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr):
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     token, piece, _, w, row_stride, s, srow = _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn,
                                                     stride_wse, stride_wsn, stride_sn, stride_ssn)
@@ -76,39 +72,40 @@ def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, strid
     up = tl.where(piece < 0, N, shared_up)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    rows = (row0 + offs_n).to(tl.int64)
-    gate_ptrs = w + rows[:, None] * row_stride
-    up_ptrs = w + (rows + up)[:, None] * row_stride
-    if USE_FP8:  # BLOCK_N divides GROUP_N: the program's rows share one scale per K block
+    offs_g = tl.arange(0, GROUPS)
+    offs_k = offs_g[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]  # [GROUPS, GROUP_K]
+    gate_ptrs = w + (row0 + offs_n)[:, None, None].to(tl.int64) * row_stride + offs_k[None, :, :]
+    up_ptrs = gate_ptrs + up.to(tl.int64) * row_stride
+    if USE_FP8:  # BLOCK_N divides GROUP_N: the program's rows share one scale per K group
         gate_scales = s + ((row0 + pid_n * BLOCK_N) // GROUP_N) * srow
         up_scales = s + ((row0 + pid_n * BLOCK_N + up) // GROUP_N) * srow
     # products accumulate elementwise and are reduced once at the end: no cross-thread sum per K step
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        mask = mask_n[:, None] & mask_k[None, :]
-        g = tl.load(gate_ptrs + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptrs + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(X + token * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_N, GROUPS, GROUP_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, GROUPS, GROUP_K], tl.float32)
+    for k0 in range(0, K, GROUPS * GROUP_K):
+        mask_k = offs_k < K - k0
+        mask = mask_n[:, None, None] & mask_k[None, :, :]
+        g = tl.load(gate_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(X + token * stride_xm + k0 + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         a_up = a
-        if USE_FP8:  # BLOCK_K is the scale block; the block's scale goes onto the activations, not each weight
-            a = _fp8_group(a, PRE_ROUND)
-            a_up = a * tl.load(up_scales + kb)
-            a = a * tl.load(gate_scales + kb)
-        acc += g * a[None, :]
-        acc_up += u * a_up[None, :]
-    gate = tl.sum(acc, axis=1)
-    out = gate / (1.0 + tl.exp(-gate)) * tl.sum(acc_up, axis=1)
+        if USE_FP8:  # the block scales go onto the activations (one per GROUP_K), not every weight
+            a = fp8_groups(a, PRE_ROUND)
+            mask_g = offs_g * GROUP_K < K - k0
+            a_up = a * tl.load(up_scales + k0 // GROUP_K + offs_g, mask=mask_g, other=0.0)[:, None]
+            a = a * tl.load(gate_scales + k0 // GROUP_K + offs_g, mask=mask_g, other=0.0)[:, None]
+        acc += g * a[None, :, :]
+        acc_up += u * a_up[None, :, :]
+    gate = tl.sum(tl.sum(acc, axis=2), axis=1)
+    out = gate / (1.0 + tl.exp(-gate)) * tl.sum(tl.sum(acc_up, axis=2), axis=1)
     tl.store(Act + pair * stride_am + offs_n, out.to(Act.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
 def _down_kernel(Act, W, WS, SW, SWS, Out, Weights, Ids, N, K, top_k, slots, stride_am, stride_we, stride_wn,
                  stride_wse, stride_wsn, stride_sn, stride_ssn, stride_om,
-                 USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, PRE_ROUND: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
+                 PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr):
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     _, piece, pick, w, row_stride, s, srow = _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn,
                                                    stride_wse, stride_wsn, stride_sn, stride_ssn)
@@ -116,22 +113,14 @@ def _down_kernel(Act, W, WS, SW, SWS, Out, Weights, Ids, N, K, top_k, slots, str
     # routed: its expert's [N, K]; shared piece p: columns [p*K, (p+1)*K) of the shared [N, Is]
     col0 = tl.where(piece < 0, 0, piece * K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    w_rows = w + offs_n[:, None].to(tl.int64) * row_stride + col0
-    if USE_FP8:  # one scale per K block for the program's rows, as in the up kernel
-        scales = s + ((pid_n * BLOCK_N) // GROUP_N) * srow + col0 // BLOCK_K
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        v = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        a = tl.load(Act + pair * stride_am + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        if USE_FP8:
-            a = _fp8_group(a, PRE_ROUND) * tl.load(scales + kb)
-        acc += v * a[None, :]
+    offs_k = tl.arange(0, GROUPS)[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
+    w_ptrs = w + offs_n[:, None, None].to(tl.int64) * row_stride + col0 + offs_k[None, :, :]
+    scales = s + ((pid_n * BLOCK_N) // GROUP_N) * srow + col0 // GROUP_K
+    y = gemv_rows(w_ptrs, Act + pair * stride_am + offs_k, scales, offs_n < N, K, USE_FP8, GROUP_K, GROUPS,
+                  PRE_ROUND, BLOCK_N)
     # rounded to the activation dtype before the weight, as the reference path's expert outputs are
-    y = tl.sum(acc, axis=1).to(Out.dtype.element_ty).to(tl.float32)
-    tl.store(Out + pair * stride_om + offs_n, (y * weight).to(Out.dtype.element_ty), mask=mask_n)
+    y = y.to(Out.dtype.element_ty).to(tl.float32)
+    tl.store(Out + pair * stride_om + offs_n, (y * weight).to(Out.dtype.element_ty), mask=offs_n < N)
 
 
 @triton.jit
@@ -151,8 +140,8 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
              block: tuple[int, int] | None = None, shared: SharedExperts | None = None,
              config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """`fused_moe.fused_experts`'s contract, plus the shared experts' output when `shared` is given;
-    meant for T * top_k up to a few dozen pairs. `config`: (BLOCK_N, BLOCK_K, num_warps) for bf16
-    weights (FP8 weights take BLOCK_K = the scale block)."""
+    meant for T * top_k up to a few dozen pairs. `config`: (BLOCK_N, K groups per step, num_warps); a
+    K group is 128 columns for bf16 weights and the scale block's width for FP8 ones."""
     check_float("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] contiguous, got {tuple(x.shape)}")
     num_tokens, hidden = x.shape
@@ -185,9 +174,8 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     if num_tokens == 0:
         return torch.empty_like(x)
     slots = top_k + num_shared
-    block_n, block_k, warps = config or ((16, 32, 4) if interpreted(x) else (16, 128, 4))
+    block_n, groups, warps = config or (INTERPRETED_CONFIG if interpreted(x) else CONFIG["fp8" if fp8 else "bf16"])
     if fp8:
-        block_k = block[1]
         while block[0] % block_n:  # a program's rows must sit in one scale block
             block_n //= 2
     ids = topk_ids.int()
@@ -196,8 +184,8 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     sw13, sw2 = (shared.gate_up, shared.down) if shared is not None else (w13, w2)
     s13, s2 = (w13_scale, w2_scale) if fp8 else (w13, w2)
     ss13, ss2 = ((shared.gate_up_scale, shared.down_scale) if shared is not None else (s13, s2)) if fp8 else (sw13, sw2)
-    common = dict(USE_FP8=fp8, GROUP_N=block[0] if fp8 else 1, PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n,
-                  BLOCK_K=block_k, num_warps=warps)
+    common = dict(USE_FP8=fp8, GROUP_N=block[0] if fp8 else 1, GROUP_K=block[1] if fp8 else 128, GROUPS=groups,
+                  PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n, num_warps=warps)
     _up_kernel[(num_tokens * slots, triton.cdiv(inter, block_n))](
         x, w13, s13, sw13, ss13, act, ids, inter, hidden, top_k, slots, sw13.shape[0] // 2,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
@@ -208,7 +196,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         sw2.stride(0), ss2.stride(0) if fp8 else 0, partial.stride(0), **common)
     out = torch.empty_like(x)
     # torch's reduction over the middle dimension took 5 us for one token on an H200: a plain loop instead
-    block = 256 if interpreted(x) else 1024
+    block = 256
     _sum_kernel[(num_tokens, triton.cdiv(hidden, block))](partial, out, hidden, slots, partial.stride(0),
                                                           out.stride(0), BLOCK_N=block, num_warps=4)
     return out

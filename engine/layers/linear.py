@@ -39,8 +39,9 @@ class Linear(nn.Module):
     """y = x W^T (replicated on every rank)."""
 
     use_kernels = False  # the model runner switches the Triton fast path on per instance
-    # on the fast path, inputs of at most this many rows run as GEMVs (kernels.gemv), which stream the
-    # weight at near copy bandwidth where GEMM tiles for one row do not (measured crossover, docs/perf.md)
+    # on the fast path, inputs of at most this many rows run as GEMVs (kernels.gemv): at one row they
+    # stream the weight at 2.6-4.5 TB/s on an H200 where the GEMM libraries' tiles reach 0.6-4.1; from two
+    # rows on the GEMM wins for most of DeepSeek's projections (benchmarks/gemv_configs.py, docs/perf.md)
     gemv_max_tokens = 1
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, par: ParallelContext = SINGLE,

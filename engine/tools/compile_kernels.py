@@ -50,6 +50,21 @@ def _signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
     return signature, constexprs, options
 
 
+def _divisibility(kernel, args: tuple, kwargs: dict) -> dict:
+    """What Triton's launcher tells the compiler about arguments (16-byte-aligned tensors, integers
+    divisible by 16), so the compiled code is the GPU's: vectorized loads, unmasked tails."""
+    bound = dict(zip(kernel.arg_names, args)) | kwargs
+    skip = {kernel.arg_names[i] if isinstance(i, int) else i for i in (kernel.do_not_specialize or ())}
+    attrs = {}
+    for i, param in enumerate(kernel.params):
+        value = bound[param.name]
+        if param.is_constexpr or param.name in skip:
+            continue
+        if isinstance(value, torch.Tensor) or (type(value) is int and value != 0 and value % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
 class _Compiler:
     """Stands in for a kernel: `kernel[grid](*args, **kwargs)` compiles instead of launching."""
 
@@ -67,7 +82,8 @@ class _Compiler:
                    tuple(sorted(signature.items())), tuple(sorted(options.items())))
             if any(r["key"] == key for r in self.results):
                 return
-            compiled = triton.compile(ASTSource(self.kernel, signature, constexprs=constexprs),
+            compiled = triton.compile(ASTSource(self.kernel, signature, constexprs=constexprs,
+                                                attrs=_divisibility(self.kernel, args, kwargs)),
                                       target=GPUTarget("cuda", self.arch, 32), options=options)
             self.results.append(dict(key=key, kernel=self.kernel.__name__, shared=compiled.metadata.shared,
                                      constexprs=constexprs, options=options))
