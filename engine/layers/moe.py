@@ -84,8 +84,8 @@ class FusedExperts(nn.Module):
         # batches of at most this many tokens run as GEMVs without the sort by expert, the shared experts
         # folded in (kernels.moe_gemv); 0 keeps every batch on the grouped GEMM. Crossovers measured on
         # an H200 (docs/perf.md): bf16 GEMVs stream the experts at 3.3-3.6 TB/s up to 8 tokens, ahead of
-        # the grouped GEMM; FP8 ones only win at one token (their dequantization costs more per byte)
-        self.gemv_max_tokens = 1 if quant is not None else 8
+        # the grouped GEMM; FP8 ones at 2.7 TB/s win at one and two tokens (148 vs 203, 267 vs 306 us)
+        self.gemv_max_tokens = 2 if quant is not None else 8
         dtype = torch.float8_e4m3fn if quant is not None else None
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False)
