@@ -57,7 +57,9 @@ def on_compile(callback: Callable[[str], None] | None) -> None:
     process (a miss of its in-memory cache: compiled, or loaded from the disk cache); None stops.
     Serving uses it to name kernels met only after warm-up, whose first use stalls a whole step."""
     def hook(*args, **kwargs) -> None:
-        callback(kwargs.get("repr") or str(kwargs.get("key", "?")))  # returning a true value would skip the build
+        # the specialization (argument types, constants, divisibility facts) tells which argument made
+        # a new variant; returning a true value would skip the build
+        callback(str(kwargs.get("specialization_data") or kwargs.get("repr") or kwargs.get("key", "?")))
 
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:

@@ -18,7 +18,9 @@ from engine.kernels._util import check, check_float, check_last_contiguous, inte
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# the block table's width follows the step's longest sequence (1, a multiple of 16 or neither: three
+# compiled variants per slice count, one met only mid-serving); one variant for all
+@triton.jit(do_not_specialize=["stride_tb"])
 def _split_kernel(QL, QP, Cache, Tables, Lens, MidO, MidLse,
                   stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_cb, stride_ct, stride_tb,
                   stride_mb, stride_mh, stride_ms, num_heads, scale_log2,

@@ -3,6 +3,7 @@
 
 import logging
 
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
@@ -45,9 +46,31 @@ def test_on_compile_reports_each_kernel_build_and_never_skips_it():
         hook = triton.knobs.runtime.jit_cache_hook
         # Triton calls the hook with keyword arguments before building a variant, and skips the build
         # when it returns a true value
+        spec = '{"name": "_rms_norm_kernel", "signature": {"X": "*bf16"}, "attrs": [[[0], [["tt.divisibility", 16]]]]}'
+        assert not hook(key="k", repr="_rms_norm_kernel[num_warps=4](X: *bf16)", fn=None, compile=None,
+                        specialization_data=spec, is_manual_warmup=False, already_compiled=False)
         assert not hook(key="k", repr="_rms_norm_kernel[num_warps=4](X: *bf16)", fn=None, compile=None,
                         is_manual_warmup=False, already_compiled=False)
-        assert built == ["_rms_norm_kernel[num_warps=4](X: *bf16)"]
+        assert built == [spec, "_rms_norm_kernel[num_warps=4](X: *bf16)"]
     finally:
         on_compile(None)
     assert triton.knobs.runtime.jit_cache_hook is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="kernel variants are compiled on a GPU only")
+def test_serving_builds_no_kernel_variant_after_warm_up(random_checkpoint, caplog):
+    """Steps of every kind a server meets (prefill chunks alone and beside decodes, over cached prefixes,
+    batch sizes and context lengths that vary step by step) run on the variants built at start-up."""
+    llm = LLM(str(random_checkpoint), dtype="bfloat16", max_num_batched_tokens=64, block_size=16)
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 200, (40,), generator=g).tolist()
+    caplog.clear()  # only what serving builds counts, not this engine's own start-up
+    with caplog.at_level(logging.WARNING, logger="engine.model_runner"):
+        for batch in (1, 3, 7, 13, 20, 33):
+            prompts = [shared[: int(torch.randint(1, 40, (1,), generator=g))]
+                       + torch.randint(3, 200, (int(torch.randint(1, 300, (1,), generator=g)),), generator=g).tolist()
+                       for _ in range(batch)]
+            params = [SamplingParams(max_tokens=int(torch.randint(1, 40, (1,), generator=g)),
+                                     temperature=float(torch.rand(1, generator=g)), seed=i) for i in range(batch)]
+            llm.generate(prompts, params)
+    assert "after warm-up" not in caplog.text
