@@ -272,18 +272,20 @@ class DecodeGraphs:
     def load(self, seqs: list[Sequence]) -> None:
         """Copy the engine's decode batch into the static buffers; rows past it decode into the scratch block."""
         n, padded = len(seqs), self.padded(len(seqs))
-        ids = torch.zeros(padded, dtype=torch.long)
-        pos = torch.zeros(padded, dtype=torch.long)
-        tables = torch.full((padded, self.width), self.scratch_block, dtype=torch.int32)
-        for i, seq in enumerate(seqs):
-            p = seq.num_computed_tokens
-            ids[i], pos[i] = seq.token_ids(p, p + 1)[0], p
-            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        pos = [seq.num_computed_tokens for seq in seqs]
+        ids = [seq.token_ids(p, p + 1)[0] for seq, p in zip(seqs, pos)]
+        widest = max(len(seq.block_table) for seq in seqs)
+        # one host tensor per buffer, built from lists (a tensor write per row cost ~20 us a sequence);
+        # columns past a table's end are never read (positions stay inside it), so they keep old values
+        tables = [seq.block_table + [self.scratch_block] * (widest - len(seq.block_table)) for seq in seqs]
         # pageable host -> device copies are staged at once, ordered on the stream, no device sync
-        self.input_ids[:padded].copy_(ids)
-        self.positions[:padded].copy_(pos)
-        self.block_tables[:padded].copy_(tables)
-        if n < padded:
+        self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.long))
+        self.positions[:n].copy_(torch.tensor(pos, dtype=torch.long))
+        self.block_tables[:n, :widest].copy_(torch.tensor(tables, dtype=torch.int32))
+        if n < padded:  # padding rows decode token 0 at position 0 into the scratch block
+            self.input_ids[n:padded].zero_()
+            self.positions[n:padded].zero_()
+            self.block_tables[n:padded, 0] = self.scratch_block
             self.temperature[n:padded].zero_()
 
     def metadata(self, batch: int) -> tuple[AttentionMetadata, torch.Tensor]:
