@@ -23,7 +23,7 @@ from engine.kernels.fp8_gemm import FP8, _round_to_e4m3
 # for bf16 and float32. Chosen on an H200 with benchmarks/gemv_configs.py at DeepSeek-V2-Lite's and V3's
 # shapes (within 5 % of each shape's best, except V3's q_a + kv_a, 10.0 vs 8.8 us)
 CONFIG = {"bf16": (8, 8, 4), "fp8": (8, 4, 4)}
-INTERPRETED_CONFIG = (4, 2, 4)
+INTERPRETED_CONFIG = (32, 2, 4)  # the interpreter pays per program: few, wide ones
 
 
 @triton.jit
@@ -93,8 +93,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     else:
         check(weight.dtype in (x.dtype, torch.float32), f"weight ({weight.dtype}) must match x ({x.dtype}) or be float32")
     block_n, groups, warps = config or (INTERPRETED_CONFIG if interpreted(x) else CONFIG["fp8" if fp8 else "bf16"])
-    # enough programs to keep every SM streaming when N is small (the router: 64-256 outputs)
-    block_n = max(1, min(block_n, triton.next_power_of_2(n) // 64))
+    if not interpreted(x):  # enough programs to keep every SM streaming when N is small (the router: 64-256)
+        block_n = max(1, min(block_n, triton.next_power_of_2(n) // 64))
     group_k = block[1] if fp8 else 128
     if fp8:
         while block[0] % block_n:  # a program's rows must sit in one scale block

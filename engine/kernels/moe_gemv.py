@@ -31,7 +31,7 @@ from engine.kernels.gemv import fp8_groups, gemv_rows
 
 # (BLOCK_N, K groups per step, num_warps), chosen on an H200 with benchmarks/moe_gemv_configs.py
 CONFIG = {"bf16": (16, 1, 4), "fp8": (8, 4, 4)}
-INTERPRETED_CONFIG = (8, 1, 4)
+INTERPRETED_CONFIG = (16, 1, 4)  # the interpreter pays per program: few, wide ones
 
 
 class SharedExperts(NamedTuple):
