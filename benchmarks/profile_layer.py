@@ -50,6 +50,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--calls", type=int, default=20)
     a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_layer needs a CUDA GPU (it times the layer's CUDA graph)")
     runner, seqs = build(a.preset, a.batch, a.context)
     runner.graphs.load(seqs)
     meta, positions = runner.graphs.metadata(a.batch)
