@@ -126,10 +126,11 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.graphs = DecodeGraphs(self) if self.use_cuda_graphs else None
         if self.graphs is not None and config.extra.get("capture_graphs_at_start", True):
-            self.warm_up()
-            self.graphs.capture_all()
             from engine.kernels._util import on_compile
 
+            on_compile(None)  # the hook is process-wide: another runner's must not count this one's warm-up
+            self.warm_up()
+            self.graphs.capture_all()
             # anything built from here on stalls a serving step: name it, so warm_up can learn it
             on_compile(lambda variant: logger.warning("Triton built a kernel variant after warm-up "
                                                       "(this step stalls until it is ready): %s", variant))
@@ -259,6 +260,7 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.block_tables = torch.full((n, self.width), self.scratch_block, dtype=torch.int32, device=dev)
+        self.filled_width = 0  # columns from here on are the scratch block in every row
         self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)  # 0: greedy
         self.seeds = torch.arange(n, dtype=torch.long, device=dev)
         self.step = torch.zeros(1, dtype=torch.long, device=dev)
@@ -275,18 +277,24 @@ class DecodeGraphs:
         pos = [seq.num_computed_tokens for seq in seqs]
         ids = [seq.token_ids(p, p + 1)[0] for seq, p in zip(seqs, pos)]
         widest = max(len(seq.block_table) for seq in seqs)
-        # one host tensor per buffer, built from lists (a tensor write per row cost ~20 us a sequence);
-        # columns past a table's end are never read (positions stay inside it), so they keep old values
+        # one host tensor per buffer, built from lists (a tensor write per row cost ~20 us a sequence).
+        # Every row stays its table followed by the scratch block, as graphs replayed back to back walk
+        # positions past a table's end: columns from `filled_width` on are scratch in every row already,
+        # so only the columns up to the wider of this batch and the last one are written
         tables = [seq.block_table + [self.scratch_block] * (widest - len(seq.block_table)) for seq in seqs]
         # pageable host -> device copies are staged at once, ordered on the stream, no device sync
         self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.long))
         self.positions[:n].copy_(torch.tensor(pos, dtype=torch.long))
         self.block_tables[:n, :widest].copy_(torch.tensor(tables, dtype=torch.int32))
+        if self.filled_width > widest:
+            self.block_tables[:n, widest : self.filled_width] = self.scratch_block
         if n < padded:  # padding rows decode token 0 at position 0 into the scratch block
             self.input_ids[n:padded].zero_()
             self.positions[n:padded].zero_()
-            self.block_tables[n:padded, 0] = self.scratch_block
+            self.block_tables[n:padded, : max(widest, self.filled_width)] = self.scratch_block
             self.temperature[n:padded].zero_()
+        # rows past `padded` keep what they had; a later, larger batch rewrites them up to here
+        self.filled_width = max(widest, self.filled_width)
 
     def metadata(self, batch: int) -> tuple[AttentionMetadata, torch.Tensor]:
         """Attention metadata of the first `batch` rows, derived on the device -> (metadata, positions)."""

@@ -59,7 +59,8 @@ def on_compile(callback: Callable[[str], None] | None) -> None:
     def hook(*args, **kwargs) -> None:
         # the specialization (argument types, constants, divisibility facts) tells which argument made
         # a new variant; returning a true value would skip the build
-        callback(str(kwargs.get("specialization_data") or kwargs.get("repr") or kwargs.get("key", "?")))
+        spec = (kwargs.get("compile") or {}).get("specialization_data")
+        callback(str(spec or kwargs.get("repr") or kwargs.get("key", "?")))
 
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:

@@ -93,7 +93,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     else:
         check(weight.dtype in (x.dtype, torch.float32), f"weight ({weight.dtype}) must match x ({x.dtype}) or be float32")
     block_n, groups, warps = config or (INTERPRETED_CONFIG if interpreted(x) else CONFIG["fp8" if fp8 else "bf16"])
-    if not interpreted(x):  # enough programs to keep every SM streaming when N is small (the router: 64-256)
+    if config is None and not interpreted(x):  # enough programs to keep every SM busy for small N (router)
         block_n = max(1, min(block_n, triton.next_power_of_2(n) // 64))
     group_k = block[1] if fp8 else 128
     if fp8:

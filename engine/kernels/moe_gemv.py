@@ -196,7 +196,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         sw2.stride(0), ss2.stride(0) if fp8 else 0, partial.stride(0), **common)
     out = torch.empty_like(x)
     # torch's reduction over the middle dimension took 5 us for one token on an H200: a plain loop instead
-    block = 256
-    _sum_kernel[(num_tokens, triton.cdiv(hidden, block))](partial, out, hidden, slots, partial.stride(0),
-                                                          out.stride(0), BLOCK_N=block, num_warps=4)
+    sum_block = 256
+    _sum_kernel[(num_tokens, triton.cdiv(hidden, sum_block))](partial, out, hidden, slots, partial.stride(0),
+                                                              out.stride(0), BLOCK_N=sum_block, num_warps=4)
     return out

@@ -39,9 +39,9 @@ class Linear(nn.Module):
     """y = x W^T (replicated on every rank)."""
 
     use_kernels = False  # the model runner switches the Triton fast path on per instance
-    # on the fast path, inputs of at most this many rows run as GEMVs (kernels.gemv): at one row they
-    # stream the weight at 2.6-4.5 TB/s on an H200 where the GEMM libraries' tiles reach 0.6-4.1; from two
-    # rows on the GEMM wins for most of DeepSeek's projections (benchmarks/gemv_configs.py, docs/perf.md)
+    # on the fast path, inputs of at most this many rows (and no bias) run as GEMVs (kernels.gemv): at one
+    # row they beat the GEMM libraries on an H200 for every DeepSeek projection measured but V3's q_b
+    # (15.3 vs 14.2 us); from two rows on the GEMM wins for most (benchmarks/gemv_configs.py, docs/perf.md)
     gemv_max_tokens = 1
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, par: ParallelContext = SINGLE,
@@ -75,11 +75,11 @@ class Linear(nn.Module):
         _copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernels and x.dim() == 2 and x.shape[0] <= self.gemv_max_tokens and x.stride(-1) == 1:
+        if (self.use_kernels and self.bias is None and x.dim() == 2 and x.shape[0] <= self.gemv_max_tokens
+                and x.stride(-1) == 1):
             from engine.kernels.gemv import gemv
 
-            y = gemv(x, self.weight, getattr(self, "weight_scale_inv", None), self.block)
-            return y if self.bias is None else y + self.bias
+            return gemv(x, self.weight, getattr(self, "weight_scale_inv", None), self.block)
         if self.block is None:
             return F.linear(x, self.weight, self.bias)
         if self.use_kernels:

@@ -17,7 +17,8 @@ class Gate(nn.Module):
 
     use_kernels = False
     # the router's logits for up to this many tokens in one GEMV launch instead of a cast and a float32
-    # GEMM: 1.7-2.0 vs 6-10 us on an H200 (V2-Lite's router, 1-4 tokens; benchmarks/gemv_configs.py)
+    # GEMM: 1.7-2.0 vs 6-10 us on an H200 at 1-4 tokens (V2-Lite's router; V3's 6.1-6.3 vs 9-20 us;
+    # benchmarks/gemv_configs.py); 8 is the MoE GEMV's own limit, not measured for the router
     gemv_max_tokens = 8
 
     def __init__(self, cfg: ModelConfig):
@@ -36,7 +37,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k])."""
-        if self.use_kernels and x.shape[0] <= self.gemv_max_tokens:
+        if self.use_kernels and x.dim() == 2 and x.shape[0] <= self.gemv_max_tokens and x.stride(-1) == 1:
             from engine.kernels.gemv import gemv
 
             logits = gemv(x, self.weight, out_dtype=torch.float32)  # x widened in the kernel: one launch, not three

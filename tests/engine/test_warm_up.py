@@ -44,14 +44,15 @@ def test_on_compile_reports_each_kernel_build_and_never_skips_it():
     on_compile(built.append)
     try:
         hook = triton.knobs.runtime.jit_cache_hook
-        # Triton calls the hook with keyword arguments before building a variant, and skips the build
-        # when it returns a true value
+        # as Triton calls it before building a variant (runtime/jit.py `_call_hook`); a true return
+        # value would skip the build
         spec = '{"name": "_rms_norm_kernel", "signature": {"X": "*bf16"}, "attrs": [[[0], [["tt.divisibility", 16]]]]}'
-        assert not hook(key="k", repr="_rms_norm_kernel[num_warps=4](X: *bf16)", fn=None, compile=None,
-                        specialization_data=spec, is_manual_warmup=False, already_compiled=False)
-        assert not hook(key="k", repr="_rms_norm_kernel[num_warps=4](X: *bf16)", fn=None, compile=None,
+        assert not hook(key="k", repr="_rms_norm_kernel[num_warps=4](X: (", fn=None,
+                        compile={"key": "k", "specialization_data": spec, "num_warps": 4},
                         is_manual_warmup=False, already_compiled=False)
-        assert built == [spec, "_rms_norm_kernel[num_warps=4](X: *bf16)"]
+        assert not hook(key="k", repr="_rms_norm_kernel[num_warps=4](X: (", fn=None, compile={},
+                        is_manual_warmup=False, already_compiled=False)
+        assert built == [spec, "_rms_norm_kernel[num_warps=4](X: ("]
     finally:
         on_compile(None)
     assert triton.knobs.runtime.jit_cache_hook is None
