@@ -1,8 +1,78 @@
-"""Turn one step's logits into tokens (and logprobs), request by request."""
+"""Turn one step's logits into tokens (and logprobs).
+
+On a GPU the sampled rows are drawn together on the device (`draw_on_device`: temperature, top-k and
+top-p as tensor ops over the batch, then one Gumbel-max launch), and the step's tokens come back in one
+copy. Drawing row by row on the host instead copies each row's probabilities over (~0.5 MB for
+DeepSeek's 129k vocabulary) and runs a multinomial per request: milliseconds per request per step.
+The noise is keyed by (the request's seed, its output position), so a seeded request repeats its
+tokens whatever else shares its batches. On CPU rows are drawn one by one from each request's
+generator by inverse transform (the same distribution, another random stream).
+"""
 
 import torch
 
 from engine.sequence import Sequence
+
+_MASK64 = (1 << 64) - 1
+
+
+def noise_key(seed: int, position: int) -> int:
+    """A 63-bit key per (seed, output position): splitmix64 of the pair, so nearby seeds and positions
+    give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def draw_inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from a probability row by inverse transform: a uniform number scaled to the row's mass,
+    located in its running sum. 20x faster than torch.multinomial over a 129k vocabulary on CPU (0.1
+    vs 2 ms); `right=True` never lands on a zero-probability token."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
+    return int(torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[0] - 1))
+
+
+def filter_rows(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """[R, V] logits already divided by their temperature -> the same with everything outside each row's
+    top-k (ties with the k-th value kept; 0 = off) and top-p nucleus at -inf (a token is dropped once
+    the mass before it reaches top_p, so the top token always stays)."""
+    rows, vocab = scaled.shape
+    dev = scaled.device
+    sorted_vals, order = scaled.sort(dim=-1, descending=True)
+    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=dev)
+    kth = sorted_vals.gather(1, (k - 1)[:, None])  # ties with the k-th value stay
+    sorted_vals = sorted_vals.masked_fill(sorted_vals < kth, float("-inf"))
+    probs = sorted_vals.softmax(-1)
+    # top_p 1 is off: rounding in a 129k-long running sum must not drop the tail
+    p = torch.tensor([q if q < 1.0 else float("inf") for q in top_p], dtype=probs.dtype, device=dev)
+    drop = probs.cumsum(-1) - probs >= p[:, None]  # the top token always stays
+    return scaled.scatter(1, order, sorted_vals.masked_fill(drop, float("-inf")))
+
+
+def scaled_and_filtered(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Rows [R, V] of sequences that sample -> logits / temperature, outside top-k / top-p at -inf."""
+    temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype, device=logits.device)
+    scaled = logits / temps[:, None]
+    vocab = logits.shape[1]
+    if any(0 < s.params.top_k < vocab or s.params.top_p < 1.0 for s in seqs):
+        scaled = filter_rows(scaled, [s.params.top_k for s in seqs], [s.params.top_p for s in seqs])
+    return scaled
+
+
+def draw_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """One token per row of logits [R, V] (float32) for sequences that sample (temperature > 0), drawn
+    on logits' device in one launch -> [R] int64 there."""
+    from engine.kernels.sampling import sample  # first use: Triton picks compiled or interpreted then
+
+    dev = logits.device
+    scaled = scaled_and_filtered(logits, seqs)
+    # each request's generator holds its seed (the request's, or a random one drawn at admission)
+    keys = torch.tensor([noise_key(s.generator.initial_seed() if s.generator is not None else 0,
+                                   len(s.output_token_ids)) for s in seqs], dtype=torch.int64, device=dev)
+    ones = torch.ones(len(seqs), dtype=torch.float32, device=dev)  # temperature is applied above
+    return sample(scaled.contiguous(), ones, keys, torch.zeros(1, dtype=torch.int64, device=dev))
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -16,21 +86,10 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask everything outside top-k and the top-p nucleus (1-D logits)."""
-    if top_k > 0 and top_k < logits.shape[0]:
-        kth = logits.topk(top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token once the mass before it already reaches top_p (the top token always stays)
-        drop = probs.cumsum(-1) - probs >= top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits
-
-
 class Sampler:
+    def __init__(self, on_device: bool | None = None):
+        self.on_device = on_device  # draw sampled rows with `draw_on_device`; None: when logits are on a GPU
+
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: [B, vocab] float32 for the sequences that sample this step."""
@@ -38,18 +97,21 @@ class Sampler:
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = logits.log_softmax(dim=-1)
         logits = apply_penalties(logits, seqs)
-        tokens: list[int] = []
         logprobs: list[dict[int, float] | None] = []
-        greedy = logits.argmax(dim=-1).tolist()
+        chosen = logits.argmax(dim=-1)
+        drawn = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
+        if drawn and (logits.is_cuda if self.on_device is None else self.on_device):
+            rows = torch.tensor(drawn, device=logits.device)
+            chosen[rows] = draw_on_device(logits.index_select(0, rows), [seqs[i] for i in drawn])
+            drawn = []
+        tokens: list[int] = chosen.tolist()  # the step's one device -> host copy
+        if drawn:  # on CPU: filtered together, then drawn row by row from each request's generator
+            probs = scaled_and_filtered(logits[drawn], [seqs[i] for i in drawn]).softmax(-1)
+            for row, i in zip(probs, drawn):
+                tokens[i] = draw_inverse_cdf(row, seqs[i].generator)
         for i, seq in enumerate(seqs):
             p = seq.params
-            if p.is_greedy:
-                token = greedy[i]
-            else:
-                row = _filter(logits[i] / p.temperature, p.top_k, p.top_p)
-                probs = row.softmax(-1)
-                token = int(torch.multinomial(probs.cpu(), 1, generator=seq.generator).item())
-            tokens.append(token)
+            token = tokens[i]
             if p.logprobs is None:
                 logprobs.append(None)
                 continue

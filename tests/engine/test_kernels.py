@@ -445,3 +445,111 @@ def test_gemv_checks_its_contract():
         gemv(torch.zeros(1, 8, device=DEV), torch.zeros(4, 8, device=DEV, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="FP8 weights need"):
         gemv(torch.zeros(1, 8, device=DEV), torch.zeros(4, 8, device=DEV).to(FP8))
+
+
+# -- the engine's batched sampler (kernels.sampling through engine.sampler.draw_on_device) -----------------
+def _sampling_seqs(n: int, **params):
+    from engine.sampling_params import SamplingParams
+    from engine.sequence import Sequence
+
+    return [Sequence(f"r{i}", [1, 2], SamplingParams(seed=i, **params), None, torch.Generator().manual_seed(i))
+            for i in range(n)]
+
+
+def test_draw_on_device_follows_softmax_of_logits_over_temperature():
+    from engine.sampler import draw_on_device
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5, -3.0, 0.2])
+    seqs = _sampling_seqs(2000, temperature=0.7)
+    tokens = draw_on_device(logits.expand(len(seqs), -1).contiguous().to(DEV), seqs).cpu()
+    freq = torch.bincount(tokens, minlength=8).double() / len(seqs)
+    want = (logits / 0.7).softmax(-1).double()
+    # 2000 draws: each frequency within ~4 standard errors of its probability
+    assert ((freq - want).abs() <= 4 * (want * (1 - want) / len(seqs)).sqrt() + 1e-3).all(), (freq, want)
+
+
+def test_draw_on_device_keeps_to_top_k_and_top_p():
+    from engine.sampler import draw_on_device
+
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.9, -1.0, 0.5]).expand(400, -1).contiguous().to(DEV)
+    top_k = draw_on_device(logits, _sampling_seqs(400, temperature=1.0, top_k=2)).cpu()
+    assert set(top_k.tolist()) == {1, 3}
+    nucleus = draw_on_device(logits, _sampling_seqs(400, temperature=1.0, top_p=1e-6)).cpu()
+    assert set(nucleus.tolist()) == {1}
+
+
+def test_draw_on_device_repeats_a_seeded_request_whatever_shares_its_batch():
+    from engine.sampler import draw_on_device
+
+    g = torch.Generator().manual_seed(33)
+    seqs = _sampling_seqs(6, temperature=1.0)
+    logits = torch.randn(6, 50, generator=g)
+    alone = [draw_on_device(logits[i : i + 1].to(DEV), [s]).item() for i, s in enumerate(seqs)]
+    order = [4, 0, 5, 2, 1, 3]
+    together = draw_on_device(logits[order].to(DEV), [seqs[i] for i in order]).tolist()
+    assert together == [alone[i] for i in order]
+    # the same position draws the same token again; the following positions draw fresh noise
+    flat = torch.zeros(1, 50).to(DEV)  # uniform: each position is a fresh uniform draw
+    first = draw_on_device(flat, [seqs[0]]).item()
+    assert draw_on_device(flat, [seqs[0]]).item() == first
+    later = []
+    for _ in range(8):
+        seqs[0].output_token_ids.append(7)
+        later.append(draw_on_device(flat, [seqs[0]]).item())
+    assert len(set(later)) > 1
+
+
+def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Row by row, the plain way: everything outside top-k and the top-p nucleus of 1-D logits at -inf."""
+    if 0 < top_k < logits.shape[0]:
+        logits = logits.masked_fill(logits < logits.topk(top_k).values[-1], float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # the mass before a token already reaches top_p
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def test_filter_rows_is_filter_row_by_row():
+    from engine.sampler import filter_rows
+
+    g = torch.Generator().manual_seed(34)
+    scaled = torch.randn(5, 40, generator=g)
+    scaled[2, :10] = 1.0  # ties at the k-th value
+    top_k, top_p = [0, 3, 12, 40, 5], [1.0, 1.0, 0.9, 0.5, 0.3]
+    rows = filter_rows(scaled, top_k, top_p)
+    for i in range(5):
+        assert torch.equal(rows[i], _filter(scaled[i], top_k[i], top_p[i]))
+    # top_p 1 keeps every token however the running sum rounds over a long vocabulary
+    wide = torch.randn(2, 129280, generator=g) * 3
+    assert not filter_rows(wide, [0, 0], [1.0, 1.0]).isinf().any()
+
+
+def test_sampler_draws_a_mixed_batch_on_the_device_path():
+    from engine.sampler import Sampler, draw_on_device
+    from engine.sampling_params import SamplingParams
+    from engine.sequence import Sequence
+
+    g = torch.Generator().manual_seed(35)
+    logits = torch.randn(4, 30, generator=g).to(DEV)
+    seqs = _sampling_seqs(4, temperature=0.8, logprobs=2)
+    seqs[1] = Sequence("greedy", [1], SamplingParams(temperature=0.0, logprobs=0), None, torch.Generator())
+    tokens, logprobs = Sampler(on_device=True)(logits.clone(), seqs)
+    drawn = draw_on_device(logits[[0, 2, 3]], [seqs[0], seqs[2], seqs[3]]).tolist()
+    assert tokens == [drawn[0], int(logits[1].argmax()), drawn[1], drawn[2]]
+    lp = logits.float().log_softmax(-1)
+    assert logprobs[1] == {tokens[1]: pytest.approx(float(lp[1, tokens[1]]))}
+    assert len(logprobs[0]) >= 2 and logprobs[0][tokens[0]] == pytest.approx(float(lp[0, tokens[0]]))
+
+
+def test_draw_inverse_cdf_follows_its_row_and_skips_zero_mass():
+    from engine.sampler import draw_inverse_cdf
+
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    gen = torch.Generator().manual_seed(36)
+    counts = torch.bincount(torch.tensor([draw_inverse_cdf(probs, gen) for _ in range(3000)]), minlength=6)
+    assert counts[[0, 2, 5]].sum() == 0
+    freq = counts.double() / 3000
+    assert (freq - probs.double()).abs().max() < 0.04
+    assert draw_inverse_cdf(torch.tensor([0.0, 0.0, 1.0]), torch.Generator().manual_seed(1)) == 2
