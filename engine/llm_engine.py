@@ -43,7 +43,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           salt=self.model_key)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler()
+        # sampled rows drawn on the device where the Triton kernels run; the torch backend stays kernel-free
+        self.sampler = Sampler(on_device=self.runner.backend == "triton" and self.runner.device.type == "cuda")
         self.requests: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)
         eos = set(self.model_config.eos_token_ids)

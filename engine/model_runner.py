@@ -282,7 +282,8 @@ class DecodeGraphs:
         # positions past a table's end: columns from `filled_width` on are scratch in every row already,
         # so only the columns up to the wider of this batch and the last one are written
         tables = [seq.block_table + [self.scratch_block] * (widest - len(seq.block_table)) for seq in seqs]
-        # pageable host -> device copies are staged at once, ordered on the stream, no device sync
+        # pageable host -> device copies: each waits for the stream, idle here (the previous step's
+        # tokens were read back already)
         self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.long))
         self.positions[:n].copy_(torch.tensor(pos, dtype=torch.long))
         self.block_tables[:n, :widest].copy_(torch.tensor(tables, dtype=torch.int32))

@@ -4,9 +4,10 @@ On a GPU the sampled rows are drawn together on the device (`draw_on_device`: te
 top-p as tensor ops over the batch, then one Gumbel-max launch), and the step's tokens come back in one
 copy. Drawing row by row on the host instead copies each row's probabilities over (~0.5 MB for
 DeepSeek's 129k vocabulary) and runs a multinomial per request: milliseconds per request per step.
-The noise is keyed by (the request's seed, its output position), so a seeded request repeats its
-tokens whatever else shares its batches. On CPU rows are drawn one by one from each request's
-generator by inverse transform (the same distribution, another random stream).
+The noise is keyed by (the request's seed, its output position), so a seeded request draws the same
+noise whatever else shares its batches (its tokens repeat as far as its logits do: a batch's size can
+change the kernels that compute them). On CPU rows are drawn one by one from each request's generator
+by inverse transform (the same distribution, another random stream).
 """
 
 import torch
@@ -31,7 +32,10 @@ def draw_inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> 
     vs 2 ms); `right=True` never lands on a zero-probability token."""
     cdf = probs.double().cumsum(0)
     u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
-    return int(torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[0] - 1))
+    i = int(torch.searchsorted(cdf, u, right=True))
+    if i >= probs.shape[0] or probs[i] <= 0:  # u rounded up to the total: the last token with mass
+        i = int(probs.nonzero()[-1])
+    return i
 
 
 def filter_rows(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -40,20 +44,23 @@ def filter_rows(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
     the mass before it reaches top_p, so the top token always stays)."""
     rows, vocab = scaled.shape
     dev = scaled.device
-    sorted_vals, order = scaled.sort(dim=-1, descending=True)
-    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=dev)
+    sorted_vals, order = scaled.sort(dim=-1, descending=True, stable=True)  # ties in index order everywhere
+    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k]).to(dev, non_blocking=True)
     kth = sorted_vals.gather(1, (k - 1)[:, None])  # ties with the k-th value stay
     sorted_vals = sorted_vals.masked_fill(sorted_vals < kth, float("-inf"))
     probs = sorted_vals.softmax(-1)
     # top_p 1 is off: rounding in a 129k-long running sum must not drop the tail
-    p = torch.tensor([q if q < 1.0 else float("inf") for q in top_p], dtype=probs.dtype, device=dev)
-    drop = probs.cumsum(-1) - probs >= p[:, None]  # the top token always stays
+    p = torch.tensor([q if q < 1.0 else float("inf") for q in top_p], dtype=probs.dtype).to(dev, non_blocking=True)
+    drop = probs.cumsum(-1) - probs >= p[:, None]
+    drop[:, 0] = False  # the top token always stays, however small top_p (it may round to 0 in float32)
     return scaled.scatter(1, order, sorted_vals.masked_fill(drop, float("-inf")))
 
 
 def scaled_and_filtered(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Rows [R, V] of sequences that sample -> logits / temperature, outside top-k / top-p at -inf."""
-    temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype, device=logits.device)
+    # host -> device copies of small per-row values: asynchronous, so the step's queue is never waited on
+    temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype).to(logits.device,
+                                                                                      non_blocking=True)
     scaled = logits / temps[:, None]
     vocab = logits.shape[1]
     if any(0 < s.params.top_k < vocab or s.params.top_p < 1.0 for s in seqs):
@@ -68,9 +75,8 @@ def draw_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
     dev = logits.device
     scaled = scaled_and_filtered(logits, seqs)
-    # each request's generator holds its seed (the request's, or a random one drawn at admission)
-    keys = torch.tensor([noise_key(s.generator.initial_seed() if s.generator is not None else 0,
-                                   len(s.output_token_ids)) for s in seqs], dtype=torch.int64, device=dev)
+    keys = torch.tensor([noise_key(s.seed, len(s.output_token_ids)) for s in seqs],
+                        dtype=torch.int64).to(dev, non_blocking=True)
     ones = torch.ones(len(seqs), dtype=torch.float32, device=dev)  # temperature is applied above
     return sample(scaled.contiguous(), ones, keys, torch.zeros(1, dtype=torch.int64, device=dev))
 
@@ -101,8 +107,11 @@ class Sampler:
         chosen = logits.argmax(dim=-1)
         drawn = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
         if drawn and (logits.is_cuda if self.on_device is None else self.on_device):
-            rows = torch.tensor(drawn, device=logits.device)
-            chosen[rows] = draw_on_device(logits.index_select(0, rows), [seqs[i] for i in drawn])
+            if len(drawn) == len(seqs):
+                chosen = draw_on_device(logits, seqs)
+            else:
+                rows = torch.tensor(drawn).to(logits.device, non_blocking=True)
+                chosen[rows] = draw_on_device(logits.index_select(0, rows), [seqs[i] for i in drawn])
             drawn = []
         tokens: list[int] = chosen.tolist()  # the step's one device -> host copy
         if drawn:  # on CPU: filtered together, then drawn row by row from each request's generator

@@ -31,7 +31,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # below 1e-5 dividing by the temperature overflows float32 logits: that is argmax anyway
+        return self.temperature < 1e-5 or self.top_k == 1
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:

@@ -31,6 +31,8 @@ class Sequence:
         self.pinned_blocks: list[int] = []  # pulled blocks held for this sequence until it is admitted
         self.detokenizer = detokenizer
         self.generator = generator
+        # the seed a sampled token's noise is keyed by, with its output position (engine.sampler)
+        self.seed = generator.initial_seed() if generator is not None else 0
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.text = ""  # generated text, stop string trimmed

@@ -476,6 +476,8 @@ def test_draw_on_device_keeps_to_top_k_and_top_p():
     assert set(top_k.tolist()) == {1, 3}
     nucleus = draw_on_device(logits, _sampling_seqs(400, temperature=1.0, top_p=1e-6)).cpu()
     assert set(nucleus.tolist()) == {1}
+    # a top_p that rounds to 0 in float32 still keeps the top token
+    assert set(draw_on_device(logits[:20], _sampling_seqs(20, temperature=1.0, top_p=1e-50)).tolist()) == {1}
 
 
 def test_draw_on_device_repeats_a_seeded_request_whatever_shares_its_batch():
@@ -504,7 +506,7 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     if 0 < top_k < logits.shape[0]:
         logits = logits.masked_fill(logits < logits.topk(top_k).values[-1], float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
+        sorted_logits, order = logits.sort(descending=True, stable=True)  # ties in index order
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs >= top_p  # the mass before a token already reaches top_p
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
@@ -553,3 +555,10 @@ def test_draw_inverse_cdf_follows_its_row_and_skips_zero_mass():
     freq = counts.double() / 3000
     assert (freq - probs.double()).abs().max() < 0.04
     assert draw_inverse_cdf(torch.tensor([0.0, 0.0, 1.0]), torch.Generator().manual_seed(1)) == 2
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    from engine.sampling_params import SamplingParams
+
+    assert SamplingParams(temperature=1e-46).is_greedy and SamplingParams(temperature=0.0).is_greedy
+    assert not SamplingParams(temperature=1e-3).is_greedy
