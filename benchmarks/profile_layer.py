@@ -35,6 +35,16 @@ def build(preset: str, batch: int, context: int) -> tuple[ModelRunner, list]:
     return runner, seqs
 
 
+def kernel_events(fn, calls: int) -> list:
+    """The CUDA kernel events of `calls` calls of fn, under torch.profiler."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def short(name: str) -> str:
     for cut in ("(", "<"):
         name = name.split(cut)[0]
@@ -67,18 +77,13 @@ def main() -> None:
         run()
     wall = time_fn(lambda: [graph.replay() for _ in range(50)], runner.device, repeats=5, warmup=1) / 50
 
-    per = defaultdict(list)
-    for mode, fn in (("graph", graph.replay), ("eager", run)):
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(a.calls):
-                fn()
-            torch.cuda.synchronize()
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        per[mode] = kernels
-    src = "graph" if per["graph"] else "eager"
+    # kernels inside a replayed graph where the profiler sees them, else the same layer run eagerly
+    for src, fn in (("graph", graph.replay), ("eager", run)):
+        kernels = kernel_events(fn, a.calls)
+        if kernels:
+            break
     order, times = [], defaultdict(list)
-    for e in per[src]:
+    for e in kernels:
         k = short(e.name)
         if k not in times:
             order.append(k)
@@ -91,7 +96,7 @@ def main() -> None:
         us = sum(times[k]) / len(times[k])
         total += us * n
         print(f"{k:60s} {n:8.1f} {us:8.2f} {us * n:8.2f}")
-    launches = len(per[src]) / a.calls
+    launches = len(kernels) / a.calls
     print(f"kernels {launches:.0f} per call, busy {total:.1f} us, replayed wall {wall * 1e6:.1f} us, "
           f"gaps {wall * 1e6 - total:.1f} us ({(wall * 1e6 - total) / max(launches, 1):.2f} us per launch)")
 

@@ -260,7 +260,6 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.block_tables = torch.full((n, self.width), self.scratch_block, dtype=torch.int32, device=dev)
-        self.filled_width = 0  # columns from here on are the scratch block in every row
         self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)  # 0: greedy
         self.seeds = torch.arange(n, dtype=torch.long, device=dev)
         self.step = torch.zeros(1, dtype=torch.long, device=dev)
@@ -278,24 +277,19 @@ class DecodeGraphs:
         ids = [seq.token_ids(p, p + 1)[0] for seq, p in zip(seqs, pos)]
         widest = max(len(seq.block_table) for seq in seqs)
         # one host tensor per buffer, built from lists (a tensor write per row cost ~20 us a sequence).
-        # Every row stays its table followed by the scratch block, as graphs replayed back to back walk
-        # positions past a table's end: columns from `filled_width` on are scratch in every row already,
-        # so only the columns up to the wider of this batch and the last one are written
+        # Every row is its table followed by the scratch block (graphs replayed back to back walk
+        # positions past a table's end): the rows are reset on the device, then the tables written
         tables = [seq.block_table + [self.scratch_block] * (widest - len(seq.block_table)) for seq in seqs]
         # pageable host -> device copies: each waits for the stream, idle here (the previous step's
         # tokens were read back already)
         self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.long))
         self.positions[:n].copy_(torch.tensor(pos, dtype=torch.long))
+        self.block_tables[:padded].fill_(self.scratch_block)
         self.block_tables[:n, :widest].copy_(torch.tensor(tables, dtype=torch.int32))
-        if self.filled_width > widest:
-            self.block_tables[:n, widest : self.filled_width] = self.scratch_block
         if n < padded:  # padding rows decode token 0 at position 0 into the scratch block
             self.input_ids[n:padded].zero_()
             self.positions[n:padded].zero_()
-            self.block_tables[n:padded, : max(widest, self.filled_width)] = self.scratch_block
             self.temperature[n:padded].zero_()
-        # rows past `padded` keep what they had; a later, larger batch rewrites them up to here
-        self.filled_width = max(widest, self.filled_width)
 
     def metadata(self, batch: int) -> tuple[AttentionMetadata, torch.Tensor]:
         """Attention metadata of the first `batch` rows, derived on the device -> (metadata, positions)."""

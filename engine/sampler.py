@@ -93,8 +93,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, on_device: bool | None = None):
-        self.on_device = on_device  # draw sampled rows with `draw_on_device`; None: when logits are on a GPU
+    def __init__(self, on_device: bool = False):
+        self.on_device = on_device  # draw sampled rows with `draw_on_device` (where the Triton kernels run)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
@@ -104,14 +104,15 @@ class Sampler:
             raw_logprobs = logits.log_softmax(dim=-1)
         logits = apply_penalties(logits, seqs)
         logprobs: list[dict[int, float] | None] = []
-        chosen = logits.argmax(dim=-1)
         drawn = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
-        if drawn and (logits.is_cuda if self.on_device is None else self.on_device):
-            if len(drawn) == len(seqs):
-                chosen = draw_on_device(logits, seqs)
-            else:
-                rows = torch.tensor(drawn).to(logits.device, non_blocking=True)
-                chosen[rows] = draw_on_device(logits.index_select(0, rows), [seqs[i] for i in drawn])
+        if drawn and self.on_device and len(drawn) == len(seqs):
+            chosen = draw_on_device(logits, seqs)  # every row samples: no argmax needed
+            drawn = []
+        else:
+            chosen = logits.argmax(dim=-1)
+        if drawn and self.on_device:
+            rows = torch.tensor(drawn).to(logits.device, non_blocking=True)
+            chosen[rows] = draw_on_device(logits.index_select(0, rows), [seqs[i] for i in drawn])
             drawn = []
         tokens: list[int] = chosen.tolist()  # the step's one device -> host copy
         if drawn:  # on CPU: filtered together, then drawn row by row from each request's generator

@@ -28,13 +28,19 @@ _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
           torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}
 
 
-def _signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
-    """Launch arguments -> (signature, constexprs, compile options) for triton.compile."""
+def _signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict]:
+    """Launch arguments -> (signature, constexprs, compile options, attrs) for triton.compile. The attrs
+    are what Triton's launcher tells the compiler (16-byte-aligned tensors, integers divisible by 16,
+    except arguments marked do_not_specialize), so the compiled code is the GPU's: vectorized loads."""
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     bound = dict(zip(kernel.arg_names, args)) | kwargs
-    signature, constexprs = {}, {}
-    for param in kernel.params:
+    unspecialized = {kernel.arg_names[i] if isinstance(i, int) else i for i in (kernel.do_not_specialize or ())}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(kernel.params):
         value = bound[param.name]
+        if not param.is_constexpr and param.name not in unspecialized and (
+                isinstance(value, torch.Tensor) or (type(value) is int and value != 0 and value % 16 == 0)):
+            attrs[(i,)] = [["tt.divisibility", 16]]
         if param.is_constexpr:
             signature[param.name], constexprs[param.name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
@@ -47,22 +53,7 @@ def _signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
             signature[param.name] = "fp32"
         else:
             raise TypeError(f"{kernel.__name__}: cannot type argument {param.name}={value!r}")
-    return signature, constexprs, options
-
-
-def _divisibility(kernel, args: tuple, kwargs: dict) -> dict:
-    """What Triton's launcher tells the compiler about arguments (16-byte-aligned tensors, integers
-    divisible by 16), so the compiled code is the GPU's: vectorized loads, unmasked tails."""
-    bound = dict(zip(kernel.arg_names, args)) | kwargs
-    skip = {kernel.arg_names[i] if isinstance(i, int) else i for i in (kernel.do_not_specialize or ())}
-    attrs = {}
-    for i, param in enumerate(kernel.params):
-        value = bound[param.name]
-        if param.is_constexpr or param.name in skip:
-            continue
-        if isinstance(value, torch.Tensor) or (type(value) is int and value != 0 and value % 16 == 0):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return attrs
+    return signature, constexprs, options, attrs
 
 
 class _Compiler:
@@ -77,13 +68,12 @@ class _Compiler:
             from triton.backends.compiler import GPUTarget
             from triton.compiler import ASTSource
 
-            signature, constexprs, options = _signature(self.kernel, args, dict(kwargs))
+            signature, constexprs, options, attrs = _signature(self.kernel, args, dict(kwargs))
             key = (self.kernel.__name__, tuple(sorted((k, str(v)) for k, v in constexprs.items())),
                    tuple(sorted(signature.items())), tuple(sorted(options.items())))
             if any(r["key"] == key for r in self.results):
                 return
-            compiled = triton.compile(ASTSource(self.kernel, signature, constexprs=constexprs,
-                                                attrs=_divisibility(self.kernel, args, kwargs)),
+            compiled = triton.compile(ASTSource(self.kernel, signature, constexprs=constexprs, attrs=attrs),
                                       target=GPUTarget("cuda", self.arch, 32), options=options)
             self.results.append(dict(key=key, kernel=self.kernel.__name__, shared=compiled.metadata.shared,
                                      constexprs=constexprs, options=options))
