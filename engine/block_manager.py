@@ -120,11 +120,12 @@ class BlockManager:
         return block
 
     def commit(self, seq: Sequence) -> None:
-        """Register the sequence's newly completed full blocks in the prefix cache."""
+        """Register the sequence's newly completed full blocks in the prefix cache: those whose tokens are
+        computed (or being computed by a step in flight) and known to the host."""
         if not self.enable_prefix_caching:
             return
         done = self.num_hashed_blocks.get(seq.request_id, 0)
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_table))
         parent = self.blocks[seq.block_table[done - 1]].hash if done else self.root_hash
         new = []
         for i in range(done, full):

@@ -212,6 +212,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch
     enable_prefix_caching: bool = True
     show_progress: bool = True
+    # launch a decode step before the tokens of the one running reach the host: auto = on a CUDA device
+    async_scheduling: str = "auto"  # auto | on | off
     # cross-replica KV reuse (None: local prefix cache only)
     kv_directory: str | None = None  # redis://...
     replica_id: str | None = None
@@ -235,6 +237,8 @@ class EngineConfig:
             raise ValueError(f"kv_transfer_streams must be >= 1, got {self.kv_transfer_streams}")
         if self.kv_pull_policy not in ("auto", "always", "never"):
             raise ValueError(f"kv_pull_policy must be auto, always or never, got {self.kv_pull_policy!r}")
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.kv_transport not in ("auto", "tcp", "rdma"):
             raise ValueError(f"kv_transport must be auto, tcp or rdma, got {self.kv_transport!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -1,21 +1,31 @@
-"""The serving loop: add requests, then `step()` = schedule -> run the model -> sample -> postprocess."""
+"""The serving loop: add requests, then `step()` = schedule -> run the model -> sample -> postprocess.
+
+With async scheduling (on a GPU), a decode step is launched before the host reads the tokens of the
+step still running: its inputs are those tokens on the device. The host's work for a step (scheduling,
+loading the batch, turning tokens into text and outputs, the server's report) then runs while the
+device computes the next one, instead of between the two. A request that ends at a step (an EOS token,
+a stop string) was already given a row in the next one; that row's token is dropped. Length limits are
+known ahead and cost nothing.
+"""
 
 import logging
 import random
 import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as futures_wait
+from typing import NamedTuple
 
 import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, model_fingerprint, resolve_model_path
+from engine.copies import to_device
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
-from engine.sampler import Sampler
+from engine.sampler import Draws, Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
 
@@ -24,6 +34,14 @@ logger = logging.getLogger(__name__)
 
 class PromptTooLongError(ValueError):
     """The prompt does not fit the context window (or the KV cache)."""
+
+
+class LaunchedStep(NamedTuple):
+    """A step queued on the device whose tokens the host has not read yet."""
+
+    batch: ScheduledBatch
+    sample_seqs: list[Sequence]
+    draws: Draws | None
 
 
 class LLMEngine:
@@ -45,6 +63,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         # sampled rows drawn on the device where the Triton kernels run; the torch backend stays kernel-free
         self.sampler = Sampler(on_device=self.runner.backend == "triton" and self.runner.device.type == "cuda")
+        # on a CPU the host is the device: nothing to overlap, and a dropped row costs a whole row
+        self.async_scheduling = {"on": True, "off": False}.get(config.async_scheduling,
+                                                              self.runner.device.type == "cuda")
+        self.inflight: LaunchedStep | None = None
         self.requests: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)
         eos = set(self.model_config.eos_token_ids)
@@ -87,7 +109,9 @@ class LLMEngine:
         return self.block_manager.usage
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.pending_pulls)
+        # a step in flight whose every request ended (aborted) produces nothing: the next step drops it
+        inflight = self.inflight is not None and not all(s.is_finished for s in self.inflight.sample_seqs)
+        return self.scheduler.has_unfinished() or bool(self.pending_pulls) or inflight
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -169,15 +193,25 @@ class LLMEngine:
 
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Launch a step and return the outputs of the step before it (with async scheduling), or of the
+        step just launched."""
         self._finish_pulls()
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
+        if self.inflight is None:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return []
+            self.inflight = self._launch(batch)
+        current, self.inflight = self.inflight, self._launch_ahead(self.inflight)
+        return self._resolve(current)
+
+    def _launch(self, batch: ScheduledBatch, inputs=None) -> LaunchedStep:
+        """Queue the model and the draws of a step on the device. inputs: a decode batch's token ids on
+        the device (the draws of the step in flight)."""
         for seq, _ in batch.items:
             if seq.pinned_blocks:  # admitted: its own references now hold the pulled blocks
                 self._unpin(seq)
         start = time.perf_counter()
-        sample_seqs, logits, hidden = self.runner.run(batch)
+        sample_seqs, logits, hidden = self.runner.run(batch, inputs)
         if self.kv is not None and batch.prefills:
             if logits is not None:
                 logits.sum().item()  # the device finished the step: time it honestly
@@ -188,12 +222,59 @@ class LLMEngine:
                 seq.prompt_logits.append(self.runner.model.compute_logits(hidden[offset : offset + n]))
             offset += n
             seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
+        draws = self.sampler.sample(logits, sample_seqs) if sample_seqs else None
+        for seq in sample_seqs:
+            seq.num_inflight_tokens += 1
+        return LaunchedStep(batch, sample_seqs, draws)
+
+    def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
+        """The decode step after `step`, launched before its tokens reach the host; None where the next
+        step must be scheduled with every token known (admissions, prefills, penalties, ...)."""
+        if not self.async_scheduling or step.batch.prefills or step.draws is None:
+            return None
+        if self.scheduler.waiting and len(self.scheduler.running) < self.scheduler.max_num_seqs:
+            return None  # admit them first
+        row = {id(seq): i for i, seq in enumerate(step.sample_seqs)}
+        seqs, rows = [], []
+        # every running sequence goes on, or none does: one left out would wait for the chain to end
+        for seq in self.scheduler.running:
+            if self._ends_at_inflight_tokens(seq):
+                continue  # a length limit: known ahead, no row needed
+            p = seq.params
+            if id(seq) not in row or seq.collect_logits or p.presence_penalty or p.frequency_penalty:
+                return None  # not in that step, or its next draw depends on the tokens in flight
+            seqs.append(seq)
+            rows.append(row[id(seq)])
+        if not seqs:
+            return None
+        batch = self.scheduler.schedule_ahead(seqs)
+        if batch is None:
+            return None
+        inputs = step.draws.tokens
+        if rows != list(range(len(step.sample_seqs))):
+            inputs = inputs.index_select(0, to_device(rows, torch.long, inputs.device))
+        return self._launch(batch, inputs)
+
+    def _ends_at_inflight_tokens(self, seq: Sequence) -> bool:
+        """Whether the tokens in flight take `seq` to its max_tokens or the context length."""
+        num_out = len(seq.output_token_ids) + seq.num_inflight_tokens
+        max_tokens = seq.params.max_tokens
+        return (max_tokens is not None and num_out >= max_tokens) or (
+            seq.num_tokens + seq.num_inflight_tokens >= self.max_model_len)
+
+    def _resolve(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's tokens (waiting for it only) and turn them into outputs."""
+        for seq, _ in step.batch.items:
+            if not seq.is_finished:  # full blocks join the prefix cache (those whose tokens are known)
+                self.block_manager.commit(seq)
         outputs = []
-        if sample_seqs:
-            tokens, logprobs = self.sampler(logits, sample_seqs)
+        if step.draws is not None:
+            tokens, logprobs = step.draws.result()
             now = time.monotonic()
-            for seq, token, lp in zip(sample_seqs, tokens, logprobs):
+            for seq, token, lp in zip(step.sample_seqs, tokens, logprobs):
+                seq.num_inflight_tokens -= 1
+                if seq.is_finished:  # ended (or was aborted) while this step ran: its row is dropped
+                    continue
                 if seq.metrics.first_token_time is None:
                     seq.metrics.first_token_time = now
                     seq.metrics.num_prefill_tokens = seq.num_prompt_tokens - seq.num_cached_tokens

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.copies import to_device
 from engine.layers.attention import AttentionMetadata
 from engine.layers.fp8 import quantize_fp8_block
 from engine.loader import load_weights
@@ -188,7 +189,8 @@ class ModelRunner:
             attn.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         logger.info("KV cache: %d blocks of %d tokens (%s)", self.num_blocks, self.block_size, self.dtype)
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
+    def _prepare(self, batch: ScheduledBatch, inputs: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -198,19 +200,20 @@ class ModelRunner:
         bs = self.block_size
         for seq, n in batch.items:
             start = seq.num_computed_tokens
-            input_ids += seq.token_ids(start, start + n)
+            if inputs is None:
+                input_ids += seq.token_ids(start, start + n)
             positions += range(start, start + n)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
             query_start.append(query_start[-1] + n)
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(seq.block_table)
-            if start + n == seq.num_tokens:  # the chunk reaches the end: its last token samples
+            if start + n == seq.num_tokens + seq.num_inflight_tokens:  # the chunk reaches the end: it samples
                 sample_idx.append(query_start[-1] - 1)
                 sample_seqs.append(seq)
         max_blocks = max(len(t) for t in tables)
         dev = self.device
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
+        as_tensor = lambda x: to_device(x, torch.long, dev)  # noqa: E731
         meta = AttentionMetadata(
             slot_mapping=as_tensor(slots),
             query_start_loc=as_tensor(query_start),
@@ -223,17 +226,21 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             context_lens_cpu=context_lens,
         )
-        return as_tensor(input_ids), as_tensor(positions), meta, sample_idx, sample_seqs
+        input_ids = as_tensor(input_ids) if inputs is None else inputs
+        return input_ids, as_tensor(positions), meta, sample_idx, sample_seqs
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None, torch.Tensor]:
-        """-> (sequences that sample, their logits [S, vocab] float32, hidden states of every token)."""
+    def run(self, batch: ScheduledBatch, inputs: torch.Tensor | None = None
+            ) -> tuple[list[Sequence], torch.Tensor | None, torch.Tensor]:
+        """-> (sequences that sample, their logits [S, vocab] float32, hidden states of every token).
+        inputs: the token ids of a decode batch on the device (drawn by a step the host has not read
+        yet), instead of the sequences' own."""
         if self.graphs is not None and not batch.prefills and len(batch.decodes) <= self.graphs.max_batch:
             seqs = batch.decodes
-            self.graphs.load(seqs)
+            self.graphs.load(seqs, inputs)
             hidden, logits, _ = self.graphs.replay(len(seqs))
             return seqs, logits.clone(), hidden
-        input_ids, positions, meta, sample_idx, sample_seqs = self._prepare(batch)
+        input_ids, positions, meta, sample_idx, sample_seqs = self._prepare(batch, inputs)
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[sample_idx]) if sample_idx else None
         return sample_seqs, logits, hidden
@@ -270,22 +277,23 @@ class DecodeGraphs:
     def padded(self, batch: int) -> int:
         return next(s for s in self.SIZES if s >= batch)
 
-    def load(self, seqs: list[Sequence]) -> None:
-        """Copy the engine's decode batch into the static buffers; rows past it decode into the scratch block."""
+    def load(self, seqs: list[Sequence], inputs: torch.Tensor | None = None) -> None:
+        """Copy the engine's decode batch into the static buffers; rows past it decode into the scratch
+        block. inputs: the batch's token ids already on the device (else the sequences' last tokens)."""
         n, padded = len(seqs), self.padded(len(seqs))
         pos = [seq.num_computed_tokens for seq in seqs]
-        ids = [seq.token_ids(p, p + 1)[0] for seq, p in zip(seqs, pos)]
         widest = max(len(seq.block_table) for seq in seqs)
         # one host tensor per buffer, built from lists (a tensor write per row cost ~20 us a sequence).
         # Every row is its table followed by the scratch block (graphs replayed back to back walk
         # positions past a table's end): the rows are reset on the device, then the tables written
         tables = [seq.block_table + [self.scratch_block] * (widest - len(seq.block_table)) for seq in seqs]
-        # pageable host -> device copies: each waits for the stream, idle here (the previous step's
-        # tokens were read back already)
-        self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.long))
-        self.positions[:n].copy_(torch.tensor(pos, dtype=torch.long))
+        dev = self.input_ids.device
+        if inputs is None:
+            inputs = to_device([seq.token_ids(p, p + 1)[0] for seq, p in zip(seqs, pos)], torch.long, dev)
+        self.input_ids[:n].copy_(inputs)
+        self.positions[:n].copy_(to_device(pos, torch.long, dev))
         self.block_tables[:padded].fill_(self.scratch_block)
-        self.block_tables[:n, :widest].copy_(torch.tensor(tables, dtype=torch.int32))
+        self.block_tables[:n, :widest].copy_(to_device(tables, torch.int32, dev))
         if n < padded:  # padding rows decode token 0 at position 0 into the scratch block
             self.input_ids[n:padded].zero_()
             self.positions[n:padded].zero_()

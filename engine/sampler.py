@@ -1,8 +1,8 @@
 """Turn one step's logits into tokens (and logprobs).
 
 On a GPU the sampled rows are drawn together on the device (`draw_on_device`: temperature, top-k and
-top-p as tensor ops over the batch, then one Gumbel-max launch), and the step's tokens come back in one
-copy. Drawing row by row on the host instead copies each row's probabilities over (~0.5 MB for
+top-p as tensor ops over the batch, then one Gumbel-max launch); the step's tokens stay there as the
+next step's inputs, and one asynchronous copy brings them to the host (`Draws`). Drawing row by row on the host instead copies each row's probabilities over (~0.5 MB for
 DeepSeek's 129k vocabulary) and runs a multinomial per request: milliseconds per request per step.
 The noise is keyed by (the request's seed, its output position), so a seeded request draws the same
 noise whatever else shares its batches (its tokens repeat as far as its logits do: a batch's size can
@@ -12,6 +12,7 @@ by inverse transform (the same distribution, another random stream).
 
 import torch
 
+from engine.copies import ToHost, to_device
 from engine.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
@@ -45,12 +46,12 @@ def filter_rows(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
     rows, vocab = scaled.shape
     dev = scaled.device
     sorted_vals, order = scaled.sort(dim=-1, descending=True, stable=True)  # ties in index order everywhere
-    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k]).to(dev, non_blocking=True)
+    k = to_device([t if 0 < t < vocab else vocab for t in top_k], torch.long, dev)
     kth = sorted_vals.gather(1, (k - 1)[:, None])  # ties with the k-th value stay
     sorted_vals = sorted_vals.masked_fill(sorted_vals < kth, float("-inf"))
     probs = sorted_vals.softmax(-1)
     # top_p 1 is off: rounding in a 129k-long running sum must not drop the tail
-    p = torch.tensor([q if q < 1.0 else float("inf") for q in top_p], dtype=probs.dtype).to(dev, non_blocking=True)
+    p = to_device([q if q < 1.0 else float("inf") for q in top_p], probs.dtype, dev)
     drop = probs.cumsum(-1) - probs >= p[:, None]
     drop[:, 0] = False  # the top token always stays, however small top_p (it may round to 0 in float32)
     return scaled.scatter(1, order, sorted_vals.masked_fill(drop, float("-inf")))
@@ -58,9 +59,7 @@ def filter_rows(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
 
 def scaled_and_filtered(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Rows [R, V] of sequences that sample -> logits / temperature, outside top-k / top-p at -inf."""
-    # host -> device copies of small per-row values: asynchronous, so the step's queue is never waited on
-    temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype).to(logits.device,
-                                                                                      non_blocking=True)
+    temps = to_device([s.params.temperature for s in seqs], logits.dtype, logits.device)
     scaled = logits / temps[:, None]
     vocab = logits.shape[1]
     if any(0 < s.params.top_k < vocab or s.params.top_p < 1.0 for s in seqs):
@@ -75,8 +74,9 @@ def draw_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
     dev = logits.device
     scaled = scaled_and_filtered(logits, seqs)
-    keys = torch.tensor([noise_key(s.seed, len(s.output_token_ids)) for s in seqs],
-                        dtype=torch.int64).to(dev, non_blocking=True)
+    # the output position of the token drawn: tokens drawn by steps still in flight come before it
+    keys = to_device([noise_key(s.seed, len(s.output_token_ids) + s.num_inflight_tokens) for s in seqs],
+                     torch.int64, dev)
     ones = torch.ones(len(seqs), dtype=torch.float32, device=dev)  # temperature is applied above
     return sample(scaled.contiguous(), ones, keys, torch.zeros(1, dtype=torch.int64, device=dev))
 
@@ -92,44 +92,64 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
+class Draws:
+    """One step's tokens: on the device at once (where the next step can read them as its inputs), on
+    the host from `result()`, which waits for this step's copies only."""
+
+    def __init__(self, tokens: torch.Tensor, seqs: list[Sequence], raw_logprobs: torch.Tensor | None):
+        self.tokens = tokens  # [R] int64 on the logits' device
+        self.top_n = [s.params.logprobs for s in seqs]  # None: no logprobs for the row
+        parts = [tokens]
+        if raw_logprobs is not None:
+            parts.append(raw_logprobs.gather(1, tokens[:, None])[:, 0])
+            k = max(n or 0 for n in self.top_n)
+            if k:
+                top = raw_logprobs.topk(k)
+                parts += [top.values, top.indices]
+        self.copy = ToHost(*parts)
+
+    def result(self) -> tuple[list[int], list[dict[int, float] | None]]:
+        host = [t.tolist() for t in self.copy.get()]
+        tokens = host[0]
+        logprobs: list[dict[int, float] | None] = []
+        for i, (token, n) in enumerate(zip(tokens, self.top_n)):
+            if n is None:
+                logprobs.append(None)
+                continue
+            entry = {token: host[1][i]}
+            if n:
+                for t, v in zip(host[3][i][:n], host[2][i][:n]):
+                    entry.setdefault(t, v)
+            logprobs.append(entry)
+        return tokens, logprobs
+
+
 class Sampler:
     def __init__(self, on_device: bool = False):
         self.on_device = on_device  # draw sampled rows with `draw_on_device` (where the Triton kernels run)
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
-        """logits: [B, vocab] float32 for the sequences that sample this step."""
+        """-> (tokens, logprobs) on the host."""
+        return self.sample(logits, seqs).result()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Draws:
+        """Queue one step's draws; logits: [B, vocab] float32 for the sequences that sample this step."""
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = logits.log_softmax(dim=-1)
         logits = apply_penalties(logits, seqs)
-        logprobs: list[dict[int, float] | None] = []
         drawn = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
+        dev = logits.device
         if drawn and self.on_device and len(drawn) == len(seqs):
-            chosen = draw_on_device(logits, seqs)  # every row samples: no argmax needed
-            drawn = []
-        else:
-            chosen = logits.argmax(dim=-1)
-        if drawn and self.on_device:
-            rows = torch.tensor(drawn).to(logits.device, non_blocking=True)
-            chosen[rows] = draw_on_device(logits.index_select(0, rows), [seqs[i] for i in drawn])
-            drawn = []
-        tokens: list[int] = chosen.tolist()  # the step's one device -> host copy
-        if drawn:  # on CPU: filtered together, then drawn row by row from each request's generator
-            probs = scaled_and_filtered(logits[drawn], [seqs[i] for i in drawn]).softmax(-1)
-            for row, i in zip(probs, drawn):
-                tokens[i] = draw_inverse_cdf(row, seqs[i].generator)
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            token = tokens[i]
-            if p.logprobs is None:
-                logprobs.append(None)
-                continue
-            lp = raw_logprobs[i]
-            entry = {token: float(lp[token])}
-            if p.logprobs > 0:
-                top = lp.topk(p.logprobs)
-                for t, v in zip(top.indices.tolist(), top.values.tolist()):
-                    entry.setdefault(t, v)
-            logprobs.append(entry)
-        return tokens, logprobs
+            return Draws(draw_on_device(logits, seqs), seqs, raw_logprobs)  # every row samples: no argmax
+        chosen = logits.argmax(dim=-1)
+        if drawn:
+            rows = to_device(drawn, torch.long, dev)
+            if self.on_device:
+                chosen[rows] = draw_on_device(logits.index_select(0, rows), [seqs[i] for i in drawn])
+            else:  # on the host: filtered together, then drawn row by row from each request's generator
+                probs = scaled_and_filtered(logits[drawn], [seqs[i] for i in drawn]).softmax(-1).cpu()
+                picks = [draw_inverse_cdf(row, seqs[i].generator) for row, i in zip(probs, drawn)]
+                chosen[rows] = to_device(picks, torch.long, dev)
+        return Draws(chosen, seqs, raw_logprobs)

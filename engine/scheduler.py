@@ -93,6 +93,17 @@ class Scheduler:
                 batch.prefills.append((seq, n))
         return batch
 
+    def schedule_ahead(self, seqs: list[Sequence]) -> ScheduledBatch | None:
+        """The decode step after one still in flight, before its tokens are known: running `seqs`, each
+        one token further than its computed ones (num_computed_tokens counts the step in flight). None
+        where blocks run short: the synchronous schedule, with every token known, then preempts."""
+        need = sum(self.bm.blocks_needed(s.num_computed_tokens + 1) - len(s.block_table) for s in seqs)
+        if need > self.bm.num_free_blocks or len(seqs) > self.max_num_batched_tokens:
+            return None
+        for seq in seqs:
+            self.bm.grow(seq, seq.num_computed_tokens + 1)
+        return ScheduledBatch(decodes=list(seqs))
+
     def _preempt(self, seq: Sequence) -> None:
         self.bm.release(seq)
         seq.status = SequenceStatus.WAITING

@@ -25,7 +25,8 @@ class Sequence:
         self.params = params
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache (or written by a step in flight)
+        self.num_inflight_tokens = 0  # drawn by launched steps, not yet read by the host (0-2)
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first admission)
         self.remote_span = (0, 0)  # token range [start, end) whose blocks were pulled from a peer
         self.pinned_blocks: list[int] = []  # pulled blocks held for this sequence until it is admitted

@@ -33,6 +33,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-model-len", type=_positive_int, help="context length (default: the model's)")
     model.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
     model.add_argument("--max-num-seqs", type=_positive_int, help="most requests decoded together")
+    model.add_argument(
+        "--async-scheduling", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+        help="launch each decode step before the host reads the last one's tokens (auto: on a GPU)",
+    )  # fmt: skip
     http = parser.add_argument_group("server")
     http.add_argument("--host", default="0.0.0.0")
     http.add_argument("--port", type=_port, default=8000)
@@ -114,7 +118,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
         "kv_directory": args.kv_directory, "replica_id": args.replica_id, "kv_transport": args.kv_transport,
         "kv_transfer_port": args.kv_transfer_port, "kv_min_prefix_tokens": args.kv_min_prefix_tokens,
-        "kv_pull_policy": args.kv_pull_policy,
+        "kv_pull_policy": args.kv_pull_policy, "async_scheduling": args.async_scheduling,
     }  # fmt: skip
     # Unset: the engine's own defaults.
     for name in ("max_num_seqs", "advertise_host", "kv_transfer_streams"):

@@ -8,9 +8,11 @@ from tests.engine.hf_oracle import prompts
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def llm(random_checkpoint):
-    return LLM(str(random_checkpoint), dtype="float32", block_size=4)
+@pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "async"])
+def llm(random_checkpoint, request):
+    """Every behaviour holds with async scheduling too (a decode step launched before the host reads
+    the tokens of the step before it)."""
+    return LLM(str(random_checkpoint), dtype="float32", block_size=4, async_scheduling=request.param)
 
 
 def test_same_greedy_tokens_alone_and_batched(llm):

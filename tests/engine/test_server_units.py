@@ -237,6 +237,7 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
         "KV_DIRECTORY": "redis://dir:6379/0", "KV_TRANSPORT": "rdma", "KV_TRANSFER_PORT": "8101",
         "API_KEY_FILE": str(key), "MAX_WAITING_REQUESTS": "32", "MAX_NUM_SEQS": "8", "DRAIN_TIMEOUT": "12.5",
         "DTYPE": "bfloat16", "KV_MIN_PREFIX_TOKENS": "32", "KV_PULL_POLICY": "never", "KV_TRANSFER_STREAMS": "3",
+        "ASYNC_SCHEDULING": "off",
     }  # fmt: skip
     for name, value in env.items():
         monkeypatch.setenv(f"DEEPSEEK_ENGINE_{name}", value)
@@ -253,7 +254,9 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
         "pod-0", "10.0.0.7", "redis://dir:6379/0", "rdma", 8101,
     )  # fmt: skip
     assert (c.kv_min_prefix_tokens, c.kv_pull_policy, c.kv_transfer_streams) == (32, "never", 3)
+    assert c.async_scheduling == "off"
     assert parser.parse_args(["--port", "9100"]).port == 9100  # the command line wins
+    assert parser.parse_args(["--async-scheduling"]).async_scheduling == "on"  # a bare flag, as vLLM's
 
 
 @pytest.mark.parametrize(

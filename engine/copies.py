@@ -1,0 +1,37 @@
+"""A step's small host <-> device copies, made so the host never waits for the device's queue.
+
+While a step runs on the GPU the host is already preparing the next one (`LLMEngine` launches it before
+it reads the tokens of the one running). A copy from pageable memory would undo that: CUDA stages it
+through its own buffer and may wait for every kernel queued before it. Pinned memory copies
+asynchronously, in queue order; torch's caching host allocator keeps a pinned buffer until the copies
+queued on it are done, so fresh ones can be taken every step.
+"""
+
+import torch
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A list as a tensor on `device`, without waiting for the kernels queued there."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+class ToHost:
+    """Device tensors copied to the host behind the work queued before them; `get()` waits for those
+    copies only (not for anything queued later)."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        if not tensors or tensors[0].device.type != "cuda":
+            self.host, self.ready = [t.cpu() for t in tensors], None
+            return
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for host, t in zip(self.host, tensors):
+            host.copy_(t, non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def get(self) -> list[torch.Tensor]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host

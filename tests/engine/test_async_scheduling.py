@@ -1,0 +1,162 @@
+"""Async scheduling: a decode step launched before the host reads the tokens of the step before it.
+
+On CPU the "device" finishes each step before the host moves on, so these tests check the bookkeeping
+(which rows run, which tokens are kept, blocks, the prefix cache), not the overlap itself; the overlap
+on a GPU is measured by benchmarks/step_time.py and benchmarks/server_overhead.py.
+"""
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine.hf_oracle import prompts
+
+
+@pytest.fixture(scope="module")
+def engines(random_checkpoint):
+    def make(mode: str, **kwargs) -> LLM:
+        return LLM(str(random_checkpoint), dtype="float32", block_size=4, async_scheduling=mode, **kwargs)
+
+    return make
+
+
+def snapshot(outs) -> list[tuple]:
+    return [(o.token_ids, o.text, o.finish_reason) for o in outs]
+
+
+def assert_same_logprobs(a, b) -> None:
+    # a row dropped after an EOS changes a batch's size, which may round a logit differently
+    for x, y in zip(a, b):
+        assert (x.logprobs is None) == (y.logprobs is None)
+        for u, v in zip(x.logprobs or [], y.logprobs or []):
+            assert u.keys() == v.keys() and all(abs(u[t] - v[t]) < 1e-5 for t in u)
+
+
+def mixed_workload(llm: LLM) -> tuple[list, list, list]:
+    """Requests that end every way there is, at different steps, with sampling of every kind."""
+    batch = prompts(31, [9, 14, 5, 22, 11, 7], vocab=512)
+    greedy = llm.generate(batch[0], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[greedy.token_ids[12]]),  # ends mid-way
+        SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=25, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, top_k=20, seed=8, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True, presence_penalty=1.5),  # needs history
+        SamplingParams(temperature=1.0, seed=9, max_tokens=40, ignore_eos=True, stop=["a"]),
+        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+    ]
+    outs = llm.generate(batch, params)
+    bm = llm.engine.block_manager
+    return outs, sorted(bm.hash_to_block)
+
+
+def test_async_and_sync_give_the_same_outputs_and_prefix_cache(engines):
+    sync, async_ = engines("off"), engines("on")
+    (outs, cached), (expected, expected_cached) = mixed_workload(async_), mixed_workload(sync)
+    assert snapshot(outs) == snapshot(expected) and cached == expected_cached
+    assert_same_logprobs(outs, expected)
+    for llm in (sync, async_):
+        assert llm.engine.kv_cache_usage == 0.0 and not llm.engine.has_unfinished_requests()
+
+
+def test_decode_steps_launch_before_the_previous_tokens_are_read(engines):
+    llm = engines("on")
+    eng = llm.engine
+    launches = []  # per launch: did every row have a token in flight (drawn, not yet read)?
+    run = eng.runner.run
+
+    def recording_run(batch, inputs=None):
+        launches.append(inputs is not None and all(s.num_inflight_tokens == 1 for s, _ in batch.items))
+        return run(batch, inputs)
+
+    eng.runner.run = recording_run
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True)
+    outs = llm.generate(prompts(32, [6, 6, 6], vocab=512), params)
+    assert [len(o.token_ids) for o in outs] == [20, 20, 20]
+    # the prefill and the first decode step are scheduled with every token known; the other 18 decode
+    # steps are launched ahead, and the last token's step is never launched (the length is known)
+    assert launches.count(True) == 18 and len(launches) == 20
+
+
+def test_an_ending_request_drops_the_row_it_was_given_ahead(engines):
+    llm = engines("on")
+    eng = llm.engine
+    p = prompts(33, [8], vocab=512)[0]
+    full = llm.generate(p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+    stop = full.token_ids[6]
+    rows = []
+    run = eng.runner.run
+    eng.runner.run = lambda batch, inputs=None: rows.append(len(batch.items)) or run(batch, inputs)
+    out = llm.generate(p, SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop]))[0]
+    end = full.token_ids.index(stop) + 1
+    assert out.token_ids == full.token_ids[:end] and out.finish_reason == "stop"
+    assert len(rows) == end + 1  # one step more than tokens: the row launched before the stop was read
+    assert eng.kv_cache_usage == 0.0 and not eng.has_unfinished_requests()
+
+
+def test_abort_while_a_step_is_in_flight(engines):
+    llm = engines("on")
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    for i, p in enumerate(prompts(34, [10, 12], vocab=512)):
+        eng.add_request(f"r{i}", p, params)
+    for _ in range(4):
+        eng.step()
+    assert eng.inflight is not None and len(eng.inflight.sample_seqs) == 2
+    eng.abort_request("r0")
+    seen = []
+    while eng.has_unfinished_requests():
+        seen += [o.request_id for o in eng.step()]
+    assert "r0" not in seen and seen.count("r1") == 30 - 4  # four steps gave four tokens; r1 goes on
+    assert eng.kv_cache_usage == 0.0
+    eng.abort_request("r1")  # already finished: harmless
+
+
+def test_aborting_every_request_in_flight_leaves_nothing_to_do(engines):
+    eng = engines("on").engine
+    eng.add_request("only", prompts(35, [10], vocab=512)[0], SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert eng.inflight is not None
+    eng.abort_request("only")
+    assert not eng.has_unfinished_requests() and eng.kv_cache_usage == 0.0
+    eng.add_request("next", prompts(36, [10], vocab=512)[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert [o.request_id for o in outs] == ["next"] * 4 and outs[-1].finished
+
+
+def test_a_short_cache_falls_back_to_synchronous_preemption(engines):
+    # 14 blocks of 4 tokens for three requests that need 8 each at their end: some are preempted
+    batch = prompts(37, [10, 11, 12], vocab=512)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outs = {}
+    for mode in ("off", "on"):
+        llm = engines(mode, num_kv_blocks=14)
+        outs[mode] = snapshot(llm.generate(batch, params))
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert outs["on"] == outs["off"]
+
+
+def test_a_request_arriving_mid_decode_is_admitted_at_the_next_step(engines):
+    eng = engines("on").engine
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    eng.add_request("early", prompts(38, [10], vocab=512)[0], params)
+    for _ in range(5):
+        eng.step()
+    eng.add_request("late", prompts(39, [6], vocab=512)[0], params)
+    eng.step()  # resolves the step in flight, launches nothing ahead: the new request waits for admission
+    assert eng.inflight is None
+    outs = eng.step()  # schedules the late request's prefill with the early one's decode
+    assert {o.request_id for o in outs} == {"early", "late"}
+
+
+def test_a_request_whose_draw_needs_the_tokens_in_flight_is_never_left_behind(engines):
+    # penalties read every earlier token: while one runs, steps are scheduled with every token known
+    eng = engines("on").engine
+    eng.add_request("plain", prompts(40, [8], vocab=512)[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    eng.add_request("penalized", prompts(41, [8], vocab=512)[0],
+                    SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=1.0))
+    steps = []
+    while eng.has_unfinished_requests():
+        steps.append(sorted(o.request_id for o in eng.step()))
+    assert steps == [["penalized", "plain"]] * 12
