@@ -56,25 +56,34 @@ def run_offline(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, 
     return time.perf_counter() - start, sum(len(o.token_ids) for o in outs)
 
 
-async def run_server(http: httpx.AsyncClient, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+async def run_server(http: httpx.AsyncClient, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, dict]:
+    """-> (wall time, generated tokens, when (after the run's start) the requests went out, their first
+    chunks came back and their streams ended: each [first, last] in seconds)."""
+    sent, first, done = [], [], []
+
     async def one(prompt: list[int]) -> int:
         body = {
             "model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
         }  # fmt: skip
         tail = b""
+        sent.append(time.perf_counter())
         async with http.stream("POST", "/v1/completions", json=body) as r:
             r.raise_for_status()
             # Raw bytes, no line splitting: the client's own CPU is not what this measures (on a
             # small machine it shares the cores). Only the end matters: the usage chunk, then [DONE].
             async for data in r.aiter_raw():
+                if not tail:
+                    first.append(time.perf_counter())
                 tail = (tail + data)[-512:]
+        done.append(time.perf_counter())
         assert tail.endswith(b"data: [DONE]\n\n"), tail
         return int(tail.rsplit(b'"completion_tokens":', 1)[1].split(b",", 1)[0])
 
     start = time.perf_counter()
     counts = await asyncio.gather(*(one(p) for p in prompts))
-    return time.perf_counter() - start, sum(counts)
+    spans = {name: (min(ts) - start, max(ts) - start) for name, ts in (("sent", sent), ("first", first), ("done", done))}
+    return time.perf_counter() - start, sum(counts), spans
 
 
 async def alternate(
@@ -137,8 +146,8 @@ def main() -> None:
             finally:
                 server.send_signal(signal.SIGTERM)
                 server.wait(60)
-    (t_off, n_off), (t_srv, n_srv) = min(offline), min(served)
-    med_off, med_srv = statistics.median(t for t, _ in offline), statistics.median(t for t, _ in served)
+    (t_off, n_off), (t_srv, n_srv, spans) = min(offline), min(served, key=lambda r: r[0])
+    med_off, med_srv = statistics.median(t for t, _ in offline), statistics.median(t for t, *_ in served)
     assert n_off == n_srv == args.streams * args.max_tokens, (n_off, n_srv)
     tps_off, tps_srv = n_off / t_off, n_srv / t_srv
     import torch
@@ -148,13 +157,15 @@ def main() -> None:
           f"torch {torch.__version__}")  # fmt: skip
     print(f"workload: {args.streams} streams x {args.max_tokens} tokens, {args.prompt_tokens}-token prompts, "
           f"model {args.model or 'random tiny'} ({args.dtype}), best of {args.repeats}")  # fmt: skip
-    runs = lambda results: [round(t, 3) for t, _ in results]  # noqa: E731
+    runs = lambda results: [round(t, 3) for t, *_ in results]  # noqa: E731
     print(f"offline LLM.generate : {t_off:7.3f} s  {tps_off:8.1f} tok/s   all runs: {runs(offline)}")
     print(f"through the server   : {t_srv:7.3f} s  {tps_srv:8.1f} tok/s   all runs: {runs(served)}")
     print(f"server overhead      : {1 - tps_srv / tps_off:+.1%} of offline throughput, "
           f"{(t_srv - t_off) / n_srv * 1e6:+.1f} us per generated token (best runs)")
     print(f"                       {1 - med_off / med_srv:+.1%} of offline throughput, "
           f"{(med_srv - med_off) / n_srv * 1e6:+.1f} us per generated token (median runs)")
+    print("best server run, from its start: " + ", ".join(
+        f"{name} {lo * 1e3:.1f}-{hi * 1e3:.1f} ms" for name, (lo, hi) in spans.items()))
 
 
 if __name__ == "__main__":
