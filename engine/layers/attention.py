@@ -7,10 +7,14 @@ reference; `mla_prefill_fast` / `mla_decode_fast` take the same arguments and ru
 (the decode one reads only device tensors, so a CUDA graph can capture it).
 """
 
+import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine.copies import to_device
 
 
 @dataclass
@@ -30,6 +34,32 @@ class AttentionMetadata:
     @property
     def num_decodes(self) -> int:
         return len(self.context_lens_cpu) - self.num_prefills
+
+    # Per-step tensors of the fast prefill paths, built on the first layer's call and shared by the
+    # others: built per layer (and per sequence) they cost more host time than the layer's kernels.
+    @functools.cached_property
+    def prefill_context(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the cache slot of every context row of the prefill chunks, chunk after chunk [sum ctx] int64,
+        their cumulative lengths [P + 1] int32)."""
+        ctx = self.context_lens_cpu[: self.num_prefills]
+        dev, bs, total = self.block_tables.device, self.block_size, sum(ctx)
+        lens = to_device(ctx, torch.long, dev)
+        seq = torch.repeat_interleave(torch.arange(len(ctx), device=dev), lens, output_size=total)
+        pos = torch.arange(total, device=dev) - (lens.cumsum(0) - lens)[seq]
+        slots = self.block_tables[seq, pos // bs].long() * bs + pos % bs
+        return slots, to_device([0, *itertools.accumulate(ctx)], torch.int32, dev)
+
+    @functools.cached_property
+    def prefill_as_decode_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each prefill query token as a decode row over the context it may see: (block tables
+        [Tp, max_blocks] int32, context lengths [Tp] int32)."""
+        ctx, q_lens = self.context_lens_cpu[: self.num_prefills], self.query_lens_cpu[: self.num_prefills]
+        dev = self.block_tables.device
+        # query j of a chunk of q tokens over a context of c sees the first c - q + j + 1 rows
+        lens = [c - q + j + 1 for c, q in zip(ctx, q_lens) for j in range(q)]
+        rows = [i for i, q in enumerate(q_lens) for _ in range(q)]
+        tables = self.block_tables[: self.num_prefills][to_device(rows, torch.long, dev)].int()
+        return tables, to_device(lens, torch.int32, dev)
 
 
 def write_kv_cache(kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -132,23 +162,13 @@ def mla_prefill_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv
     from engine.kernels.mla_prefill import mla_prefill_attention  # first use: Triton picks compiled or interpreted
 
     num_heads, nope = q_nope.shape[1], q_nope.shape[2]
-    bs, dev = meta.block_size, q_nope.device
-    ctx_lens = meta.context_lens_cpu[: meta.num_prefills]
     q_lens = meta.query_lens_cpu[: meta.num_prefills]
     if max(q_lens) <= ABSORBED_MAX_QUERY and sum(q_lens) <= ABSORBED_MAX_TOKENS:
-        # query j of a chunk of q tokens over a context of c sees the first c - q + j + 1 rows
-        lens = [c - q + j + 1 for c, q in zip(ctx_lens, q_lens) for j in range(q)]
-        rows = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens)).to(dev, non_blocking=True)
-        tables = meta.block_tables[: meta.num_prefills][rows]
-        lens_t = torch.tensor(lens, dtype=torch.int32).to(dev, non_blocking=True)
-        return _absorbed_attention(q_nope, q_pe, kv_cache, tables, lens_t, w_kv_b, v_head_dim, softmax_scale)
-    slots = []
-    for i, ctx in enumerate(ctx_lens):
-        pos = torch.arange(ctx, device=dev)
-        slots.append(meta.block_tables[i][pos // bs] * bs + pos % bs)
-    latent = kv_cache.view(-1, kv_cache.shape[-1])[torch.cat(slots)]  # [Tk, kv_lora + rope]
+        tables, lens = meta.prefill_as_decode_rows
+        return _absorbed_attention(q_nope, q_pe, kv_cache, tables, lens, w_kv_b, v_head_dim, softmax_scale)
+    slots, cu_k = meta.prefill_context
+    latent = kv_cache.view(-1, kv_cache.shape[-1])[slots]  # [Tk, kv_lora + rope]
     kv = F.linear(latent[:, :kv_lora_rank], w_kv_b).view(latent.shape[0], num_heads, nope + v_head_dim)
-    cu_k = torch.tensor([0] + ctx_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev, non_blocking=True)
     cu_q = meta.query_start_loc[: meta.num_prefills + 1].int()
     max_q = max(meta.query_lens_cpu[: meta.num_prefills])
     k_pe = latent[:, kv_lora_rank:].to(q_pe.dtype)
