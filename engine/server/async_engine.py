@@ -1,21 +1,20 @@
 """The server's handle on the engine: the engine loop runs in a process of its own; asyncio talks to it.
 
-Commands go out through a writer thread (a large prompt never blocks the event loop on a full pipe).
-Reports are read by the event loop itself as soon as the pipe is readable: a reader thread would
-have to win the GIL from a busy event loop for every report, and the engine would stall on a full pipe.
+Commands are written by the event loop itself, never blocking it (`CommandPipe`); reports are read by
+it as soon as their pipe is readable. A thread on either side would have to win the GIL from a busy
+event loop for every message (Python hands it over every 5 ms).
 The engine never waits for a client, and a client waits at most one engine step to be admitted.
 """
 
 import asyncio
 import logging
 import multiprocessing
-import queue
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.metrics import EngineMetrics
 from engine.sampling_params import SamplingParams
+from engine.server.command_pipe import CommandPipe
 from engine.server.engine_messages import (
     AbortRequests,
     AddRequests,
@@ -62,7 +61,7 @@ class AsyncEngine:
         self.failed = asyncio.Event()  # set if the engine died
         self._build = (build_engine, build_args)
         self._load_tokenizer = load_tokenizer
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: CommandPipe | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -85,17 +84,16 @@ class AsyncEngine:
         """Starts the engine process; `wait_ready()` returns once it has built the engine."""
         self._loop = asyncio.get_running_loop()
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA state
-        command_reader, command_writer = ctx.Pipe(duplex=False)
+        self._commands = CommandPipe()
         report_reader, report_writer = ctx.Pipe(duplex=False)
         build, args = self._build
         self._process = ctx.Process(
-            target=run_engine_process, args=(command_reader, report_writer, build, args), name="engine-loop",
+            target=run_engine_process, args=(self._commands.reader, report_writer, build, args), name="engine-loop",
             daemon=True,
         )  # fmt: skip
         self._process.start()
-        command_reader.close()
+        self._commands.reader.close()
         report_writer.close()
-        threading.Thread(target=self._write, args=(command_writer,), name="engine-writer", daemon=True).start()
         self._reports = report_reader
         self._loop.add_reader(report_reader.fileno(), self._read_reports)
 
@@ -114,13 +112,14 @@ class AsyncEngine:
         """Aborts what still runs, stops the engine process and waits for it."""
         self._stopping = True
         self.abort_all(ServiceUnavailable("The server is shutting down."))
-        self._outbox.put(Stop())
         if self._process is not None:
+            self._commands.send(Stop())
             await asyncio.to_thread(self._process.join, 30)
             if self._process.is_alive():
                 self._process.kill()
             self._loop.remove_reader(self._reports.fileno())
             self._reports.close()
+            self._commands.close()
 
     async def drain(self, timeout: float) -> bool:
         """Refuses new work, waits up to `timeout` s for the work in flight; True if all of it finished."""
@@ -161,7 +160,7 @@ class AsyncEngine:
         self._active.add(stream)
         self._idle.clear()
         self._num_unacked += len(prompts)
-        self._outbox.put(AddRequests(request_id, list(zip(stream.sub_request_ids, prompts, params))))
+        self._commands.send(AddRequests(request_id, list(zip(stream.sub_request_ids, prompts, params))))
         return stream
 
     def abort_all(self, error: BaseException) -> None:
@@ -172,7 +171,7 @@ class AsyncEngine:
     def _close(self, stream: RequestStream) -> None:
         running = [sub_id for sub_id in stream.sub_request_ids if self._forget(sub_id)]
         if running:
-            self._outbox.put(AbortRequests(running))
+            self._commands.send(AbortRequests(running))
         self._retire(stream)
 
     def _forget(self, sub_id: str) -> bool:
@@ -183,18 +182,6 @@ class AsyncEngine:
         self._active.discard(stream)
         if not self._active:
             self._idle.set()
-
-    # -------------------------------------------------------------------- the threads beside the loop
-
-    def _write(self, commands: Any) -> None:
-        while True:
-            command = self._outbox.get()
-            try:
-                commands.send(command)
-            except OSError:  # the engine process is gone; the reader reports it
-                return
-            if isinstance(command, Stop):
-                return
 
     # ---------------------------------------------------------------------------- on the event loop
 
@@ -215,8 +202,6 @@ class AsyncEngine:
             return
         self.tokenizer, self.max_model_len = tokenizer, ready.max_model_len
         self._ready.set()
-
-    # ---------------------------------------------------------------------------- on the event loop
 
     def _on_message(self, message: Any) -> None:
         if isinstance(message, Report):
