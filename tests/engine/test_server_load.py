@@ -10,9 +10,11 @@ import pytest
 from tests.engine.conftest_server import MODEL_NAME, ServerProcess, tiny_checkpoint, wait_for  # noqa: F401
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
-    proc = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("log") / "server.log")
+@pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "async"])
+def server(tiny_checkpoint, tmp_path_factory, request):
+    # with async scheduling (a GPU's default) aborts and ends also meet steps still in flight
+    proc = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("log") / "server.log",
+                         "--async-scheduling", request.param)
     try:
         yield proc.wait_ready()
     finally:
