@@ -222,14 +222,14 @@ class LLMEngine:
                 seq.prompt_logits.append(self.runner.model.compute_logits(hidden[offset : offset + n]))
             offset += n
             seq.num_computed_tokens += n
-        draws = self.sampler.sample(logits, sample_seqs) if sample_seqs else None
+        draws = self.sampler.sample(logits, sample_seqs, inputs) if sample_seqs else None
         for seq in sample_seqs:
             seq.num_inflight_tokens += 1
         return LaunchedStep(batch, sample_seqs, draws)
 
     def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
         """The decode step after `step`, launched before its tokens reach the host; None where the next
-        step must be scheduled with every token known (admissions, prefills, penalties, ...)."""
+        step must be scheduled with every token known (admissions, prefills, ...)."""
         if not self.async_scheduling or step.batch.prefills or step.draws is None:
             return None
         if self.scheduler.waiting and len(self.scheduler.running) < self.scheduler.max_num_seqs:
@@ -240,9 +240,8 @@ class LLMEngine:
         for seq in self.scheduler.running:
             if self._ends_at_inflight_tokens(seq):
                 continue  # a length limit: known ahead, no row needed
-            p = seq.params
-            if id(seq) not in row or seq.collect_logits or p.presence_penalty or p.frequency_penalty:
-                return None  # not in that step, or its next draw depends on the tokens in flight
+            if id(seq) not in row or seq.collect_logits:
+                return None  # not in that step, or scoring (every position's logits, one step at a time)
             seqs.append(seq)
             rows.append(row[id(seq)])
         if not seqs:

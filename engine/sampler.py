@@ -81,14 +81,20 @@ def draw_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return sample(scaled.contiguous(), ones, keys, torch.zeros(1, dtype=torch.int64, device=dev))
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """OpenAI-style presence/frequency penalties over each sequence's generated tokens."""
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None) -> torch.Tensor:
+    """OpenAI-style presence/frequency penalties over each sequence's generated tokens. pending: [R] the
+    token each row drew in the step still in flight (not yet in output_token_ids), on the device."""
     for i, seq in enumerate(seqs):
         p = seq.params
-        if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
-            ids = torch.tensor(seq.output_token_ids, device=logits.device)
-            counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        if not (p.presence_penalty or p.frequency_penalty) or not (seq.output_token_ids or pending is not None):
+            continue
+        counts = torch.zeros(logits.shape[1], dtype=logits.dtype, device=logits.device)
+        if seq.output_token_ids:
+            ids = to_device(seq.output_token_ids, torch.long, logits.device)
+            counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
+        if pending is not None:
+            counts.scatter_add_(0, pending[i : i + 1], torch.ones(1, dtype=logits.dtype, device=logits.device))
+        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 
 
@@ -133,12 +139,14 @@ class Sampler:
         return self.sample(logits, seqs).result()
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Draws:
-        """Queue one step's draws; logits: [B, vocab] float32 for the sequences that sample this step."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None) -> Draws:
+        """Queue one step's draws; logits: [B, vocab] float32 for the sequences that sample this step.
+        pending: [B] the tokens drawn for them by the step still in flight (async scheduling), on the
+        device: the penalties count them too."""
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = logits.log_softmax(dim=-1)
-        logits = apply_penalties(logits, seqs)
+        logits = apply_penalties(logits, seqs, pending)
         drawn = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
         dev = logits.device
         if drawn and self.on_device and len(drawn) == len(seqs):

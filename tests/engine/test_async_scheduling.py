@@ -6,8 +6,11 @@ on a GPU is measured by benchmarks/step_time.py and benchmarks/server_overhead.p
 """
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.sampler import Sampler
+from engine.sequence import Sequence
 from tests.engine.hf_oracle import prompts
 
 
@@ -150,13 +153,25 @@ def test_a_request_arriving_mid_decode_is_admitted_at_the_next_step(engines):
     assert {o.request_id for o in outs} == {"early", "late"}
 
 
-def test_a_request_whose_draw_needs_the_tokens_in_flight_is_never_left_behind(engines):
-    # penalties read every earlier token: while one runs, steps are scheduled with every token known
-    eng = engines("on").engine
-    eng.add_request("plain", prompts(40, [8], vocab=512)[0], SamplingParams(max_tokens=12, ignore_eos=True))
-    eng.add_request("penalized", prompts(41, [8], vocab=512)[0],
-                    SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=1.0))
-    steps = []
-    while eng.has_unfinished_requests():
-        steps.append(sorted(o.request_id for o in eng.step()))
-    assert steps == [["penalized", "plain"]] * 12
+def test_the_penalties_count_the_token_still_in_flight():
+    # token 3 is the favourite by 1.0; the step in flight drew it, so a penalty of 2 must move the draw
+    seq = Sequence("r", [1, 2], SamplingParams(temperature=0.0, frequency_penalty=2.0), None, None)
+    seq.output_token_ids = [5]
+    logits = torch.tensor([[0.0, 0.0, 0.0, 2.0, 1.0, 0.5]])
+    assert Sampler().sample(logits.clone(), [seq]).result()[0] == [3]
+    assert Sampler().sample(logits.clone(), [seq], pending=torch.tensor([3])).result()[0] == [4]
+
+
+def test_penalized_requests_go_ahead_with_the_same_tokens(engines):
+    # the repeats this random model falls into make every penalized draw depend on the last token
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=1.0,
+                            frequency_penalty=0.5)
+    batch = ["Hello world", prompts(40, [8], vocab=512)[0]]
+    sync = engines("off").generate(batch, params)
+    llm = engines("on")
+    ahead = []
+    run = llm.engine.runner.run
+    llm.engine.runner.run = lambda batch, inputs=None: ahead.append(inputs is not None) or run(batch, inputs)
+    outs = llm.generate(batch, params)
+    assert snapshot(outs) == snapshot(sync)
+    assert ahead.count(True) == 22  # every decode step after the first went ahead
