@@ -167,7 +167,7 @@ class ModelRunner:
                 seq = Sequence("warm-up", [0] * (prefix + n), SamplingParams(max_tokens=1), None, None)
                 seq.block_table = [scratch] * -(-(prefix + n) // bs)  # every row lands in the scratch block
                 seq.num_computed_tokens = prefix
-                self.run(ScheduledBatch(prefills=[(seq, n)]))
+                self._run_eager(ScheduledBatch(prefills=[(seq, n)]))  # what the graphs do not take
         if self.backend == "triton":  # every slice count the decode attention may take
             attn = self.model.attention_layers()[0]
             cache, dev = attn.kv_cache, attn.kv_cache.device
@@ -235,15 +235,37 @@ class ModelRunner:
         """-> (sequences that sample, their logits [S, vocab] float32, hidden states of every token).
         inputs: the token ids of a decode batch on the device (drawn by a step the host has not read
         yet), instead of the sequences' own."""
-        if self.graphs is not None and not batch.prefills and len(batch.decodes) <= self.graphs.max_batch:
-            seqs = batch.decodes
-            self.graphs.load(seqs, inputs)
-            hidden, logits, _ = self.graphs.replay(len(seqs))
-            return seqs, logits.clone(), hidden
+        counts = [n for _, n in batch.items]
+        if (self.graphs is not None and sum(counts) <= self.graphs.max_batch
+                and not any(seq.collect_logits for seq, _ in batch.items)):
+            return self._replay(batch, counts, inputs)
+        return self._run_eager(batch, inputs)
+
+    def _run_eager(self, batch: ScheduledBatch, inputs: torch.Tensor | None = None
+                   ) -> tuple[list[Sequence], torch.Tensor | None, torch.Tensor]:
         input_ids, positions, meta, sample_idx, sample_seqs = self._prepare(batch, inputs)
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[sample_idx]) if sample_idx else None
         return sample_seqs, logits, hidden
+
+    def _replay(self, batch: ScheduledBatch, counts: list[int], inputs: torch.Tensor | None
+                ) -> tuple[list[Sequence], torch.Tensor | None, torch.Tensor]:
+        """A step of at most `graphs.max_batch` tokens through a decode graph: a prefill chunk's tokens
+        are rows of their own (the eager step they replace costs ~75 PyTorch operations a layer)."""
+        seqs = [seq for seq, _ in batch.items]
+        self.graphs.load(seqs, inputs, counts)
+        hidden, logits, _ = self.graphs.replay(sum(counts))
+        if not batch.prefills:
+            return seqs, logits.clone(), hidden  # every row samples
+        rows, sample_seqs, end = [], [], 0
+        for seq, n in batch.items:
+            end += n
+            if seq.num_computed_tokens + n == seq.num_tokens + seq.num_inflight_tokens:  # reaches the end
+                rows.append(end - 1)
+                sample_seqs.append(seq)
+        if not rows:
+            return [], None, hidden
+        return sample_seqs, logits.index_select(0, to_device(rows, torch.long, self.device)), hidden
 
 
 class DecodeGraphs:
@@ -253,6 +275,11 @@ class DecodeGraphs:
     lengths = positions + 1, then model -> logits -> sampled tokens, and finally feeds the tokens back
     as the next step's inputs (positions + 1). Replayed back to back it decodes with no host work at
     all; the engine instead loads its batch into the buffers before each replay (`load`).
+
+    A short prefill chunk runs through the same graphs, its tokens as rows at consecutive positions
+    of one block table: every layer writes all rows' latents to the cache before attending, so each
+    row sees the rows before it, as causal attention does (the absorbed path of a chunk over its
+    context, which the eager step takes for short chunks too).
     """
 
     SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -277,19 +304,28 @@ class DecodeGraphs:
     def padded(self, batch: int) -> int:
         return next(s for s in self.SIZES if s >= batch)
 
-    def load(self, seqs: list[Sequence], inputs: torch.Tensor | None = None) -> None:
-        """Copy the engine's decode batch into the static buffers; rows past it decode into the scratch
-        block. inputs: the batch's token ids already on the device (else the sequences' last tokens)."""
-        n, padded = len(seqs), self.padded(len(seqs))
-        pos = [seq.num_computed_tokens for seq in seqs]
+    def load(self, seqs: list[Sequence], inputs: torch.Tensor | None = None,
+             counts: list[int] | None = None) -> None:
+        """Copy the engine's batch into the static buffers; rows past it decode into the scratch block.
+        inputs: the batch's token ids already on the device (else the sequences' own). counts: rows per
+        sequence, its next tokens from num_computed_tokens on (default: one each, a decode)."""
+        counts = counts or [1] * len(seqs)
+        n = sum(counts)
+        padded = self.padded(n)
         widest = max(len(seq.block_table) for seq in seqs)
         # one host tensor per buffer, built from lists (a tensor write per row cost ~20 us a sequence).
         # Every row is its table followed by the scratch block (graphs replayed back to back walk
         # positions past a table's end): the rows are reset on the device, then the tables written
-        tables = [seq.block_table + [self.scratch_block] * (widest - len(seq.block_table)) for seq in seqs]
+        pos, ids, tables = [], [], []
+        for seq, count in zip(seqs, counts):
+            start = seq.num_computed_tokens
+            pos += range(start, start + count)
+            if inputs is None:
+                ids += seq.token_ids(start, start + count)
+            tables += [seq.block_table + [self.scratch_block] * (widest - len(seq.block_table))] * count
         dev = self.input_ids.device
         if inputs is None:
-            inputs = to_device([seq.token_ids(p, p + 1)[0] for seq, p in zip(seqs, pos)], torch.long, dev)
+            inputs = to_device(ids, torch.long, dev)
         self.input_ids[:n].copy_(inputs)
         self.positions[:n].copy_(to_device(pos, torch.long, dev))
         self.block_tables[:padded].fill_(self.scratch_block)

@@ -50,3 +50,15 @@ def test_load_writes_each_table_then_scratch_and_pads_with_scratch():
     g.load(wide + narrow)
     assert g.block_tables[:5].tolist() == [expected_row(s.block_table, g.width) for s in wide + narrow]
     assert all(row == [SCRATCH] * g.width for row in g.block_tables[5:8].tolist())  # padded to 8
+
+
+def test_a_prefill_chunk_loads_as_rows_at_consecutive_positions_of_its_table():
+    g = graphs()
+    chunk = seq([1, 2], 16)  # 16 tokens cached; the chunk is its 17 tokens from position 16 on (ids 19..)
+    chunk.prompt_token_ids += list(range(100, 104))
+    decode = seq([5], 3)
+    g.load([chunk, decode], counts=[5, 1])
+    assert g.positions[:6].tolist() == [16, 17, 18, 19, 20, 3]
+    assert g.input_ids[:6].tolist() == [19, 100, 101, 102, 103, 6]
+    assert g.block_tables[:6].tolist() == [expected_row([1, 2], g.width)] * 5 + [expected_row([5], g.width)]
+    assert g.padded(6) == 8 and g.positions[6:8].tolist() == [0, 0]

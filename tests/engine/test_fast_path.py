@@ -159,6 +159,28 @@ def test_cuda_graph_decode_matches_eager(tmp_path, dtype):
     assert [o.token_ids for o in outs] == [o.token_ids for o in graphs.generate(batch, GREEDY)]
 
 
+@gpu
+def test_short_prefill_steps_replay_the_decode_graphs(tmp_path, dtype):
+    path = save_hf_checkpoint(build_hf_model(seed=27), tmp_path / "ckpt")
+    fast = LLM(str(path), dtype=dtype, block_size=4)
+    model = fast.engine.runner.model
+    eager, forward = [], model.forward
+    model.forward = lambda *args, **kwargs: eager.append(1) or forward(*args, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
+    batch = prompts(27, [7, 12, 30])
+    outs = fast.generate(batch, params)
+    turn = batch[2] + outs[2].token_ids + [5, 6, 7]  # a next turn: a chunk over a cached prefix
+    outs += fast.generate([turn], params)
+    assert not eager and outs[-1].num_cached_tokens > 0  # every step replayed a graph
+    # the prefill steps' distributions (each request's first logprobs) match the eager fast path's
+    eager_path = LLM(str(path), dtype=dtype, block_size=4, extra={"enforce_eager": True})
+    want = eager_path.generate(batch + [turn], params)
+    tol = LOGIT_TOL if dtype == "float32" else 0.1
+    for w, g in zip(want, outs):
+        common = w.logprobs[0].keys() & g.logprobs[0].keys()
+        assert len(common) >= 4 and all(abs(w.logprobs[0][t] - g.logprobs[0][t]) < tol for t in common)
+
+
 def test_warm_up_runs_the_fast_path_and_every_decode_slice_count(tmp_path):
     from engine.kernels.mla_decode import SPLIT_CHOICES, default_num_splits
 
