@@ -3,7 +3,8 @@
     python benchmarks/step_time.py --model DIR [--dtype bfloat16] [--streams 32] [--max-tokens 256]
 
 Runs `streams` requests (ignore_eos, temperature 1, so every row samples) through `LLMEngine.step`
-four ways: with async scheduling and without (wall time per step); without, instrumented, with the
+(the first step prefills every prompt, eagerly, and is timed apart: after the first pass, over their
+first block in the prefix cache), then decodes them four ways: with async scheduling and without (wall time per step); without, instrumented, with the
 device waited for after each phase that launches work, so each phase's host time is separated from
 the device's; and the decode step's CUDA graph replayed back to back (device time alone). A step
 whose wall time is well above its device time is bound by host work the device waits for. Prints one
@@ -54,17 +55,20 @@ def add_requests(engine: LLMEngine, tag: str, args: argparse.Namespace) -> None:
         engine.add_request(f"{tag}-{i}", prompt, params)
 
 
-def decode_steps(engine: LLMEngine, args: argparse.Namespace, tag: str) -> list[float]:
-    """Wall time of every step that decodes all streams (the prefill steps left out)."""
+def decode_steps(engine: LLMEngine, args: argparse.Namespace, tag: str) -> tuple[float, list[float]]:
+    """-> (wall time of the first step: every stream's prompt prefilled, eagerly; wall time of every
+    step that decodes all streams)."""
     add_requests(engine, tag, args)
-    times = []
+    prefill, times = None, []
     while engine.has_unfinished_requests():
         start = time.perf_counter()
         outputs = engine.step()
         elapsed = time.perf_counter() - start
-        if len(outputs) == args.streams and all(len(o.token_ids) > 1 for o in outputs):
+        if prefill is None:
+            prefill = elapsed
+        elif len(outputs) == args.streams and all(len(o.token_ids) > 1 for o in outputs):
             times.append(elapsed)
-    return times
+    return prefill, times
 
 
 def median_ms(xs: list[float]) -> float:
@@ -77,16 +81,17 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(64, args.streams),
                                     show_progress=False))
     decode_steps(engine, args, "warm-up")
-    walls = {}
+    walls, prefills = {}, []
     for mode in (True, False):
         engine.async_scheduling = mode
-        walls[mode] = decode_steps(engine, args, f"async-{mode}")
+        prefill, walls[mode] = decode_steps(engine, args, f"async-{mode}")
+        prefills.append(prefill)
 
     # instrumented (synchronous): each phase that launches device work waits for it, so the rest is host time
     schedule = engine.scheduler.schedule = Timed(engine.scheduler.schedule, sync=False)
     run = engine.runner.run = Timed(engine.runner.run, sync=True)
     sample = engine.sampler.sample = Timed(engine.sampler.sample, sync=True)
-    instrumented = decode_steps(engine, args, "instrumented")
+    _, instrumented = decode_steps(engine, args, "instrumented")
     n = len(instrumented)
     # the calls of the decode steps only: the last n of each
     phases = {"schedule": schedule.times[-n:], "run (launch + device)": run.times[-n:],
@@ -108,6 +113,7 @@ def main() -> None:
 
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"{name}, model {args.model} ({engine.runner.dtype}), {args.streams} streams, median of {n} decode steps")
+    print(f"{'prefill step of every prompt (wall)':40s} {median_ms(prefills):8.3f} ms")
     print(f"{'step, async scheduling (wall)':40s} {median_ms(walls[True]):8.3f} ms")
     print(f"{'step, synchronous (wall)':40s} {median_ms(walls[False]):8.3f} ms")
     print(f"{'decode graph replayed alone (device)':40s} {device:8.3f} ms")
