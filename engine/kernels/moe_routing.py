@@ -90,13 +90,73 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_f
     return weights, ids
 
 
+# One program aligns up to this many pairs (a decode step, a short prefill); larger steps take the
+# PyTorch sort, whose ~25 launches matter less there than one program walking every pair.
+ALIGN_KERNEL_MAX_PAIRS = 4096
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_padded"])  # both vary with the batch: one variant
+def _align_kernel(Ids, SortedIds, BlockExpert, NumPadded, num_pairs, num_experts, max_padded,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_p = tl.arange(0, BLOCK_P)
+    # 1. pairs per expert, each expert's run padded to BLOCK_M rows
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        ids = tl.load(Ids + p0 + offs_p, mask=p0 + offs_p < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    # 2. padding rows point past the last pair; then every pair goes to its expert's start plus its
+    # rank among that expert's pairs (pair order: the same placement as a stable sort)
+    for r0 in range(0, max_padded, BLOCK_P):
+        tl.store(SortedIds + r0 + offs_p, tl.zeros([BLOCK_P], tl.int32) + num_pairs, mask=r0 + offs_p < max_padded)
+    tl.debug_barrier()
+    placed = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        valid = p0 + offs_p < num_pairs
+        ids = tl.load(Ids + p0 + offs_p, mask=valid, other=-1)
+        onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [P, E]
+        base = tl.sum(onehot * (starts + placed)[None, :], axis=1)
+        before = (ids[:, None] == ids[None, :]) & (offs_p[None, :] < offs_p[:, None])  # same expert, earlier
+        rank = tl.sum(before.to(tl.int32), axis=1)
+        tl.store(SortedIds + base + rank, p0 + offs_p, mask=valid)
+        placed += tl.sum(onehot, axis=0)
+    # 3. each block of BLOCK_M rows: its expert is the number of runs ending at or before its first row
+    num_blocks = max_padded // BLOCK_M
+    for b0 in range(0, num_blocks, BLOCK_P):
+        first_row = (b0 + offs_p) * BLOCK_M
+        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        tl.store(BlockExpert + b0 + offs_p, tl.minimum(expert, num_experts - 1), mask=b0 + offs_p < num_blocks)
+    tl.store(NumPadded, tl.sum(padded, axis=0))
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the T * top_k (token, expert) pairs by expert, each expert's run padded to block_m.
 
     -> sorted_ids [P_max] int32 (pair id = token * top_k + k; padding holds T * top_k),
        block_expert [P_max / block_m] int32 (the expert of each block of block_m rows),
-       num_padded [1] int32 (rows in use). Sizes depend on shapes only (CUDA-graph safe)."""
+       num_padded [1] int32 (rows in use). Sizes depend on shapes only (CUDA-graph safe). Up to
+    ALIGN_KERNEL_MAX_PAIRS pairs in one launch, else through PyTorch (`sort_by_expert`)."""
+    num_pairs = topk_ids.numel()
+    max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    max_padded = -(-max_padded // block_m) * block_m
+    if num_pairs > ALIGN_KERNEL_MAX_PAIRS or num_pairs == 0:
+        return sort_by_expert(topk_ids, num_experts, block_m, max_padded)
+    dev = topk_ids.device
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](topk_ids.reshape(-1).int(), sorted_ids, block_expert, num_padded, num_pairs, num_experts,
+                        max_padded, BLOCK_M=block_m, BLOCK_E=pow2(num_experts, 16), BLOCK_P=64, num_warps=8)
+    return sorted_ids, block_expert, num_padded
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int, max_padded: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`align_by_expert` in PyTorch operations (a stable sort): large steps, and the kernel's reference."""
     num_pairs = topk_ids.numel()
     dev = topk_ids.device
     flat = topk_ids.flatten().long()
@@ -106,8 +166,6 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     order = flat.argsort(stable=True)
     sorted_experts = flat[order]
     rank = torch.arange(num_pairs, device=dev) - (counts.cumsum(0) - counts)[sorted_experts]
-    max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    max_padded = -(-max_padded // block_m) * block_m
     sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=dev)
     sorted_ids[(ends - padded)[sorted_experts] + rank] = order.int()
     block_starts = torch.arange(0, max_padded, block_m, device=dev)

@@ -22,7 +22,7 @@ from engine.kernels.fp8_gemm import FP8, fp8_block_gemm, fp8_linear, per_token_g
 from engine.kernels.fused_moe import fused_experts, reference_fused_experts
 from engine.kernels.mla_decode import mla_decode_attention, reference_mla_decode_attention
 from engine.kernels.mla_prefill import mla_prefill_attention, reference_mla_prefill_attention
-from engine.kernels.moe_routing import align_by_expert, route
+from engine.kernels.moe_routing import align_by_expert, route, sort_by_expert
 from engine.kernels.rms_norm import reference_rms_norm, rms_norm
 from engine.kernels.rotary import reference_rope
 from engine.kernels.sampling import sample
@@ -260,6 +260,19 @@ def test_align_by_expert_covers_every_pair_once():
         rows = sorted_ids[blk * 4 : blk * 4 + 4]
         rows = rows[rows < 8]
         assert (ids.flatten()[rows.long()] == block_expert[blk]).all()
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "num_experts", "block_m"), [(1, 6, 32, 16), (37, 8, 256, 16),
+                                                                         (100, 6, 64, 64), (5, 2, 5, 4)])
+def test_align_kernel_places_pairs_as_the_stable_sort_does(tokens, top_k, num_experts, block_m):
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)]).int().to(DEV)
+    ids[: tokens // 2] = ids[: tokens // 2].clamp(max=3)  # crowd a few experts: runs over several blocks
+    got = align_by_expert(ids, num_experts, block_m)
+    max_padded = got[0].numel()
+    want = sort_by_expert(ids, num_experts, block_m, max_padded)
+    for g_, w in zip(got, want):
+        assert torch.equal(g_.cpu(), w.cpu())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
