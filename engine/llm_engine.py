@@ -109,9 +109,8 @@ class LLMEngine:
         return self.block_manager.usage
 
     def has_unfinished_requests(self) -> bool:
-        # a step in flight whose every request ended (aborted) produces nothing: the next step drops it
-        inflight = self.inflight is not None and not all(s.is_finished for s in self.inflight.sample_seqs)
-        return self.scheduler.has_unfinished() or bool(self.pending_pulls) or inflight
+        # a step in flight holds only running requests (or ended ones, whose rows produce nothing)
+        return self.scheduler.has_unfinished() or bool(self.pending_pulls)
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -204,7 +203,7 @@ class LLMEngine:
         current, self.inflight = self.inflight, self._launch_ahead(self.inflight)
         return self._resolve(current)
 
-    def _launch(self, batch: ScheduledBatch, inputs=None) -> LaunchedStep:
+    def _launch(self, batch: ScheduledBatch, inputs: torch.Tensor | None = None) -> LaunchedStep:
         """Queue the model and the draws of a step on the device. inputs: a decode batch's token ids on
         the device (the draws of the step in flight)."""
         for seq, _ in batch.items:
@@ -232,8 +231,8 @@ class LLMEngine:
         step must be scheduled with every token known (admissions, prefills, ...)."""
         if not self.async_scheduling or step.batch.prefills or step.draws is None:
             return None
-        if self.scheduler.waiting and len(self.scheduler.running) < self.scheduler.max_num_seqs:
-            return None  # admit them first
+        if self.scheduler.can_admit_next():
+            return None  # admit it first (one that cannot be admitted yet does not hold everyone back)
         row = {id(seq): i for i, seq in enumerate(step.sample_seqs)}
         seqs, rows = [], []
         # every running sequence goes on, or none does: one left out would wait for the chain to end

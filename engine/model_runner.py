@@ -255,8 +255,6 @@ class ModelRunner:
         seqs = [seq for seq, _ in batch.items]
         self.graphs.load(seqs, inputs, counts)
         hidden, logits, _ = self.graphs.replay(sum(counts))
-        if not batch.prefills:
-            return seqs, logits.clone(), hidden  # every row samples
         rows, sample_seqs, end = [], [], 0
         for seq, n in batch.items:
             end += n
@@ -265,6 +263,8 @@ class ModelRunner:
                 sample_seqs.append(seq)
         if not rows:
             return [], None, hidden
+        if len(rows) == end:  # every row samples (a decode step)
+            return sample_seqs, logits.clone(), hidden
         return sample_seqs, logits.index_select(0, to_device(rows, torch.long, self.device)), hidden
 
 

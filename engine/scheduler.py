@@ -87,11 +87,20 @@ class Scheduler:
             budget -= n
 
         for seq, n in scheduled:
-            if n == 1:  # one query token at the end of its context: the decode path
+            if n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens:  # its last token: the decode path
                 batch.decodes.append(seq)
             else:
                 batch.prefills.append((seq, n))
         return batch
+
+    def can_admit_next(self) -> bool:
+        """Whether the next `schedule()` would likely admit the head of the queue (its prefix-cache hits
+        left out: hashing a long prompt every step would cost more than the guess saves)."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        budget = self.max_num_batched_tokens - len(self.running)  # each running sequence decodes one
+        need = self.bm.blocks_needed(min(self.waiting[0].num_tokens, budget))
+        return budget > 0 and need <= self.bm.num_free_blocks
 
     def schedule_ahead(self, seqs: list[Sequence]) -> ScheduledBatch | None:
         """The decode step after one still in flight, before its tokens are known: running `seqs`, each

@@ -162,16 +162,34 @@ def test_the_penalties_count_the_token_still_in_flight():
     assert Sampler().sample(logits.clone(), [seq], pending=torch.tensor([3])).result()[0] == [4]
 
 
-def test_penalized_requests_go_ahead_with_the_same_tokens(engines):
-    # the repeats this random model falls into make every penalized draw depend on the last token
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=1.0,
-                            frequency_penalty=0.5)
-    batch = ["Hello world", prompts(40, [8], vocab=512)[0]]
-    sync = engines("off").generate(batch, params)
-    llm = engines("on")
-    ahead = []
-    run = llm.engine.runner.run
-    llm.engine.runner.run = lambda batch, inputs=None: ahead.append(inputs is not None) or run(batch, inputs)
-    outs = llm.generate(batch, params)
-    assert snapshot(outs) == snapshot(sync)
-    assert ahead.count(True) == 22  # every decode step after the first went ahead
+def test_penalized_requests_go_ahead_and_count_the_token_in_flight(engines):
+    """A stand-in for the model's logits that favours repeating the row's input token (the last one) by
+    less than the penalty: a draw that misses the token in flight repeats it."""
+
+    def repeating(llm: LLM) -> tuple[list[list[int]], list[bool]]:
+        runner, ahead = llm.engine.runner, []
+        run = runner.run
+
+        def run_favouring_the_last_token(batch, inputs=None):
+            ahead.append(inputs is not None)
+            seqs, logits, hidden = run(batch, inputs)  # the real step: KV writes, positions
+            if logits is None:
+                return seqs, logits, hidden
+            last = inputs if inputs is not None else torch.tensor([s.token_ids()[-1] for s in seqs],
+                                                                  device=logits.device)
+            vocab = logits.shape[1]
+            fake = torch.zeros_like(logits)
+            fake.scatter_(1, last[:, None], 1.0)
+            fake.scatter_(1, ((last + 1) % vocab)[:, None], 0.5)
+            return seqs, fake, hidden
+
+        runner.run = run_favouring_the_last_token
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, frequency_penalty=1.0)
+        outs = llm.generate(prompts(42, [5, 9], vocab=512), params)
+        return [o.token_ids for o in outs], ahead
+
+    want, _ = repeating(engines("off"))
+    got, ahead = repeating(engines("on"))
+    assert got == want
+    assert all(out[1] == (out[0] + 1) % 512 for out in got)  # the repeat after the first token was penalized
+    assert ahead.count(True) == 10  # every decode step after the first went ahead
