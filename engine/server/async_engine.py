@@ -84,7 +84,7 @@ class AsyncEngine:
         """Starts the engine process; `wait_ready()` returns once it has built the engine."""
         self._loop = asyncio.get_running_loop()
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA state
-        self._commands = CommandPipe()
+        self._commands = CommandPipe(self._loop)
         report_reader, report_writer = ctx.Pipe(duplex=False)
         build, args = self._build
         self._process = ctx.Process(

@@ -19,13 +19,15 @@ from typing import Any
 
 
 class CommandPipe:
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Commands are sent from `loop`'s thread; it writes what a full pipe did not take."""
         read_fd, self._fd = os.pipe()
         self.reader = Connection(read_fd, writable=False)  # for the engine process; close it here once it started
         os.set_blocking(self._fd, False)
+        self._loop = loop
         self._pending: deque[memoryview] = deque()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.broken = False  # the engine process is gone; what is sent is dropped
+        self._watching = False
+        self.broken = False  # the engine process is gone (or the pipe closed): what is sent is dropped
 
     def send(self, command: Any) -> None:
         """Write a command now, as far as the pipe takes it; the rest follows when it is writable."""
@@ -55,13 +57,17 @@ class CommandPipe:
         self._watch(bool(self._pending))
 
     def _watch(self, on: bool) -> None:
-        if on and self._loop is None:
-            self._loop = asyncio.get_running_loop()
+        if on and not self._watching:
             self._loop.add_writer(self._fd, self._flush)
-        elif not on and self._loop is not None:
+        elif not on and self._watching:
             self._loop.remove_writer(self._fd)
-            self._loop = None
+        self._watching = on
 
     def close(self) -> None:
+        if self.broken and self._fd < 0:
+            return
         self._watch(False)
+        self._pending.clear()
+        self.broken = True
         os.close(self._fd)
+        self._fd = -1
