@@ -575,3 +575,18 @@ def test_a_temperature_too_small_to_divide_by_is_greedy():
 
     assert SamplingParams(temperature=1e-46).is_greedy and SamplingParams(temperature=0.0).is_greedy
     assert not SamplingParams(temperature=1e-3).is_greedy
+
+
+def test_device_draws_of_a_seeded_request_are_the_same_with_async_scheduling(random_checkpoint):
+    # the noise is keyed by output position: a draw launched while the previous token is still in
+    # flight must count it
+    from engine import LLM
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
+    outs = []
+    for mode in ("off", "on"):
+        llm = LLM(str(random_checkpoint), dtype="float32", async_scheduling=mode)
+        llm.engine.sampler.on_device = True  # on CPU: the Triton sampling kernel under the interpreter
+        outs.append([o.token_ids for o in llm.generate([[5, 6, 7], [8, 9, 10, 11]], params)])
+    assert outs[0] == outs[1]
