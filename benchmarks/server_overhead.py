@@ -83,7 +83,8 @@ async def run_server(http: aiohttp.ClientSession, prompts: list[list[int]], max_
 
     start = time.perf_counter()
     counts = await asyncio.gather(*(one(p) for p in prompts))
-    spans = {name: (min(ts) - start, max(ts) - start) for name, ts in (("sent", sent), ("first", first), ("done", done))}
+    events = (("sent", sent), ("first", first), ("done", done))
+    spans = {name: (min(ts) - start, max(ts) - start) for name, ts in events}
     return time.perf_counter() - start, sum(counts), spans
 
 

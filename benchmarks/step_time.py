@@ -3,12 +3,12 @@
     python benchmarks/step_time.py --model DIR [--dtype bfloat16] [--streams 32] [--max-tokens 256]
 
 Runs `streams` requests (ignore_eos, temperature 1, so every row samples) through `LLMEngine.step`
-(the first step prefills every prompt, eagerly, and is timed apart: after the first pass, over their
-first block in the prefix cache), then decodes them four ways: with async scheduling and without (wall time per step); without, instrumented, with the
-device waited for after each phase that launches work, so each phase's host time is separated from
-the device's; and the decode step's CUDA graph replayed back to back (device time alone). A step
-whose wall time is well above its device time is bound by host work the device waits for. Prints one
-table (median over the decode steps).
+(the first step prefills every prompt and is timed apart: after the first pass, over their first
+block in the prefix cache), then decodes them four ways: with async scheduling and without (wall
+time per step); without, instrumented, with the device waited for after each phase that launches
+work, so each phase's host time is separated from the device's; and the decode step's CUDA graph
+replayed back to back (device time alone). A step whose wall time is well above its device time is
+bound by host work the device waits for. Prints one table (median over the decode steps).
 """
 
 import argparse

@@ -2,8 +2,9 @@
 
 On a GPU the sampled rows are drawn together on the device (`draw_on_device`: temperature, top-k and
 top-p as tensor ops over the batch, then one Gumbel-max launch); the step's tokens stay there as the
-next step's inputs, and one asynchronous copy brings them to the host (`Draws`). Drawing row by row on the host instead copies each row's probabilities over (~0.5 MB for
-DeepSeek's 129k vocabulary) and runs a multinomial per request: milliseconds per request per step.
+next step's inputs, and one asynchronous copy brings them to the host (`Draws`). Drawing row by row
+on the host instead copies each row's probabilities over (~0.5 MB for DeepSeek's 129k vocabulary)
+and runs a multinomial per request: milliseconds per request per step.
 The noise is keyed by (the request's seed, its output position), so a seeded request draws the same
 noise whatever else shares its batches (its tokens repeat as far as its logits do: a batch's size can
 change the kernels that compute them). On CPU rows are drawn one by one from each request's generator
