@@ -16,12 +16,13 @@ from tests.engine.conftest_server import API_KEY, CONTRACT_METRICS, MODEL_NAME, 
 HELLO = [{"role": "user", "content": "Hello! Who are you?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
+@pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "async"])
+def server(tiny_checkpoint, tmp_path_factory, request):
+    # every API behaviour also with async scheduling (a GPU's default), against the same offline oracle
     key_file = tmp_path_factory.mktemp("secrets") / "api-key"
     key_file.write_text(API_KEY + "\n")
     log = tmp_path_factory.mktemp("log") / "server.log"
-    proc = ServerProcess(tiny_checkpoint, log, "--api-key-file", str(key_file))
+    proc = ServerProcess(tiny_checkpoint, log, "--api-key-file", str(key_file), "--async-scheduling", request.param)
     try:
         yield proc.wait_ready()
     finally:
