@@ -9,6 +9,7 @@ import subprocess
 
 import httpx
 import openai
+import pytest
 
 from engine.config import EngineConfig
 from engine.metrics import EngineMetrics
@@ -60,8 +61,10 @@ async def open_streams(http: httpx.AsyncClient, num: int, max_tokens: int):
     return tasks
 
 
-async def test_sigterm_drains_streams_then_exits_0(tiny_checkpoint, tmp_path):
-    server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--drain-timeout", "120").wait_ready()
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+async def test_sigterm_drains_streams_then_exits_0(tiny_checkpoint, tmp_path, async_scheduling):
+    server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--drain-timeout", "120",
+                           "--async-scheduling", async_scheduling).wait_ready()
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
             streams = await open_streams(http, 4, 250)
