@@ -159,6 +159,49 @@ def test_cuda_graph_decode_matches_eager(tmp_path, dtype):
     assert [o.token_ids for o in outs] == [o.token_ids for o in graphs.generate(batch, GREEDY)]
 
 
+class UncapturedGraphs:
+    """What a decode graph computes (`DecodeGraphs._step` over its static buffers), run eagerly: the
+    graph steps' semantics (a prefill chunk's tokens as rows) checked where no GPU captures them."""
+
+    @staticmethod
+    def install(runner) -> None:
+        from engine.model_runner import DecodeGraphs
+
+        if runner.graphs is None:  # a GPU run allocates a scratch block past the pool; here the last block plays it
+            runner.num_blocks -= 1
+        graphs = DecodeGraphs(runner)
+
+        def replay(batch: int):
+            hidden, logits, tokens = graphs._step(graphs.padded(batch))
+            return hidden[:batch], logits[:batch], tokens[:batch]
+
+        graphs.replay = replay
+        runner.graphs = graphs
+
+
+def test_graph_steps_prefill_and_decode_as_eager_steps_do(tmp_path):
+    path = save_hf_checkpoint(build_hf_model(seed=28), tmp_path / "ckpt")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
+    batch = prompts(28, [6, 9])
+    eager = LLM(str(path), dtype="float32", attention_backend="triton", block_size=4,
+                extra={"enforce_eager": True, "capture_graphs_at_start": False})
+    graphed = LLM(str(path), dtype="float32", attention_backend="triton", block_size=4,
+                  extra={"capture_graphs_at_start": False})
+    UncapturedGraphs.install(graphed.engine.runner)
+    eager_steps = []
+    run_eager = graphed.engine.runner._run_eager
+    graphed.engine.runner._run_eager = lambda *args: eager_steps.append(1) or run_eager(*args)
+    want, got = eager.generate(batch, params), graphed.generate(batch, params)
+    turn = batch[1] + got[1].token_ids + [7, 8]  # a next turn: its new tokens over a cached prefix
+    want += eager.generate([turn], params)
+    got += graphed.generate([turn], params)
+    assert not eager_steps and got[-1].num_cached_tokens > 0  # prefills and decodes took the graph rows
+    for w, g in zip(want, got):
+        assert w.token_ids == g.token_ids
+        for lw, lg in zip(w.logprobs, g.logprobs):
+            assert lw.keys() == lg.keys() and all(abs(lw[t] - lg[t]) < LOGIT_TOL for t in lw)
+
+
 @gpu
 def test_short_prefill_steps_replay_the_decode_graphs(tmp_path, dtype):
     path = save_hf_checkpoint(build_hf_model(seed=27), tmp_path / "ckpt")
