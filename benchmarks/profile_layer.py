@@ -87,7 +87,7 @@ def main() -> None:
         k = short(e.name)
         if k not in times:
             order.append(k)
-        times[k].append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
+        times[k].append(e.device_time)
     total = 0.0
     print(f"{a.preset} layer {a.layer} batch {a.batch} context {a.context}: kernels from the {src} run")
     print(f"{'kernel':60s} {'per call':>8s} {'us each':>8s} {'us/call':>8s}")

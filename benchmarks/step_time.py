@@ -18,6 +18,7 @@ import time
 import torch
 
 from engine import SamplingParams
+from engine.bench.timing import time_fn
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 
@@ -101,15 +102,9 @@ def main() -> None:
     device = float("nan")
     graphs = engine.runner.graphs
     if graphs is not None and args.streams <= graphs.max_batch:
-        graphs.replay(args.streams)  # buffers hold the last batch; replays only walk into the scratch block
-        torch.cuda.synchronize()
-        start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start_evt.record()
-        for _ in range(50):
-            graphs.replay(args.streams)
-        end_evt.record()
-        end_evt.synchronize()
-        device = start_evt.elapsed_time(end_evt) / 50
+        # buffers hold the last batch; replays only walk into the scratch block
+        replays = lambda: [graphs.replay(args.streams) for _ in range(50)]  # noqa: E731
+        device = time_fn(replays, engine.runner.device, repeats=1, warmup=1) / 50 * 1e3
 
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"{name}, model {args.model} ({engine.runner.dtype}), {args.streams} streams, median of {n} decode steps")

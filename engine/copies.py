@@ -22,7 +22,7 @@ class ToHost:
     copies only (not for anything queued later)."""
 
     def __init__(self, *tensors: torch.Tensor) -> None:
-        if not tensors or tensors[0].device.type != "cuda":
+        if tensors[0].device.type != "cuda":
             self.host, self.ready = [t.cpu() for t in tensors], None
             return
         self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]

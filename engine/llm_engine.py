@@ -255,10 +255,9 @@ class LLMEngine:
 
     def _ends_at_inflight_tokens(self, seq: Sequence) -> bool:
         """Whether the tokens in flight take `seq` to its max_tokens or the context length."""
-        num_out = len(seq.output_token_ids) + seq.num_inflight_tokens
         max_tokens = seq.params.max_tokens
-        return (max_tokens is not None and num_out >= max_tokens) or (
-            seq.num_tokens + seq.num_inflight_tokens >= self.max_model_len)
+        num_out = seq.num_drawn_tokens - seq.num_prompt_tokens
+        return (max_tokens is not None and num_out >= max_tokens) or seq.num_drawn_tokens >= self.max_model_len
 
     def _resolve(self, step: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for it only) and turn them into outputs."""

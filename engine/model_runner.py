@@ -208,7 +208,7 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(seq.block_table)
-            if start + n == seq.num_tokens + seq.num_inflight_tokens:  # the chunk reaches the end: it samples
+            if start + n == seq.num_drawn_tokens:  # the chunk reaches the end: it samples
                 sample_idx.append(query_start[-1] - 1)
                 sample_seqs.append(seq)
         max_blocks = max(len(t) for t in tables)
@@ -258,7 +258,7 @@ class ModelRunner:
         rows, sample_seqs, end = [], [], 0
         for seq, n in batch.items:
             end += n
-            if seq.num_computed_tokens + n == seq.num_tokens + seq.num_inflight_tokens:  # reaches the end
+            if seq.num_computed_tokens + n == seq.num_drawn_tokens:  # reaches the end
                 rows.append(end - 1)
                 sample_seqs.append(seq)
         if not rows:

@@ -76,8 +76,7 @@ def draw_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     dev = logits.device
     scaled = scaled_and_filtered(logits, seqs)
     # the output position of the token drawn: tokens drawn by steps still in flight come before it
-    keys = to_device([noise_key(s.seed, len(s.output_token_ids) + s.num_inflight_tokens) for s in seqs],
-                     torch.int64, dev)
+    keys = to_device([noise_key(s.seed, s.num_drawn_tokens - s.num_prompt_tokens) for s in seqs], torch.int64, dev)
     ones = torch.ones(len(seqs), dtype=torch.float32, device=dev)  # temperature is applied above
     return sample(scaled.contiguous(), ones, keys, torch.zeros(1, dtype=torch.int64, device=dev))
 

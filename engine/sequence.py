@@ -48,6 +48,12 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_drawn_tokens(self) -> int:
+        """Prompt and output tokens, counting those drawn by steps still in flight (ids the host has not
+        read yet): a chunk that reaches this far samples the next token."""
+        return self.num_tokens + self.num_inflight_tokens
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -7,7 +7,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def rotate_heads_(Q, stride_qh, num_heads, cos, sin, offs_d, mask_d, BLOCK_H: tl.constexpr):
     """One token's query heads in place, [BLOCK_H, HALF] pairs at a time; Q points at its head 0."""

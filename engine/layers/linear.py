@@ -79,7 +79,7 @@ class Linear(nn.Module):
                 and x.stride(-1) == 1):
             from engine.kernels.gemv import gemv
 
-            return gemv(x, self.weight, getattr(self, "weight_scale_inv", None), self.block)
+            return gemv(x, self.weight, self.weight_scale_inv if self.block else None, self.block)
         if self.block is None:
             return F.linear(x, self.weight, self.bias)
         if self.use_kernels:

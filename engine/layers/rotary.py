@@ -71,9 +71,3 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x[..., 0::2], x[..., 1::2]
         out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.flatten(-2)
-
-    def rotate_query_and_key(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q_pe: [T, H, dim], k_pe: [T, dim] -> both rotated (the fast path rotates them inside
-        kernels.latent_cache.write_latent_)."""
-        return self(positions, q_pe), self(positions, k_pe)

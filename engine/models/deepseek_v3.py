@@ -99,7 +99,7 @@ class MLA(nn.Module):
         else:
             c_kv, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
             c_kv = self.kv_a_layernorm(c_kv)
-            q_pe, k_pe = self.rotary.rotate_query_and_key(positions, q_pe, k_pe)
+            q_pe, k_pe = self.rotary(positions, q_pe), self.rotary(positions, k_pe)
             write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe], dim=-1), meta.slot_mapping)
 
         n = meta.num_prefill_tokens

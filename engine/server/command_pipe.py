@@ -64,7 +64,7 @@ class CommandPipe:
         self._watching = on
 
     def close(self) -> None:
-        if self.broken and self._fd < 0:
+        if self._fd < 0:  # closed already
             return
         self._watch(False)
         self._pending.clear()

@@ -34,25 +34,25 @@ def _signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dic
     except arguments marked do_not_specialize), so the compiled code is the GPU's: vectorized loads."""
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     bound = dict(zip(kernel.arg_names, args)) | kwargs
-    unspecialized = {kernel.arg_names[i] if isinstance(i, int) else i for i in (kernel.do_not_specialize or ())}
     signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(kernel.params):
         value = bound[param.name]
-        if not param.is_constexpr and param.name not in unspecialized and (
-                isinstance(value, torch.Tensor) or (type(value) is int and value != 0 and value % 16 == 0)):
-            attrs[(i,)] = [["tt.divisibility", 16]]
         if param.is_constexpr:
             signature[param.name], constexprs[param.name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            signature[param.name] = "*" + _TYPES[value.dtype]
+            continue
+        if isinstance(value, torch.Tensor):
+            signature[param.name], divisible = "*" + _TYPES[value.dtype], True  # 16-byte aligned
         elif isinstance(value, bool):
-            signature[param.name] = "i1"
+            signature[param.name], divisible = "i1", False
         elif isinstance(value, int):
             signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            divisible = value != 0 and value % 16 == 0
         elif isinstance(value, float):
-            signature[param.name] = "fp32"
+            signature[param.name], divisible = "fp32", False
         else:
             raise TypeError(f"{kernel.__name__}: cannot type argument {param.name}={value!r}")
+        if divisible and not param.do_not_specialize:
+            attrs[(i,)] = [["tt.divisibility", 16]]
     return signature, constexprs, options, attrs
 
 
