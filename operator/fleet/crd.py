@@ -52,7 +52,9 @@ def build_crd() -> dict[str, Any]:
                             "properties": {
                                 "apiVersion": {"type": "string", "description": "API version of the object."},
                                 "kind": {"type": "string", "description": "Kind of the object."},
-                                "metadata": {"type": "object", "description": "Standard object metadata."},
+                                # The API server implies the root metadata's schema: anything beyond
+                                # `type: object` (even a description) gets the CRD rejected.
+                                "metadata": {"type": "object"},
                                 "spec": spec_schema,
                                 "status": status_schema,
                             },
