@@ -301,6 +301,12 @@ class DeepSeekDeploymentSpec(ApiModel):
             check=lambda s: s.gpus_per_replica in (1, 2, 4, 8),
         ),
         CelRule(
+            cel="!has(self.engine.tensorParallelSize) || self.gpusPerReplica % self.engine.tensorParallelSize == 0",
+            message="engine.tensorParallelSize must divide gpusPerReplica",
+            check=lambda s: s.engine.tensor_parallel_size is None
+            or s.gpus_per_replica % s.engine.tensor_parallel_size == 0,
+        ),
+        CelRule(
             cel="self.kvCache.transport != 'rdma' || self.network.rdma.enabled",
             message="kvCache.transport rdma needs network.rdma.enabled",
             check=lambda s: s.kv_cache.transport != "rdma" or s.network.rdma.enabled,

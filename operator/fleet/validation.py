@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from fleet.manifests.engine import MANAGED_FLAGS, tensor_parallel_size
+from fleet.manifests.engine import MANAGED_FLAGS
 from fleet.manifests.kv_directory import PASSWORD_ENV
 from fleet.parent import Parent
 from fleet.spec import DeepSeekDeploymentSpec
@@ -54,11 +54,6 @@ def _describe(error: Any) -> str:
 
 def _semantic_problems(spec: DeepSeekDeploymentSpec) -> list[str]:
     problems = []
-    tp = tensor_parallel_size(Parent("", "", spec))
-    if spec.gpus_per_replica % tp:
-        problems.append(
-            f"spec.engine.tensorParallelSize {tp} does not divide gpusPerReplica {spec.gpus_per_replica}"
-        )
     for arg in spec.engine.extra_args:
         flag = arg.split("=", 1)[0]
         if flag in MANAGED_FLAGS:

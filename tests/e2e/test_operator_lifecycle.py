@@ -225,7 +225,7 @@ async def test_invalid_spec_reports_and_creates_nothing(cluster: Cluster, operat
     body = await eventually(lambda: parent_if(cluster, "Ready", "False"), what="a Ready condition")
     ready = condition(body, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
-    assert "tensorParallelSize 3 does not divide gpusPerReplica 8" in ready["message"]
+    assert "engine.tensorParallelSize must divide gpusPerReplica" in ready["message"]
     await quiet(cluster)
     assert not [o for o in cluster.all_objects() if o.get("metadata", {}).get("ownerReferences")]
     await eventually(lambda: [e for e in cluster.events() if e.get("reason") == "InvalidSpec"], what="an Event")

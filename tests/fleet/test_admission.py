@@ -52,6 +52,11 @@ SAMPLES = {
         resource(kvCache={"transport": "rdma"}, network={"rdma": {"enabled": True, "resourceName": "rdma/x", "networks": ["n"]}}),
         [],
     ),
+    "tp-3-of-4-gpus": (
+        resource(gpusPerReplica=4, engine={"image": "e:1", "tensorParallelSize": 3}),
+        ["engine.tensorParallelSize must divide gpusPerReplica"],
+    ),
+    "tp-2-of-4-gpus": (resource(gpusPerReplica=4, engine={"image": "e:1", "tensorParallelSize": 2}), []),
     "hf-fields-on-pvc": (
         resource(model={"name": "m", "uri": "pvc://c/p", "cacheSize": "10Gi"}),
         ["cacheSize, downloaderImage and tokenSecretRef only apply to hf:// models"],

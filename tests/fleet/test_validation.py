@@ -27,7 +27,7 @@ def test_valid_spec_gives_the_parent() -> None:
 
 
 def test_tensor_parallelism_must_divide_the_gpus() -> None:
-    assert "tensorParallelSize 3 does not divide gpusPerReplica 8" in problems(body(engine={"image": "e", "tensorParallelSize": 3}))
+    assert "engine.tensorParallelSize must divide gpusPerReplica" in problems(body(engine={"image": "e", "tensorParallelSize": 3}))
     validate(body(engine={"image": "e", "tensorParallelSize": 4}))
 
 
