@@ -21,4 +21,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         namespaces=list(settings.namespaces),
         standalone=True,  # one operator replica; no KopfPeering CRD needed
         liveness_endpoint=settings.liveness_endpoint,
+        memo=kopf.Memo(settings=settings),
     )

@@ -75,6 +75,8 @@ def build_crd() -> dict[str, Any]:
                         {"name": "Queue", "type": "number", "jsonPath": ".status.queueDepth",
                          "description": "Requests waiting or running over the ready replicas."},
                         {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
+                        {"name": "Image", "type": "string", "jsonPath": ".status.engineImage", "priority": 1,
+                         "description": "Engine image of the current pod template."},
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],
                 }

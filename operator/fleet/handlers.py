@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import kopf
@@ -10,6 +11,7 @@ from kubernetes.client.exceptions import ApiException
 from fleet import names
 from fleet.kube import WATCHED_KINDS
 from fleet.runtime import Runtime
+from fleet.settings import OperatorSettings
 
 RETRY_DELAY_SECONDS = 10
 
@@ -26,7 +28,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.scanning.disabled = True  # no cluster-wide CRD watch (and no RBAC for it)
     settings.watching.server_timeout = 300  # re-establish watches every few minutes
     if getattr(memo, "runtime", None) is None:
-        memo.runtime = Runtime.from_environment()
+        # `deepseek-operator` hands its parsed settings over; otherwise (kopf run) the environment decides.
+        operator_settings = getattr(memo, "settings", None) or OperatorSettings.load([], os.environ)
+        memo.runtime = Runtime.from_environment(operator_settings)
 
 
 @kopf.on.resume(names.GROUP, names.VERSION, names.PLURAL)

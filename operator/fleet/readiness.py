@@ -40,6 +40,7 @@ def status_fields(parent: Parent, observed: Observed) -> tuple[dict[str, Any], l
         "updatedReplicas": engine_status.get("updatedReplicas", 0),
         "selector": names.selector_string(names.engine_selector(parent.name)),
         "endpoint": names.endpoint(parent.name, parent.namespace),
+        "engineImage": _engine_image(observed.engine) or parent.engine_image,
     }
     kv = _kv_condition(parent, observed)
     rdma = _rdma_condition(parent, observed, counts["readyReplicas"])
@@ -47,6 +48,11 @@ def status_fields(parent: Parent, observed: Observed) -> tuple[dict[str, Any], l
     degraded = _degraded(observed)
     ready = _ready(parent, observed, counts, kv, rdma, degraded)
     return counts, [ready, progressing, degraded, kv, rdma]
+
+
+def _engine_image(engine: dict[str, Any] | None) -> str | None:
+    containers = (engine or {}).get("spec", {}).get("template", {}).get("spec", {}).get("containers") or []
+    return next((c.get("image") for c in containers if c.get("name") == "engine"), None)
 
 
 def _kv_condition(parent: Parent, observed: Observed) -> dict:

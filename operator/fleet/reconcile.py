@@ -16,6 +16,7 @@ from fleet import drift, names
 from fleet.kube import Kube
 from fleet.manifests import build_children
 from fleet.manifests.kv_directory import new_password, read_password
+from fleet.options import BuildOptions
 from fleet.parent import Parent
 from fleet.readiness import Observed, status_fields
 from fleet.status import condition, merge_conditions
@@ -45,10 +46,12 @@ class Outcome:
 class Reconciler:
     """Makes a fleet's children match its spec and its status match its children."""
 
-    def __init__(self, kube: Kube, post_event: EventSink, now: Callable[[], str] = utc_now) -> None:
+    def __init__(self, kube: Kube, post_event: EventSink, now: Callable[[], str] = utc_now,
+                 options: BuildOptions = BuildOptions()) -> None:
         self.kube = kube
         self.post_event = post_event
         self.now = now
+        self.options = options
 
     def reconcile(self, namespace: str, name: str) -> Outcome:
         """One pass over the named DeepSeekDeployment, from a fresh read of it.
@@ -69,7 +72,7 @@ class Reconciler:
         if body is None or body["metadata"].get("deletionTimestamp"):
             return Outcome(gone=True)  # the garbage collector removes the children through ownerReferences
         try:
-            parent = validate(body)
+            parent = validate(body, self.options)
         except InvalidSpec as exc:
             return self._report_invalid(body, exc)
         return _Pass(self, body, parent).run()

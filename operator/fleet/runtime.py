@@ -12,6 +12,7 @@ from kubernetes import client, config
 from fleet.autoscaler.registry import Autoscalers
 from fleet.kube import Kube
 from fleet.reconcile import Outcome, Reconciler
+from fleet.settings import OperatorSettings
 from fleet.turns import Turns
 
 
@@ -29,14 +30,15 @@ class Runtime:
     turns: Turns = field(default_factory=Turns)
 
     @classmethod
-    def from_environment(cls) -> Runtime:
+    def from_environment(cls, settings: OperatorSettings) -> Runtime:
         """Credentials in the order Kopf's login uses: in-cluster, then $KUBECONFIG or ~/.kube/config."""
         try:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
         kube = Kube(client.ApiClient())
-        return cls(Reconciler(kube, post_kopf_event), Autoscalers(kube, post_kopf_event))
+        reconciler = Reconciler(kube, post_kopf_event, options=settings.build_options())
+        return cls(reconciler, Autoscalers(kube, post_kopf_event))
 
     def reconcile(self, namespace: str, name: str, *, wait: bool) -> Outcome | None:
         """Reconcile one fleet in its turn; wait=False folds into a pass already running."""

@@ -6,7 +6,9 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleet.options import DEFAULT_ENGINE_IMAGE, BuildOptions
 
 ENV_PREFIX = "DEEPSEEK_OPERATOR_"
 
@@ -22,10 +24,16 @@ class OperatorSettings(BaseModel):
     """Where Kopf serves its liveness probe; None turns it off."""
     verbose: bool = False
     """Debug logging."""
+    engine_image: str = Field(default=DEFAULT_ENGINE_IMAGE, min_length=1)
+    """Engine image of fleets that name none in spec.engine.image."""
 
     @property
     def clusterwide(self) -> bool:
         return not self.namespaces
+
+    def build_options(self) -> BuildOptions:
+        """The part of the settings that shapes every fleet's children."""
+        return BuildOptions(engine_image=self.engine_image)
 
     @classmethod
     def load(cls, argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> OperatorSettings:
@@ -39,6 +47,8 @@ class OperatorSettings(BaseModel):
         scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch the whole cluster (default)")
         parser.add_argument("--liveness", metavar="URL", help="liveness endpoint; 'off' disables it")
         parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+        parser.add_argument("--engine-image", metavar="IMAGE",
+                            help="engine image of fleets without spec.engine.image; env DEEPSEEK_OPERATOR_ENGINE_IMAGE")
         args = parser.parse_args(list(argv))
         env_namespaces = [n.strip() for n in environ.get(f"{ENV_PREFIX}NAMESPACES", "").split(",") if n.strip()]
         namespaces = () if args.all_namespaces else tuple(args.namespaces or env_namespaces)
@@ -47,4 +57,5 @@ class OperatorSettings(BaseModel):
             namespaces=namespaces,
             liveness_endpoint=None if liveness == "off" else liveness,
             verbose=args.verbose or environ.get(f"{ENV_PREFIX}VERBOSE", "").lower() in ("1", "true", "yes"),
+            engine_image=args.engine_image or environ.get(f"{ENV_PREFIX}ENGINE_IMAGE") or DEFAULT_ENGINE_IMAGE,
         )

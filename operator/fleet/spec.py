@@ -62,8 +62,9 @@ class EnvVar(ApiModel):
 class EngineSpec(ApiModel):
     """The inference engine container."""
 
-    image: str = Field(min_length=1)
-    """Engine image (it must provide the `deepseek-engine` command)."""
+    image: str | None = Field(default=None, min_length=1)
+    """Engine image (it must provide the `deepseek-engine` command); default: the operator's engine image
+    (the chart's `engineImage`)."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     """Image pull policy of the engine and downloader containers (Kubernetes default if unset)."""
     image_pull_secrets: list[str] = []
@@ -273,7 +274,7 @@ class DeepSeekDeploymentSpec(ApiModel):
 
     model: ModelSpec
     """The checkpoint to serve."""
-    engine: EngineSpec
+    engine: EngineSpec = EngineSpec()
     """The engine container."""
     gpus_per_replica: int = 8
     """GPUs in each replica's pod (tensor/expert parallel inside the pod)."""

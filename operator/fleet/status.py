@@ -61,6 +61,8 @@ class DeepSeekDeploymentStatus(ApiModel):
     """Label selector of the engine pods (the scale subresource reads it)."""
     endpoint: str | None = None
     """OpenAI-compatible base URL of the fleet inside the cluster."""
+    engine_image: str | None = None
+    """Engine image of the current pod template (spec.engine.image, else the operator's default)."""
     conditions: list[Condition] = Field(
         default_factory=list, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
     )

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from fleet.manifests.engine import MANAGED_FLAGS
 from fleet.manifests.kv_directory import PASSWORD_ENV
+from fleet.options import BuildOptions
 from fleet.parent import Parent
 from fleet.spec import DeepSeekDeploymentSpec
 
@@ -33,7 +34,7 @@ class InvalidSpec(Exception):
         self.problems = problems
 
 
-def validate(body: dict[str, Any]) -> Parent:
+def validate(body: dict[str, Any], options: BuildOptions = BuildOptions()) -> Parent:
     """The parent with its validated spec, or InvalidSpec naming every problem found."""
     name = body.get("metadata", {}).get("name", "")
     problems = [] if NAME.match(name) and len(name) <= MAX_NAME_LEN else [NAME_RULE["message"]]
@@ -44,7 +45,7 @@ def validate(body: dict[str, Any]) -> Parent:
     problems += _semantic_problems(spec)
     if problems:
         raise InvalidSpec(problems)
-    return Parent.from_body(body, spec)
+    return Parent.from_body(body, spec, options)
 
 
 def _describe(error: Any) -> str:

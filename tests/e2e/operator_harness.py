@@ -15,6 +15,7 @@ own: tests write Deployment status the way kube-controller-manager would).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime
 import json
@@ -29,8 +30,10 @@ import jsonpatch
 import kmock
 import kopf
 import yaml
+from kubernetes.config import kube_config
 
 from fleet import names
+from fleet.settings import OperatorSettings
 
 NAMESPACE = "fleet"
 RESOURCES = {
@@ -286,6 +289,30 @@ class Cluster:
         return collected
 
 
+@contextlib.asynccontextmanager
+async def emulated_cluster(tmp_path: Path, monkeypatch: Any) -> AsyncIterator[Cluster]:
+    """An emulated API server that every Kubernetes client of this process (Kopf's too) talks to."""
+    async with Emulator() as emulator, kmock.Server(emulator) as server:
+        declare_resources(emulator)
+        kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", str(server.url)))
+        monkeypatch.setenv("KUBECONFIG", kubeconfig)
+        # The client library reads $KUBECONFIG once, at import; Kopf's login goes through it.
+        monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", kubeconfig)
+        yield Cluster(emulator, server)
+
+
+def fleet_manifest(name: str = "v3", **spec: Any) -> dict[str, Any]:
+    """A DeepSeekDeployment in the test namespace: the spec's top-level fields replace the base's."""
+    base = {"model": {"name": "deepseek-v3", "uri": "pvc://models/DeepSeek-V3"}, "gpusPerReplica": 8, "replicas": 2}
+    return {"apiVersion": names.API_VERSION, "kind": names.KIND,
+            "metadata": {"name": name, "namespace": NAMESPACE}, "spec": {**base, **spec}}
+
+
+def condition_of(body: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    """The condition of that type in a fleet's status ({} if absent)."""
+    return next((c for c in (body or {}).get("status", {}).get("conditions", []) if c["type"] == type_), {})
+
+
 def write_kubeconfig(path: Path, url: str) -> Path:
     """A kubeconfig that points every Kubernetes client (Kopf's and ours) at the emulator."""
     config = {
@@ -315,7 +342,8 @@ class RunningOperator:
     calls still cross a real socket to the emulator in the test's loop.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, settings: OperatorSettings | None = None) -> None:
+        self.settings = settings  # None: the operator reads them from the environment, as under `kopf run`
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -327,6 +355,7 @@ class RunningOperator:
         try:
             asyncio.run(kopf.operator(
                 namespaces=[NAMESPACE], standalone=True, stop_flag=self._stop, ready_flag=self._ready,
+                memo=kopf.Memo(settings=self.settings),
             ))
         except BaseException as exc:  # surfaced by stop()
             self.error = exc

@@ -12,19 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import kmock
 import pytest
 from aiohttp import web
-from kubernetes.config import kube_config
-from operator_harness import (
-    NAMESPACE,
-    Cluster,
-    Emulator,
-    RunningOperator,
-    declare_resources,
-    eventually,
-    write_kubeconfig,
-)
+from operator_harness import NAMESPACE, Cluster, RunningOperator, emulated_cluster, eventually
 
 from engine.metrics import EngineMetrics
 from fleet import names
@@ -37,12 +27,8 @@ AUTOSCALING = {"enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetQueue
 
 @pytest.fixture
 async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Cluster]:
-    async with Emulator() as emulator, kmock.Server(emulator) as server:
-        declare_resources(emulator)
-        kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", str(server.url)))
-        monkeypatch.setenv("KUBECONFIG", kubeconfig)
-        monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", kubeconfig)
-        yield Cluster(emulator, server)
+    async with emulated_cluster(tmp_path, monkeypatch) as cluster:
+        yield cluster
 
 
 @pytest.fixture

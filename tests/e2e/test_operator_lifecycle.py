@@ -7,19 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_harness import (
-    NAMESPACE,
-    Cluster,
-    Emulator,
-    RunningOperator,
-    declare_resources,
-    eventually,
-    quiet,
-    write_kubeconfig,
-)
+from operator_harness import NAMESPACE, Cluster, RunningOperator, emulated_cluster, eventually, quiet
 
-import kmock
-from kubernetes.config import kube_config
 from fleet import names
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,13 +27,8 @@ def fleet_manifest(name: str = "v3", **spec: Any) -> dict[str, Any]:
 
 @pytest.fixture
 async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Cluster]:
-    async with Emulator() as emulator, kmock.Server(emulator) as server:
-        declare_resources(emulator)
-        kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", str(server.url)))
-        monkeypatch.setenv("KUBECONFIG", kubeconfig)
-        # The client library reads $KUBECONFIG once, at import; Kopf's login goes through it.
-        monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", kubeconfig)
-        yield Cluster(emulator, server)
+    async with emulated_cluster(tmp_path, monkeypatch) as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from admission import admit
 
+from fleet.options import DEFAULT_ENGINE_IMAGE
 from fleet.rbac import cluster_role, rules
 from fleet.settings import OperatorSettings
 from fleet.validation import validate
@@ -146,6 +147,8 @@ def test_the_operator_reads_the_settings_the_chart_sets(scenario: str) -> None:
     settings = OperatorSettings.load(operator.get("args", []), env)
     assert list(settings.namespaces) == values.get("watchNamespaces", [])
     assert settings.verbose == (values.get("logLevel") == "debug")
+    chart_default = yaml.safe_load((CHART / "values.yaml").read_text())["engineImage"]
+    assert settings.engine_image == values.get("engineImage", chart_default)
     if values.get("liveness", {}).get("enabled", True):
         port = operator["livenessProbe"]["httpGet"]["port"]
         (declared,) = [p for p in operator["ports"] if p["name"] == port]
@@ -177,7 +180,8 @@ def test_default_image_is_the_app_version() -> None:
     version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
     assert chart["appVersion"] == version, "Chart.yaml appVersion must follow pyproject's version"
     assert container(render({}))["image"].endswith(f":{version}")
-    assert yaml.safe_load((CHART / "values.yaml").read_text())["engineImage"].endswith(f":{version}")
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["engineImage"] == DEFAULT_ENGINE_IMAGE
+    assert DEFAULT_ENGINE_IMAGE.endswith(f":{version}")
 
 
 def test_cluster_wide_rbac_is_the_generated_rules() -> None:
@@ -279,7 +283,8 @@ def test_notes_give_a_first_fleet_that_the_crd_admits(scenario: str) -> None:
     assert "docs/conditions.md" in notes
     manifest = notes.split("<<'YAML'\n", 1)[1].split("YAML\n", 1)[0]
     fleet = yaml.safe_load(manifest)
-    assert fleet["spec"]["engine"]["image"] == yaml.safe_load((CHART / "values.yaml").read_text())["engineImage"]
+    assert "engine" not in fleet["spec"]  # the operator's engineImage applies
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["engineImage"] in notes
     assert admit(fleet) == []
     namespace = values.get("watchNamespaces", ["default"])[0]
     validate({**fleet, "metadata": {**fleet["metadata"], "namespace": namespace}})

@@ -23,20 +23,10 @@ from typing import Any
 import kmock
 import pytest
 from aiohttp import web
-from kubernetes.config import kube_config
 from test_chart import render
 
 from fleet import names
-from tests.e2e.operator_harness import (
-    NAMESPACE,
-    Cluster,
-    Emulator,
-    RunningOperator,
-    declare_resources,
-    eventually,
-    quiet,
-    write_kubeconfig,
-)
+from tests.e2e.operator_harness import NAMESPACE, Cluster, RunningOperator, emulated_cluster, eventually, quiet
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,12 +69,8 @@ def granted(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
 
 @pytest.fixture
 async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Cluster]:
-    async with Emulator() as emulator, kmock.Server(emulator) as server:
-        declare_resources(emulator)
-        kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", str(server.url)))
-        monkeypatch.setenv("KUBECONFIG", kubeconfig)
-        monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", kubeconfig)
-        yield Cluster(emulator, server)
+    async with emulated_cluster(tmp_path, monkeypatch) as cluster:
+        yield cluster
 
 
 def labelled(cluster: Cluster, api_version: str, plural: str, name: str) -> bool:

@@ -29,3 +29,13 @@ def test_liveness_and_verbosity() -> None:
 def test_conflicting_scopes_are_refused() -> None:
     with pytest.raises(SystemExit):
         OperatorSettings.load(["-A", "-n", "x"], environ={})
+
+
+def test_engine_image_from_flag_environment_or_the_release() -> None:
+    from fleet.options import DEFAULT_ENGINE_IMAGE
+
+    assert OperatorSettings.load([], environ={}).engine_image == DEFAULT_ENGINE_IMAGE
+    from_env = OperatorSettings.load([], environ={"DEEPSEEK_OPERATOR_ENGINE_IMAGE": "r/e:2"})
+    assert from_env.build_options().engine_image == "r/e:2"
+    flag = OperatorSettings.load(["--engine-image", "r/e:3"], environ={"DEEPSEEK_OPERATOR_ENGINE_IMAGE": "r/e:2"})
+    assert flag.engine_image == "r/e:3"

@@ -43,8 +43,18 @@ def test_devices_come_from_their_own_fields() -> None:
 
 
 def test_schema_errors_name_the_field() -> None:
-    text = problems({"metadata": {"name": "v3", "namespace": "ns"}, "spec": {"model": {"name": "m", "uri": "s3://x"}}})
-    assert "spec.engine: Field required" in text and "spec.model.uri" in text
+    text = problems({"metadata": {"name": "v3", "namespace": "ns"}, "spec": {"engine": {}, "model": {"uri": "s3://x"}}})
+    assert "spec.model.name: Field required" in text and "spec.model.uri" in text
+
+
+def test_the_engine_image_defaults_to_the_operators() -> None:
+    from fleet.options import BuildOptions
+
+    spec = {"model": {"name": "m", "uri": "pvc://models/m"}}
+    plain = {"metadata": {"name": "v3", "namespace": "ns"}, "spec": spec}
+    assert validate(plain, BuildOptions(engine_image="r/engine:2")).engine_image == "r/engine:2"
+    own = {**plain, "spec": {**spec, "engine": {"image": "mine:1"}}}
+    assert validate(own, BuildOptions(engine_image="r/engine:2")).engine_image == "mine:1"
 
 
 def test_unknown_fields_are_refused() -> None:

@@ -119,7 +119,7 @@ def _container(parent: Parent, model_path: str) -> dict[str, Any]:
         mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
     container: dict[str, Any] = {
         "name": "engine",
-        "image": spec.engine.image,
+        "image": parent.engine_image,
         "command": ["deepseek-engine"],
         "args": engine_args(parent, model_path),
         "env": _env(parent),
@@ -158,7 +158,7 @@ def _volumes(parent: Parent, model_volume: dict[str, Any]) -> list[dict[str, Any
 def build_engine_deployment(parent: Parent, *, replicas: int | None, kv_auth_hash: str | None) -> dict[str, Any]:
     """The engine Deployment; replicas=None leaves the count to whoever owns it (the autoscaler)."""
     spec = parent.spec
-    source = model_source(spec.model, spec.engine)
+    source = model_source(spec.model, spec.engine, parent.engine_image)
     template = spec.template
     labels = names.common_labels(parent.name, "engine", "deepseek-engine")
     annotations = {

@@ -28,8 +28,8 @@ def parse_uri(uri: str) -> tuple[str, str]:
     return scheme, rest
 
 
-def model_source(model: ModelSpec, engine: EngineSpec) -> ModelSource:
-    """Volume, model path and init containers for spec.model.uri."""
+def model_source(model: ModelSpec, engine: EngineSpec, engine_image: str) -> ModelSource:
+    """Volume, model path and init containers for spec.model.uri (engine_image: what the engines run)."""
     scheme, rest = parse_uri(model.uri)
     if scheme == "pvc":
         claim, _, subpath = rest.partition("/")
@@ -41,7 +41,7 @@ def model_source(model: ModelSpec, engine: EngineSpec) -> ModelSource:
     empty_dir: dict[str, Any] = {"sizeLimit": model.cache_size} if model.cache_size else {}
     downloader: dict[str, Any] = {
         "name": "model-download",
-        "image": model.downloader_image or engine.image,
+        "image": model.downloader_image or engine_image,
         "command": ["hf", "download", repo, "--revision", revision or "main", "--local-dir", MODEL_DIR],
         "volumeMounts": [{"name": VOLUME, "mountPath": MODEL_DIR}],
     }
