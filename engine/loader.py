@@ -76,8 +76,10 @@ def load_weights(model: nn.Module, path: Path, num_hidden_layers: int, block_siz
         if m and int(m.group(1)) >= num_hidden_layers:
             skipped_mtp += 1  # the multi-token-prediction layer: not used for plain decoding
             continue
-        tensor = read(name)
         target, shard_id = _param_name(name, type(model))
+        if _EXPERT.match(name) and target in params and not _experts_of(model, target).owns(shard_id[0]):
+            continue  # expert parallel: another rank's expert, never read
+        tensor = read(name)
         param = params.get(target)
         if param is None:
             raise CheckpointError(f"unexpected tensor {name} in checkpoint: the model has no parameter {target}")
@@ -131,17 +133,21 @@ def _param_name(name: str, M: type) -> tuple[str, object]:
     return name, None
 
 
+def _experts_of(model: nn.Module, param_name: str) -> nn.Module:
+    return model.get_submodule(param_name.rsplit(".", 1)[0])
+
+
 def _expected(model: nn.Module) -> list[str]:
-    """Every (parameter, shard) the checkpoint must provide."""
+    """Every (parameter, shard) the checkpoint must provide (of the experts: those this rank holds)."""
     out = []
     tied = getattr(model.config, "tie_word_embeddings", False)
     for name, param in model.named_parameters():
         if tied and name == "lm_head.weight":
             continue
-        if name.endswith(("experts.w13", "experts.w13_scale_inv")):
-            out += [f"{name}#{(e, w)}" for e in range(param.shape[0]) for w in ("w1", "w3")]
-        elif name.endswith(("experts.w2", "experts.w2_scale_inv")):
-            out += [f"{name}#{(e, 'w2')}" for e in range(param.shape[0])]
+        if name.endswith(("experts.w13", "experts.w13_scale_inv", "experts.w2", "experts.w2_scale_inv")):
+            first = _experts_of(model, name).expert_offset
+            which = ("w2",) if ".w2" in name else ("w1", "w3")
+            out += [f"{name}#{(first + e, w)}" for e in range(param.shape[0]) for w in which]
         elif name.endswith(("gate_up_proj.weight", "gate_up_proj.weight_scale_inv")):
             out += [f"{name}#0", f"{name}#1"]
         else:

@@ -3,14 +3,14 @@
 Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)`; the checkpoint loader
 only maps names. With `tp_size > 1` a column-parallel layer keeps rows [rank * n / tp, ...) of the
 output features and a row-parallel layer the matching input columns (its partial sums are reduced
-by the caller's process group, which arrives with multi-GPU support).
+over the ranks' process group at the end of the row-parallel layer, or once by the caller that
+sums several of them: an MoE layer reduces its routed and shared experts together). FP8 128x128
+block-scaled weights shard on block boundaries, their scales with them.
 
 Given a QuantConfig, a layer keeps DeepSeek's FP8 e4m3 weight and its `weight_scale_inv` blocks as
 the checkpoint stores them and multiplies through the FP8 block-scaled kernel (or, on the reference
 path, dequantizes on the fly).
 """
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,21 +18,7 @@ from torch import nn
 
 from engine.config import QuantConfig
 from engine.layers.fp8 import dequantize_fp8_block, quantize_activations_reference
-
-
-@dataclass(frozen=True)
-class ParallelContext:
-    tp_rank: int = 0
-    tp_size: int = 1
-
-
-SINGLE = ParallelContext()
-
-
-def _divide(n: int, d: int, what: str) -> int:
-    if n % d:
-        raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={d}")
-    return n // d
+from engine.parallel import SINGLE, ParallelContext, divide
 
 
 class Linear(nn.Module):
@@ -53,8 +39,6 @@ class Linear(nn.Module):
         if self.block is None:
             self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         else:
-            if par.tp_size > 1:
-                raise ValueError("FP8 block-scaled weights under tensor parallelism are not supported yet")
             b0, b1 = self.block
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
                                        requires_grad=False)
@@ -97,11 +81,18 @@ class ColumnParallelLinear(Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, par: ParallelContext = SINGLE,
                  quant: QuantConfig | None = None):
-        super().__init__(in_features, _divide(out_features, par.tp_size, "out_features"), bias, par, quant)
+        local = divide(out_features, par.tp_size, "out_features")
+        if quant is not None and par.tp_size > 1 and local % quant.weight_block_size[0]:
+            raise ValueError(f"FP8 blocks of {quant.weight_block_size[0]} rows do not tile {local} output features "
+                             f"per rank (out_features={out_features}, tensor_parallel_size={par.tp_size})")
+        super().__init__(in_features, local, bias, par, quant)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        # the weight, a bias or the FP8 scales: this rank's rows (the scales' in block units)
         n = param.shape[0]
         _copy_checked(param.data, loaded.narrow(0, self.par.tp_rank * n, n) if self.par.tp_size > 1 else loaded)
+
+    scale_loader = weight_loader
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -110,8 +101,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, par: ParallelContext = SINGLE,
                  quant: QuantConfig | None = None):
         self.out_sizes = out_sizes
-        if quant is not None and any(n % quant.weight_block_size[0] for n in out_sizes):
-            raise ValueError(f"FP8 blocks of {quant.weight_block_size[0]} rows do not tile the projections {out_sizes}")
+        if quant is not None and any((n // par.tp_size) % quant.weight_block_size[0] for n in out_sizes):
+            raise ValueError(f"FP8 blocks of {quant.weight_block_size[0]} rows do not tile the projections {out_sizes}"
+                             f" split over {par.tp_size} rank(s)")
         super().__init__(in_features, sum(out_sizes), bias, par, quant)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
@@ -122,23 +114,76 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _copy_checked(param.data.narrow(0, offset, n), shard)
 
     def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        rows = self.block[0]
-        offset, n = sum(self.out_sizes[:shard_id]) // rows, self.out_sizes[shard_id] // rows
-        _copy_checked(param.data.narrow(0, offset, n), loaded)
+        rows, tp = self.block[0], self.par.tp_size
+        offset, n = sum(self.out_sizes[:shard_id]) // rows // tp, self.out_sizes[shard_id] // rows // tp
+        shard = loaded.narrow(0, self.par.tp_rank * n, n) if tp > 1 else loaded
+        _copy_checked(param.data.narrow(0, offset, n), shard)
 
 
 class RowParallelLinear(Linear):
-    """Input features split across tensor-parallel ranks; outputs are partial sums to all-reduce."""
+    """Input features split across tensor-parallel ranks; the partial sums are all-reduced here, or by
+    the caller when `reduce_results` is False (it sums several layers' partials first)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, par: ParallelContext = SINGLE,
-                 quant: QuantConfig | None = None):
-        super().__init__(_divide(in_features, par.tp_size, "in_features"), out_features, bias, par, quant)
+                 quant: QuantConfig | None = None, reduce_results: bool = True):
+        local = divide(in_features, par.tp_size, "in_features")
+        if quant is not None and par.tp_size > 1 and local % quant.weight_block_size[1]:
+            raise ValueError(f"FP8 blocks of {quant.weight_block_size[1]} columns do not tile {local} input features "
+                             f"per rank (in_features={in_features}, tensor_parallel_size={par.tp_size})")
+        if bias and par.tp_size > 1:
+            raise ValueError("a row-parallel layer with a bias is not supported under tensor parallelism")
+        super().__init__(local, out_features, bias, par, quant)
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        # the weight or the FP8 scales: this rank's columns (the scales' in block units)
         if param.dim() == 2 and self.par.tp_size > 1:
             n = param.shape[1]
             loaded = loaded.narrow(1, self.par.tp_rank * n, n)
         _copy_checked(param.data, loaded)
+
+    scale_loader = weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return self.par.all_reduce(y) if self.reduce_results else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embeddings with the vocabulary split across ranks (padded to a multiple of tp): each rank
+    looks up the ids it holds, zeros elsewhere, and the all-reduce assembles the rows."""
+
+    def __init__(self, vocab_size: int, hidden: int, par: ParallelContext = SINGLE):
+        super().__init__()
+        self.par, self.vocab_size = par, vocab_size
+        self.num_local = -(-vocab_size // par.tp_size)
+        self.start = par.tp_rank * self.num_local
+        self.weight = nn.Parameter(torch.zeros(self.num_local, hidden), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, model expects "
+                             f"{(self.vocab_size, *param.shape[1:])}")
+        rows = loaded[self.start : self.start + self.num_local]
+        param.data[: rows.shape[0]].copy_(rows)  # rows past the vocabulary (padding) stay zero
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.par.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        held = (local >= 0) & (local < self.num_local)
+        out = F.embedding(local.clamp(0, self.num_local - 1), self.weight) * held[:, None].to(self.weight.dtype)
+        return self.par.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection, vocabulary-parallel like the embedding: each rank computes its slice of the
+    logits and an all-gather joins them (the padding columns cut off)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        return self.par.all_gather(logits)[..., : self.vocab_size]
 
 
 def fuse_linears(*layers: Linear) -> Linear | None:

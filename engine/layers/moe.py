@@ -10,6 +10,7 @@ from torch import nn
 
 from engine.config import ModelConfig, QuantConfig
 from engine.layers.fp8 import dequantize_fp8_block, quantize_activations_reference
+from engine.parallel import SINGLE, ParallelContext, divide
 
 
 class Gate(nn.Module):
@@ -71,15 +72,23 @@ class Gate(nn.Module):
 class FusedExperts(nn.Module):
     """Routed experts: w13 [E, 2 * inter, hidden] (gate rows then up rows), w2 [E, hidden, inter].
 
-    Expert parallelism keeps experts [ep_rank * E / ep_size, ...) on each rank. With a QuantConfig the
+    Expert parallelism keeps experts [ep_rank * E / ep_size, ...) on each rank (whole); otherwise
+    tensor parallelism keeps every expert's intermediate slice [tp_rank * inter / tp, ...). Either way
+    the output is this rank's partial sum: the MoE layer all-reduces it. With a QuantConfig the
     weights stay FP8 e4m3 with per-block scales `w13_scale_inv` / `w2_scale_inv` (one [E, rows / bn,
     cols / bk] tensor each), as the checkpoint's `weight_scale_inv` of every expert, stacked.
     """
 
     use_kernels = False
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, quant: QuantConfig | None = None):
+    def __init__(self, num_experts: int, hidden: int, inter: int, quant: QuantConfig | None = None,
+                 par: ParallelContext = SINGLE):
         super().__init__()
+        self.num_total_experts = num_experts
+        num_experts = divide(num_experts, par.ep_size, "n_routed_experts")
+        self.expert_offset = par.ep_rank * num_experts  # global id of this rank's first expert
+        self.tp_rank, self.tp_size = par.expert_tp_rank, par.expert_tp_size
+        inter = divide(inter, self.tp_size, "moe_intermediate_size")
         self.num_experts, self.inter = num_experts, inter
         self.block = quant.weight_block_size if quant is not None else None
         # batches of at most this many tokens run as GEMVs without the sort by expert, the shared experts
@@ -94,8 +103,9 @@ class FusedExperts(nn.Module):
         self.w2.weight_loader = self.weight_loader
         if quant is not None:
             b0, b1 = self.block
-            if inter % b0:
-                raise ValueError(f"FP8 blocks of {b0} rows do not tile moe_intermediate_size={inter}")
+            if inter % b0 or (self.tp_size > 1 and inter % b1):
+                raise ValueError(f"FP8 blocks of {b0}x{b1} do not tile moe_intermediate_size={inter * self.tp_size}"
+                                 f" split over {self.tp_size} rank(s)")
             self.w13_scale_inv = nn.Parameter(torch.empty(num_experts, 2 * inter // b0, -(-hidden // b1),
                                                           dtype=torch.float32), requires_grad=False)
             self.w2_scale_inv = nn.Parameter(torch.empty(num_experts, -(-hidden // b0), -(-inter // b1),
@@ -103,19 +113,29 @@ class FusedExperts(nn.Module):
             self.w13_scale_inv.weight_loader = self.scale_loader
             self.w2_scale_inv.weight_loader = self.scale_loader
 
+    def owns(self, expert: int) -> bool:
+        """Whether this rank holds the (global) expert: the loader never reads the others."""
+        return self.expert_offset <= expert < self.expert_offset + self.num_experts
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
-        self._load(param, loaded, shard_id, self.inter)
+        self._load(param, loaded, shard_id, self.inter, self.inter)
 
     def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
-        self._load(param, loaded, shard_id, self.inter // self.block[0])
+        self._load(param, loaded, shard_id, self.inter // self.block[0], self.inter // self.block[1])
 
-    @staticmethod
-    def _load(param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str], rows: int) -> None:
-        expert, which = shard_id  # which: "w1" (gate), "w3" (up) or "w2" (down)
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str], rows: int,
+              cols: int) -> None:
+        """rows / cols: this rank's intermediate width in the tensor's units (elements or scale blocks)."""
+        expert, which = shard_id  # global expert id; which: "w1" (gate), "w3" (up) or "w2" (down)
+        expert -= self.expert_offset
         if which == "w2":
             dst = param.data[expert]
+            if self.tp_size > 1:
+                loaded = loaded.narrow(1, self.tp_rank * cols, cols)
         else:
             dst = param.data[expert].narrow(0, 0 if which == "w1" else rows, rows)
+            if self.tp_size > 1:
+                loaded = loaded.narrow(0, self.tp_rank * rows, rows)
         if dst.shape != loaded.shape:
             raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, model expects {tuple(dst.shape)}")
         dst.copy_(loaded)
@@ -132,8 +152,14 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 shared=None) -> torch.Tensor:
-        """x: [T, hidden]. The reference path loops over the experts that received tokens. `shared`
-        (kernels.moe_gemv.SharedExperts, GEMV path only) adds the shared experts' output."""
+        """x: [T, hidden], topk_ids global expert ids. The reference path loops over this rank's experts
+        that received tokens. `shared` (kernels.moe_gemv.SharedExperts, GEMV path only) adds the shared
+        experts' output."""
+        if self.num_experts != self.num_total_experts:  # expert parallel: the pairs routed elsewhere weigh 0
+            local = topk_ids - self.expert_offset
+            held = (local >= 0) & (local < self.num_experts)
+            topk_ids = torch.where(held, local, torch.zeros_like(local))
+            topk_weights = topk_weights * held
         if self.use_kernels:
             from engine.kernels.fused_moe import fused_experts
             from engine.kernels.moe_gemv import moe_gemv

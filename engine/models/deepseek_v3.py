@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig, QuantConfig
+from engine.kv_pool import KVCacheSpec, KVPool
 from engine.layers.attention import (
     AttentionMetadata,
     mla_decode,
@@ -18,17 +19,18 @@ from engine.layers.attention import (
     write_kv_cache,
 )
 from engine.layers.linear import (
-    SINGLE,
     ColumnParallelLinear,
     Linear,
-    fuse_linears,
     MergedColumnParallelLinear,
-    ParallelContext,
+    ParallelLMHead,
     RowParallelLinear,
+    VocabParallelEmbedding,
+    fuse_linears,
 )
 from engine.layers.moe import FusedExperts, Gate
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, yarn_softmax_scale
+from engine.parallel import SINGLE, ParallelContext
 
 
 class MLA(nn.Module):
@@ -119,10 +121,11 @@ class MLA(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward (dense layers and shared experts)."""
 
-    def __init__(self, hidden: int, inter: int, par: ParallelContext = SINGLE, quant: QuantConfig | None = None):
+    def __init__(self, hidden: int, inter: int, par: ParallelContext = SINGLE, quant: QuantConfig | None = None,
+                 reduce_results: bool = True):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], par=par, quant=quant)
-        self.down_proj = RowParallelLinear(inter, hidden, par=par, quant=quant)
+        self.down_proj = RowParallelLinear(inter, hidden, par=par, quant=quant, reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -143,17 +146,19 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, par: ParallelContext = SINGLE):
         super().__init__()
+        self.par = par
         self.gate = Gate(cfg)
-        self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.quant)
+        self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.quant, par)
+        # under tensor parallelism the shared experts' partial sums join the routed ones' in one all-reduce
         self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, par, cfg.quant)
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, par, cfg.quant, reduce_results=False)
             if cfg.n_shared_experts else None
         )
         # the shared experts run inside the small-batch MoE GEMVs as pieces of the routed width: whole on
         # this rank, and (FP8) on the routed experts' block grid
         block = self.experts.block
         self.fold_shared = (self.shared_experts is not None and self.shared_experts.foldable()
-                            and (block is None or cfg.moe_intermediate_size % block[1] == 0))
+                            and par.ep_size == 1 and (block is None or cfg.moe_intermediate_size % block[1] == 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -163,7 +168,7 @@ class MoE(nn.Module):
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.par.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -189,8 +194,11 @@ class DecoderLayer(nn.Module):
 class DeepseekV3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int, par: ParallelContext = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        if par.tp_size == 1:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens.weight.requires_grad_(False)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, par)
         # one rope table shared by every layer: [max_position, qk_rope_head_dim // 2]
         rotary = RotaryEmbedding(cfg.qk_rope_head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, par) for i in range(cfg.num_hidden_layers))
@@ -214,8 +222,11 @@ class DeepseekV3ForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int, par: ParallelContext = SINGLE):
         super().__init__()
         self.config = cfg
+        self.par = par
         self.model = DeepseekV3Model(cfg, max_position, par)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        # one rank: a plain projection (its GEMV fast path at a token); several: vocabulary-parallel
+        self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size) if par.tp_size == 1
+                        else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, par))
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -228,3 +239,11 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[MLA]:
         return [layer.self_attn for layer in self.model.layers]
+
+    def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
+        """One latent cache per layer (MLA's cache is shared by all heads: every rank holds it whole)."""
+        return [KVCacheSpec("latent", i, self.config.kv_cache_dim, dtype) for i in range(self.config.num_hidden_layers)]
+
+    def bind_kv_caches(self, pool: KVPool) -> None:
+        for i, attn in enumerate(self.attention_layers()):
+            attn.kv_cache = pool.cache(i, "latent")
