@@ -19,20 +19,24 @@ from engine.bench.presets import preset_config
 from engine.bench.timing import time_fn
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
+from engine.scheduler import ScheduledBatch
+from engine.step_plan import PlanBuilder, StepPlan
 
 
-def build(preset: str, batch: int, context: int) -> tuple[ModelRunner, list]:
+def build(preset: str, batch: int, context: int) -> tuple[ModelRunner, StepPlan]:
     cfg = ModelConfig.from_hf(preset_config(preset))
     bs = 64
     num_blocks = batch * -(-(context + 64) // bs) + 4
     ec = EngineConfig(model=preset, max_num_seqs=max(batch, 1), block_size=bs, num_kv_blocks=num_blocks,
                       show_progress=False, extra={"capture_graphs_at_start": False})
     runner = ModelRunner(ec, cfg, None, context + 64)
+    runner.init_cache(num_blocks)
     pool = BlockPool(runner.num_blocks, bs)
     seqs = [make_sequence(random_prompt(context, cfg.vocab_size, 11 + i), pool.take(context + 32), f"p{i}")
             for i in range(batch)]
-    prefill(runner, seqs)
-    return runner, seqs
+    planner = PlanBuilder(ec.max_num_seqs)
+    prefill(runner, seqs, planner)
+    return runner, planner.build(ScheduledBatch(decodes=seqs))
 
 
 def kernel_events(fn, calls: int) -> list:
@@ -62,8 +66,9 @@ def main() -> None:
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_layer needs a CUDA GPU (it times the layer's CUDA graph)")
-    runner, seqs = build(a.preset, a.batch, a.context)
-    runner.graphs.load(seqs)
+    runner, plan = build(a.preset, a.batch, a.context)
+    runner.tables.apply(plan.table_deltas)
+    runner.graphs.load(plan)
     meta, positions = runner.graphs.metadata(a.batch)
     layer = runner.model.model.layers[a.layer]
     hidden = runner.model_config.hidden_size

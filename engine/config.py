@@ -206,8 +206,17 @@ class EngineConfig:
     max_num_seqs: int = 64  # running requests at once
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
     block_size: int = 16  # tokens per KV page
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
+    # the KV pool's size per rank: num_kv_blocks if set, else kv_cache_memory bytes, else on a GPU
+    # gpu_memory_utilization of the card (what weights, activations and others leave), else 1 GiB
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    # parallelism: one process per rank (tensor_parallel_size ranks over nnodes nodes, rank 0 plans)
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # routed experts partitioned over the ranks instead of split
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of rank 0's rendezvous (None: a free local port)
     seed: int = 0
     attention_backend: str = "auto"  # auto | torch
     enable_prefix_caching: bool = True
@@ -243,3 +252,21 @@ class EngineConfig:
             raise ValueError(f"kv_transport must be auto, tcp or rdma, got {self.kv_transport!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("tensor_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not a multiple of nnodes "
+                             f"{self.nnodes} (each node runs the same number of ranks)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("a replica over several nodes needs dist_init_addr (host:port of node 0)")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes

@@ -21,12 +21,14 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, model_fingerprint, resolve_model_path
 from engine.copies import to_device
 from engine.detokenizer import IncrementalDetokenizer
+from engine.executor import create_executor
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampler import Draws, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_plan import PlanBuilder
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,8 +54,9 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(path)
         self.tokenizer = Tokenizer(path)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(config, self.model_config, path, self.max_model_len)
-        capacity = self.runner.num_blocks * config.block_size
+        self.executor = create_executor(config, self.model_config, path, self.max_model_len)
+        self.planner = PlanBuilder(config.max_num_seqs)
+        capacity = self.executor.num_blocks * config.block_size
         if self.max_model_len > capacity:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); lowering it", self.max_model_len, capacity)
             self.max_model_len = capacity
@@ -84,16 +87,21 @@ class LLMEngine:
                              transfer_port=c.kv_transfer_port, transport=c.kv_transport,
                              transfer_streams=c.kv_transfer_streams,
                              min_prefix_tokens=c.kv_min_prefix_tokens, pull_policy=c.kv_pull_policy)
-        caches = [attn.kv_cache for attn in self.runner.model.attention_layers()]
-        connector = KVConnector(kv_config, self.block_manager, caches, self.model_key)
+        connector = KVConnector(kv_config, self.block_manager, self.runner.kv_pool.caches, self.model_key)
         connector.start()
         return connector
 
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's model runner (in this process whatever the number of ranks)."""
+        return self.executor.runner
+
     def shutdown(self) -> None:
-        """Stop background services (the KV directory heartbeat and transfer server)."""
+        """Stop background services (the KV directory heartbeat and transfer server) and the other ranks."""
         if self.kv is not None:
             self.kv.stop()
             self.kv = None
+        self.executor.shutdown()
 
     # -- state the server and the autoscaler read ---------------------------------------------------
     @property
@@ -167,6 +175,7 @@ class LLMEngine:
             tokens = [seq.token_ids((pending.first_block + i) * bs, (pending.first_block + i + 1) * bs)
                       for i in range(len(pending.hashes))]
             seq.pinned_blocks = self.kv.install(pending, tokens)
+            self.planner.replicate(seq.pinned_blocks)  # written on rank 0: every rank holds the latent cache
             seq.remote_span = (pending.first_block * bs, (pending.first_block + len(seq.pinned_blocks)) * bs)
             self.scheduler.add(seq)
 
@@ -210,15 +219,19 @@ class LLMEngine:
             if seq.pinned_blocks:  # admitted: its own references now hold the pulled blocks
                 self._unpin(seq)
         start = time.perf_counter()
-        sample_seqs, logits, hidden = self.runner.run(batch, inputs)
+        plan = self.planner.build(batch, inputs_on_device=inputs is not None)
+        result = self.executor.execute(plan, inputs)
+        logits = result.logits
         if self.kv is not None and batch.prefills:
             if logits is not None:
                 logits.sum().item()  # the device finished the step: time it honestly
             self.kv.observe_prefill(sum(n for _, n in batch.prefills), time.perf_counter() - start)
-        offset = 0
+        offset, sample_seqs = 0, []
         for seq, n in batch.items:
             if seq.collect_logits:
-                seq.prompt_logits.append(self.runner.model.compute_logits(hidden[offset : offset + n]))
+                seq.prompt_logits.append(result.all_logits[offset : offset + n])
+            if seq.num_computed_tokens + n == seq.num_drawn_tokens:  # sampled by the plan (its rows' order)
+                sample_seqs.append(seq)
             offset += n
             seq.num_computed_tokens += n
         draws = self.sampler.sample(logits, sample_seqs, inputs) if sample_seqs else None

@@ -6,6 +6,7 @@ blocks, decode steps replayed from CUDA graphs). `attention_backend` picks: "tor
 """
 
 import dataclasses
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -14,17 +15,19 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.copies import to_device
+from engine.kv_pool import KVPool, block_bytes
 from engine.layers.attention import AttentionMetadata
 from engine.layers.fp8 import quantize_fp8_block
 from engine.loader import load_weights
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from engine.parallel import SINGLE, ParallelContext
+from engine.step_plan import StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("auto", "torch", "triton")
+DEFAULT_CPU_KV_MEMORY = 2**30  # bytes of KV cache on a CPU when nothing else is said
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str) -> torch.dtype:
@@ -93,7 +96,44 @@ class ModelRunner:
         """path=None: random weights (config.seed) instead of a checkpoint."""
         self.config = config
         self.model_config = model_config
-        self.device = resolve_device(config.device)
+
+
+class BlockTables:
+    """Every running sequence's block table, persistent on the device: [num_slots + 1, max_blocks] int32,
+    updated by the plans' deltas. The last row is the scratch slot (every entry the scratch block), and
+    entries past a table's end hold the scratch block too."""
+
+    def __init__(self, num_slots: int, max_blocks: int, scratch_block: int, device: torch.device):
+        self.scratch_slot, self.scratch_block = num_slots, scratch_block
+        self.width = max_blocks
+        self.table = torch.full((num_slots + 1, max_blocks), scratch_block, dtype=torch.int32, device=device)
+
+    def apply(self, deltas: list[tuple[int, int, list[int]]]) -> None:
+        if not deltas:
+            return
+        dev = self.table.device
+        resets = [slot for slot, first, _ in deltas if first == 0]
+        if resets:  # a slot taken by another sequence: nothing of the last one's table stays
+            self.table.index_fill_(0, to_device(resets, torch.long, dev), self.scratch_block)
+        index = [slot * self.width + first + j for slot, first, ids in deltas for j in range(len(ids))]
+        values = [b for _, _, ids in deltas for b in ids]
+        self.table.view(-1).index_copy_(0, to_device(index, torch.long, dev), to_device(values, torch.int32, dev))
+
+    def rows(self, slots: list[int]) -> torch.Tensor:
+        """[len(slots), max_blocks] int32: the tables of these slots."""
+        return self.table.index_select(0, to_device(slots, torch.long, self.table.device))
+
+
+class ModelRunner:
+    """One rank's model, KV pool, block tables and CUDA graphs; turns a StepPlan into logits."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, path: Path | None, max_model_len: int,
+                 par: ParallelContext = SINGLE, device: torch.device | None = None):
+        """path=None: random weights (config.seed) instead of a checkpoint. Call `init_cache` before `run`."""
+        self.config = config
+        self.model_config = model_config
+        self.par = par
+        self.device = device or resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype)
         self.backend = resolve_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
@@ -106,7 +146,7 @@ class ModelRunner:
         try:
             torch.set_default_dtype(self.dtype)
             with torch.device(self.device):
-                self.model = DeepseekV3ForCausalLM(built, max_position=max_model_len)
+                self.model = DeepseekV3ForCausalLM(built, max_position=max_model_len, par=par)
         finally:
             torch.set_default_dtype(default_dtype)
         # the router's weights and bias stay in float32, as the checkpoints keep them
@@ -117,34 +157,88 @@ class ModelRunner:
         if path is None:
             init_random_weights(self.model, config.seed)
         else:
-            load_weights(self.model, path, model_config.num_hidden_layers, block, config.show_progress)
+            load_weights(self.model, path, model_config.num_hidden_layers, block,
+                         config.show_progress and par.tp_rank == 0)
         self.model.eval()
         if self.backend == "triton":
             enable_kernels(self.model)
-        self.num_blocks = self._num_blocks()
+        self.kv_specs = self.model.kv_cache_specs(self.dtype)
         self.use_cuda_graphs = (self.backend == "triton" and self.device.type == "cuda"
                                 and not config.extra.get("enforce_eager", False))
-        self._allocate_kv_cache()
-        self.graphs = DecodeGraphs(self) if self.use_cuda_graphs else None
-        if self.graphs is not None and config.extra.get("capture_graphs_at_start", True):
-            from engine.kernels._util import on_compile
+        self.kv_pool: KVPool | None = None
+        self.tables: BlockTables | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.warmed_up = False
 
-            on_compile(None)  # the hook is process-wide: another runner's must not count this one's warm-up
-            self.warm_up()
-            self.graphs.capture_all()
-            # anything built from here on stalls a serving step: name it, so warm_up can learn it
-            on_compile(lambda variant: logger.warning("Triton built a kernel variant after warm-up "
-                                                      "(this step stalls until it is ready): %s", variant))
+    # -- the KV pool ---------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_pool.num_blocks
 
-    def _num_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        per_block = (self.model_config.num_hidden_layers * self.block_size * self.model_config.kv_cache_dim
-                     * torch.empty((), dtype=self.dtype).element_size())
-        by_memory = int(self.config.kv_cache_memory_gb * 2**30 // per_block)
-        # more than every sequence at full length cannot be used (beyond keeping old prefixes cached)
-        by_need = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
-        return max(1, min(by_memory, by_need))
+    @property
+    def block_bytes(self) -> int:
+        return block_bytes(self.kv_specs, self.block_size)
+
+    def num_blocks_that_fit(self) -> int:
+        """How many KV blocks this rank can hold: `num_kv_blocks` if set; else `kv_cache_memory` bytes;
+        else, on a GPU, `gpu_memory_utilization` of the card less what is in use once the weights are
+        loaded and less the activation peak of the largest step (measured by running the warm-up over a
+        one-block pool, as vLLM's profiling step does); else (CPU) 1 GiB, capped at what max_num_seqs
+        sequences of max_model_len tokens can use."""
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if c.kv_cache_memory is not None:
+            return max(1, int(c.kv_cache_memory // self.block_bytes))
+        if self.device.type != "cuda":
+            by_need = c.max_num_seqs * -(-self.max_model_len // self.block_size)
+            return max(1, min(int(DEFAULT_CPU_KV_MEMORY // self.block_bytes), by_need))
+        self._allocate(1)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.warm_up()
+        activations = torch.cuda.max_memory_allocated(self.device) - before
+        self.kv_pool = self.tables = None
+        for attn in self.model.attention_layers():
+            attn.kv_cache = None
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * c.gpu_memory_utilization - (total - free) - activations
+        blocks = int(budget // self.block_bytes)
+        logger.info("KV memory: %.1f GiB of %.1f GiB (gpu_memory_utilization %.2f; in use %.1f GiB, activation "
+                    "peak %.2f GiB)", max(budget, 0) / 2**30, total / 2**30, c.gpu_memory_utilization,
+                    (total - free) / 2**30, activations / 2**30)
+        if blocks < 1:
+            raise MemoryError(f"no room for the KV cache: gpu_memory_utilization {c.gpu_memory_utilization} of "
+                              f"{total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB after the weights and "
+                              "activations; raise it, lower max_num_batched_tokens, or use more GPUs")
+        return blocks
+
+    def _allocate(self, num_blocks: int) -> None:
+        self.kv_pool = KVPool(self.kv_specs, num_blocks, self.block_size, self.device)
+        self.model.bind_kv_caches(self.kv_pool)
+        width = -(-self.max_model_len // self.block_size)
+        self.tables = BlockTables(self.config.max_num_seqs, width, self.kv_pool.scratch_block, self.device)
+
+    def init_cache(self, num_blocks: int) -> None:
+        """Allocate the KV pool (the same block count on every rank), then, on a GPU, warm the kernels up
+        and capture the decode graphs."""
+        self._allocate(num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB per rank (%s)", num_blocks,
+                    self.block_size, num_blocks * self.block_size, num_blocks * self.block_bytes / 2**30, self.dtype)
+        if self.use_cuda_graphs:
+            self.graphs = DecodeGraphs(self)
+            if self.config.extra.get("capture_graphs_at_start", True):
+                from engine.kernels._util import on_compile
+
+                on_compile(None)  # the hook is process-wide: another runner's must not count this one's warm-up
+                if not self.warmed_up:
+                    self.warm_up()
+                self.graphs.capture_all()
+                # anything built from here on stalls a serving step: name it, so warm_up can learn it
+                on_compile(lambda variant: logger.warning("Triton built a kernel variant after warm-up "
+                                                          "(this step stalls until it is ready): %s", variant))
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -153,119 +247,93 @@ class ModelRunner:
         compiled on first use stalls every request in that step for about a second (seen as late
         first tokens in the server benchmark). Tile choices depend on the step's size only in powers of
         two, and the kernels do not specialize on batch-dependent integers; the decode attention's slice
-        count (a power of two) is warmed directly."""
+        count (a power of two) is warmed directly. Every rank runs the same steps (their collectives)."""
         from engine.kernels.mla_decode import SPLIT_CHOICES, mla_decode_attention
-        from engine.sampling_params import SamplingParams
 
-        scratch, bs = self.num_blocks, self.block_size
+        scratch, bs = self.tables.scratch_slot, self.block_size
         budget = max(1, min(self.config.max_num_batched_tokens, self.max_model_len - 1 - bs))
         sizes = sorted({min(1 << i, budget) for i in range(budget.bit_length() + 1)})
         for n in sizes:
             for prefix in (0, bs):
                 if prefix + n > self.max_model_len - 1:
                     continue  # positions past the rope table
-                seq = Sequence("warm-up", [0] * (prefix + n), SamplingParams(max_tokens=1), None, None)
-                seq.block_table = [scratch] * -(-(prefix + n) // bs)  # every row lands in the scratch block
-                seq.num_computed_tokens = prefix
-                self._run_eager(ScheduledBatch(prefills=[(seq, n)]))  # what the graphs do not take
+                # every row lands in the scratch block (the scratch slot's table)
+                plan = StepPlan([scratch], [prefix], [n], 1, [0] * n, [n - 1])
+                self._run_eager(plan)  # what the graphs do not take
         if self.backend == "triton":  # every slice count the decode attention may take
             attn = self.model.attention_layers()[0]
             cache, dev = attn.kv_cache, attn.kv_cache.device
             q = torch.zeros(1, attn.num_heads, attn.kv_lora_rank, dtype=cache.dtype, device=dev)
             q_pe = torch.zeros(1, attn.num_heads, attn.qk_rope_head_dim, dtype=cache.dtype, device=dev)
-            table = torch.full((1, 1), scratch, dtype=torch.int32, device=dev)
+            table = torch.full((1, 1), self.kv_pool.scratch_block, dtype=torch.int32, device=dev)
             for splits in SPLIT_CHOICES:
                 mla_decode_attention(q, q_pe, cache, table, torch.ones(1, dtype=torch.int32, device=dev),
                                      attn.softmax_scale, num_splits=splits)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.warmed_up = True
         logger.info("warmed up the prefill kernels for steps of %d to %d tokens", sizes[0], sizes[-1])
 
-    def _allocate_kv_cache(self) -> None:
-        # with CUDA graphs, one extra block past num_blocks takes the writes of padded batch rows
-        extra = 1 if self.use_cuda_graphs else 0
-        shape = (self.num_blocks + extra, self.block_size, self.model_config.kv_cache_dim)
-        for attn in self.model.attention_layers():
-            attn.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        logger.info("KV cache: %d blocks of %d tokens (%s)", self.num_blocks, self.block_size, self.dtype)
+    # -- a step --------------------------------------------------------------------------------------
+    def takes_graph(self, plan: StepPlan) -> bool:
+        """Rank 0 decides, the plan carries it: a step of at most the largest graph's rows, unless it
+        scores a prompt (every position's logits)."""
+        return self.graphs is not None and plan.num_tokens <= self.graphs.max_batch and not plan.collect_logits
 
-    def _prepare(self, batch: ScheduledBatch, inputs: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        query_lens, context_lens, tables = [], [], []
-        sample_idx, sample_seqs = [], []
-        bs = self.block_size
-        for seq, n in batch.items:
-            start = seq.num_computed_tokens
-            if inputs is None:
-                input_ids += seq.token_ids(start, start + n)
-            positions += range(start, start + n)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            query_start.append(query_start[-1] + n)
-            query_lens.append(n)
-            context_lens.append(start + n)
-            tables.append(seq.block_table)
-            if start + n == seq.num_drawn_tokens:  # the chunk reaches the end: it samples
-                sample_idx.append(query_start[-1] - 1)
-                sample_seqs.append(seq)
-        max_blocks = max(len(t) for t in tables)
-        dev = self.device
-        as_tensor = lambda x: to_device(x, torch.long, dev)  # noqa: E731
+    def _prepare(self, plan: StepPlan, inputs: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The plan's device tensors; block tables and cache slots come from the persistent tables on the
+        device, so nothing here grows with context length."""
+        dev, bs = self.device, self.block_size
+        positions = to_device(plan.positions(), torch.long, dev)
+        rows = to_device([i for i, n in enumerate(plan.query_lens) for _ in range(n)], torch.long, dev)
+        tables = self.tables.rows(plan.slots)
+        query_start = [0, *itertools.accumulate(plan.query_lens)]
+        context_lens = plan.context_lens()
         meta = AttentionMetadata(
-            slot_mapping=as_tensor(slots),
-            query_start_loc=as_tensor(query_start),
-            context_lens=as_tensor(context_lens),
-            block_tables=as_tensor([t + [0] * (max_blocks - len(t)) for t in tables]),
-            num_prefills=len(batch.prefills),
-            num_prefill_tokens=sum(n for _, n in batch.prefills),
+            slot_mapping=tables[rows, positions // bs].long() * bs + positions % bs,
+            query_start_loc=to_device(query_start, torch.long, dev),
+            context_lens=to_device(context_lens, torch.long, dev),
+            block_tables=tables,
+            num_prefills=plan.num_prefills,
+            num_prefill_tokens=sum(plan.query_lens[: plan.num_prefills]),
             block_size=bs,
             query_start_loc_cpu=query_start,
-            query_lens_cpu=query_lens,
+            query_lens_cpu=list(plan.query_lens),
             context_lens_cpu=context_lens,
         )
-        input_ids = as_tensor(input_ids) if inputs is None else inputs
-        return input_ids, as_tensor(positions), meta, sample_idx, sample_seqs
+        input_ids = to_device(plan.input_ids, torch.long, dev) if inputs is None else inputs
+        return input_ids, positions, meta
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, inputs: torch.Tensor | None = None
-            ) -> tuple[list[Sequence], torch.Tensor | None, torch.Tensor]:
-        """-> (sequences that sample, their logits [S, vocab] float32, hidden states of every token).
-        inputs: the token ids of a decode batch on the device (drawn by a step the host has not read
-        yet), instead of the sequences' own."""
-        counts = [n for _, n in batch.items]
-        if (self.graphs is not None and sum(counts) <= self.graphs.max_batch
-                and not any(seq.collect_logits for seq, _ in batch.items)):
-            return self._replay(batch, counts, inputs)
-        return self._run_eager(batch, inputs)
+    def run(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepResult:
+        """inputs: the step's token ids on the device (drawn by a step the host has not read yet), where
+        the plan carries none."""
+        if plan.use_graph:
+            return self._replay(plan, inputs)
+        return self._run_eager(plan, inputs)
 
-    def _run_eager(self, batch: ScheduledBatch, inputs: torch.Tensor | None = None
-                   ) -> tuple[list[Sequence], torch.Tensor | None, torch.Tensor]:
-        input_ids, positions, meta, sample_idx, sample_seqs = self._prepare(batch, inputs)
+    def _run_eager(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepResult:
+        input_ids, positions, meta = self._prepare(plan, inputs)
         hidden = self.model(input_ids, positions, meta)
-        logits = self.model.compute_logits(hidden[sample_idx]) if sample_idx else None
-        return sample_seqs, logits, hidden
+        if plan.collect_logits:
+            all_logits = self.model.compute_logits(hidden)
+            logits = all_logits[plan.sample_indices] if plan.sample_indices else None
+            return StepResult(logits, all_logits)
+        return StepResult(self.model.compute_logits(hidden[plan.sample_indices]) if plan.sample_indices else None)
 
-    def _replay(self, batch: ScheduledBatch, counts: list[int], inputs: torch.Tensor | None
-                ) -> tuple[list[Sequence], torch.Tensor | None, torch.Tensor]:
+    def _replay(self, plan: StepPlan, inputs: torch.Tensor | None) -> StepResult:
         """A step of at most `graphs.max_batch` tokens through a decode graph: a prefill chunk's tokens
         are rows of their own (the eager step they replace costs ~75 PyTorch operations a layer)."""
-        seqs = [seq for seq, _ in batch.items]
-        self.graphs.load(seqs, inputs, counts)
-        hidden, logits, _ = self.graphs.replay(sum(counts))
-        rows, sample_seqs, end = [], [], 0
-        for seq, n in batch.items:
-            end += n
-            if seq.num_computed_tokens + n == seq.num_drawn_tokens:  # reaches the end
-                rows.append(end - 1)
-                sample_seqs.append(seq)
+        self.graphs.load(plan, inputs)
+        _, logits, _ = self.graphs.replay(plan.num_tokens)
+        rows = plan.sample_indices
         if not rows:
-            return [], None, hidden
-        if len(rows) == end:  # every row samples (a decode step)
-            return sample_seqs, logits.clone(), hidden
-        return sample_seqs, logits.index_select(0, to_device(rows, torch.long, self.device)), hidden
+            return StepResult(None)
+        if len(rows) == plan.num_tokens:  # every row samples (a decode step)
+            return StepResult(logits.clone())
+        return StepResult(logits.index_select(0, to_device(rows, torch.long, self.device)))
+
 
 
 class DecodeGraphs:
@@ -288,8 +356,8 @@ class DecodeGraphs:
         self.runner = runner
         # buffers hold the padded size of the largest batch, so every padded() row count fits
         self.max_batch = self.padded(min(runner.config.max_num_seqs, self.SIZES[-1]))
-        self.width = -(-runner.max_model_len // runner.block_size)  # block-table columns
-        self.scratch_block = runner.num_blocks  # the cache's extra block
+        self.width = runner.tables.width  # block-table columns
+        self.scratch_block = runner.kv_pool.scratch_block
         dev, n = runner.device, self.max_batch
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
@@ -304,32 +372,20 @@ class DecodeGraphs:
     def padded(self, batch: int) -> int:
         return next(s for s in self.SIZES if s >= batch)
 
-    def load(self, seqs: list[Sequence], inputs: torch.Tensor | None = None,
-             counts: list[int] | None = None) -> None:
-        """Copy the engine's batch into the static buffers; rows past it decode into the scratch block.
-        inputs: the batch's token ids already on the device (else the sequences' own). counts: rows per
-        sequence, its next tokens from num_computed_tokens on (default: one each, a decode)."""
-        counts = counts or [1] * len(seqs)
-        n = sum(counts)
+    def load(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> None:
+        """Copy a plan's rows into the static buffers (a prefill chunk's tokens as rows of their own, at
+        consecutive positions of its sequence's table); rows past it decode into the scratch block.
+        inputs: the step's token ids already on the device (else the plan's own)."""
+        n = plan.num_tokens
         padded = self.padded(n)
-        widest = max(len(seq.block_table) for seq in seqs)
-        # one host tensor per buffer, built from lists (a tensor write per row cost ~20 us a sequence).
-        # Every row is its table followed by the scratch block (graphs replayed back to back walk
-        # positions past a table's end): the rows are reset on the device, then the tables written
-        pos, ids, tables = [], [], []
-        for seq, count in zip(seqs, counts):
-            start = seq.num_computed_tokens
-            pos += range(start, start + count)
-            if inputs is None:
-                ids += seq.token_ids(start, start + count)
-            tables += [seq.block_table + [self.scratch_block] * (widest - len(seq.block_table))] * count
         dev = self.input_ids.device
-        if inputs is None:
-            inputs = to_device(ids, torch.long, dev)
-        self.input_ids[:n].copy_(inputs)
-        self.positions[:n].copy_(to_device(pos, torch.long, dev))
-        self.block_tables[:padded].fill_(self.scratch_block)
-        self.block_tables[:n, :widest].copy_(to_device(tables, torch.int32, dev))
+        tables = self.runner.tables
+        # the scratch slot's row (all scratch blocks) for the padding rows
+        slots = [s for s, count in zip(plan.slots, plan.query_lens) for _ in range(count)]
+        slots += [tables.scratch_slot] * (padded - n)
+        self.input_ids[:n].copy_(to_device(plan.input_ids, torch.long, dev) if inputs is None else inputs)
+        self.positions[:n].copy_(to_device(plan.positions(), torch.long, dev))
+        self.block_tables[:padded].copy_(tables.rows(slots))
         if n < padded:  # padding rows decode token 0 at position 0 into the scratch block
             self.input_ids[n:padded].zero_()
             self.positions[n:padded].zero_()

@@ -1,4 +1,5 @@
-"""Our engine, measured below the server: one ModelRunner, sequences laid out by hand in the cache."""
+"""Our engine, measured below the server: one rank's ModelRunner, sequences laid out by hand in the cache
+and turned into plans as the engine does (`PlanBuilder`)."""
 
 import time
 
@@ -8,7 +9,8 @@ from engine.bench.timing import sync, time_fn
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
+from engine.step_plan import PlanBuilder, StepPlan
 
 PREFILL_TOKENS_PER_STEP = 16384  # when filling many sequences' contexts before a decode measurement
 
@@ -38,19 +40,29 @@ def make_sequence(ids: list[int], blocks: list[int], name: str) -> Sequence:
     seq = Sequence(name, ids, SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True), None,
                    torch.Generator())
     seq.block_table = blocks
+    seq.status = SequenceStatus.RUNNING  # holds its block-table slot while measured
     return seq
 
 
-def prefill(runner: ModelRunner, seqs: list[Sequence]) -> list[int]:
+def run_plan(runner: ModelRunner, planner: PlanBuilder, batch: ScheduledBatch) -> tuple[StepPlan, object]:
+    """A batch as the engine runs it: planned, its table deltas applied, then run eagerly."""
+    plan = planner.build(batch)
+    runner.tables.apply(plan.table_deltas)
+    plan.table_deltas = []
+    return plan, runner.run(plan)
+
+
+def prefill(runner: ModelRunner, seqs: list[Sequence], planner: PlanBuilder | None = None) -> list[int]:
     """Prefill whole prompts (one chunk each), append each one's greedy first token -> those tokens."""
+    planner = planner or PlanBuilder(runner.config.max_num_seqs)
     seqs_left, firsts = list(seqs), []
     while seqs_left:
         step, budget = [], PREFILL_TOKENS_PER_STEP
         while seqs_left and (not step or seqs_left[0].num_tokens <= budget):
             budget -= seqs_left[0].num_tokens
             step.append(seqs_left.pop(0))
-        sampled, logits, _ = runner.run(ScheduledBatch(prefills=[(s, s.num_tokens) for s in step]))
-        for seq, token in zip(sampled, logits.argmax(-1).tolist()):
+        _, result = run_plan(runner, planner, ScheduledBatch(prefills=[(s, s.num_tokens) for s in step]))
+        for seq, token in zip(step, result.logits.argmax(-1).tolist()):
             seq.num_computed_tokens = seq.num_tokens
             seq.output_token_ids.append(token)
             firsts.append(token)
@@ -84,10 +96,13 @@ def measure_decode(runner: ModelRunner, pool: BlockPool, concurrency: int, conte
     warmup = 3
     seqs = [make_sequence(random_prompt(context, vocab, seed=1000 + i), pool.take(context + steps + warmup + 2),
                           f"decode-{i}") for i in range(concurrency)]
-    prefill(runner, seqs)
+    planner = PlanBuilder(runner.config.max_num_seqs)
+    prefill(runner, seqs, planner)
     if runner.graphs is not None:
         graphs = runner.graphs
-        graphs.load(seqs)
+        plan = planner.build(ScheduledBatch(decodes=seqs))
+        runner.tables.apply(plan.table_deltas)
+        graphs.load(plan)
         for _ in range(warmup):
             graphs.replay(concurrency)  # the first replay captures the graph
         seconds = time_fn(lambda: [graphs.replay(concurrency) for _ in range(steps)], runner.device,
@@ -95,8 +110,8 @@ def measure_decode(runner: ModelRunner, pool: BlockPool, concurrency: int, conte
         mode = "cuda_graph"
     else:
         def step():
-            sampled, logits, _ = runner.run(ScheduledBatch(decodes=seqs))
-            for seq, token in zip(sampled, logits.argmax(-1).tolist()):
+            _, result = run_plan(runner, planner, ScheduledBatch(decodes=seqs))
+            for seq, token in zip(seqs, result.logits.argmax(-1).tolist()):
                 seq.num_computed_tokens += 1
                 seq.output_token_ids.append(token)
 
@@ -113,18 +128,20 @@ def measure_layers(runner: ModelRunner, pool: BlockPool, context: int, vocab: in
     """Each decoder layer alone, one sequence at `context` tokens (graph-replayed where graphs exist)."""
     pool.reset()
     seq = make_sequence(random_prompt(context, vocab, seed=7), pool.take(context + 4), "layers")
-    prefill(runner, [seq])
+    planner = PlanBuilder(runner.config.max_num_seqs)
+    prefill(runner, [seq], planner)
     model, dev = runner.model, runner.device
     hidden = runner.model_config.hidden_size
     g = torch.Generator(dev).manual_seed(0)
     h = torch.randn(1, hidden, generator=g, device=dev, dtype=runner.dtype)
     residual = torch.randn(1, hidden, generator=g, device=dev, dtype=runner.dtype)
+    plan = planner.build(ScheduledBatch(decodes=[seq]))
+    runner.tables.apply(plan.table_deltas)
     if runner.graphs is not None:
-        runner.graphs.load([seq])
+        runner.graphs.load(plan)
         meta, positions = runner.graphs.metadata(1)
     else:
-        _, _, meta, _, _ = runner._prepare(ScheduledBatch(decodes=[seq]))
-        positions = torch.tensor([seq.num_computed_tokens], device=dev)
+        _, positions, meta = runner._prepare(plan)
     out = []
     for i, layer in enumerate(model.model.layers):
         run = lambda: layer(positions, h, residual, meta)

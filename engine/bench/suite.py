@@ -79,6 +79,7 @@ def run(opts: BenchOptions) -> dict:
                                  num_kv_blocks=num_blocks, seed=opts.seed, show_progress=False,
                                  extra={"enforce_eager": opts.eager, "capture_graphs_at_start": False})
     runner = ModelRunner(engine_config, model_config, path, max_len)
+    runner.init_cache(num_blocks)
     fp8 = model_config.quant is not None and runner.backend == "triton"
     ceilings = measure_ceilings(device)
     costs = PhaseCosts(runner.model, model_config, torch.empty((), dtype=runner.dtype).element_size())

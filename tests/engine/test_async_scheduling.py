@@ -11,6 +11,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.sampler import Sampler
 from engine.sequence import Sequence
+from engine.step_plan import StepResult
 from tests.engine.hf_oracle import prompts
 
 
@@ -64,13 +65,15 @@ def test_decode_steps_launch_before_the_previous_tokens_are_read(engines):
     llm = engines("on")
     eng = llm.engine
     launches = []  # per launch: did every row have a token in flight (drawn, not yet read)?
-    run = eng.runner.run
+    execute = eng.executor.execute
 
-    def recording_run(batch, inputs=None):
-        launches.append(inputs is not None and all(s.num_inflight_tokens == 1 for s, _ in batch.items))
-        return run(batch, inputs)
+    def recording_execute(plan, inputs=None):
+        running = eng.scheduler.running
+        launches.append(inputs is not None and plan.input_ids is None
+                        and all(s.num_inflight_tokens == 1 for s in running))
+        return execute(plan, inputs)
 
-    eng.runner.run = recording_run
+    eng.executor.execute = recording_execute
     params = SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True)
     outs = llm.generate(prompts(32, [6, 6, 6], vocab=512), params)
     assert [len(o.token_ids) for o in outs] == [20, 20, 20]
@@ -86,8 +89,8 @@ def test_an_ending_request_drops_the_row_it_was_given_ahead(engines):
     full = llm.generate(p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
     stop = full.token_ids[6]
     rows = []
-    run = eng.runner.run
-    eng.runner.run = lambda batch, inputs=None: rows.append(len(batch.items)) or run(batch, inputs)
+    execute = eng.executor.execute
+    eng.executor.execute = lambda plan, inputs=None: rows.append(len(plan.slots)) or execute(plan, inputs)
     out = llm.generate(p, SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop]))[0]
     end = full.token_ids.index(stop) + 1
     assert out.token_ids == full.token_ids[:end] and out.finish_reason == "stop"
@@ -167,23 +170,24 @@ def test_penalized_requests_go_ahead_and_count_the_token_in_flight(engines):
     less than the penalty: a draw that misses the token in flight repeats it."""
 
     def repeating(llm: LLM) -> tuple[list[list[int]], list[bool]]:
-        runner, ahead = llm.engine.runner, []
-        run = runner.run
+        executor, ahead = llm.engine.executor, []
+        execute = executor.execute
 
-        def run_favouring_the_last_token(batch, inputs=None):
+        def run_favouring_the_last_token(plan, inputs=None):
             ahead.append(inputs is not None)
-            seqs, logits, hidden = run(batch, inputs)  # the real step: KV writes, positions
+            result = execute(plan, inputs)  # the real step: KV writes, positions
+            logits = result.logits
             if logits is None:
-                return seqs, logits, hidden
-            last = inputs if inputs is not None else torch.tensor([s.token_ids()[-1] for s in seqs],
+                return result
+            last = inputs if inputs is not None else torch.tensor([plan.input_ids[i] for i in plan.sample_indices],
                                                                   device=logits.device)
             vocab = logits.shape[1]
             fake = torch.zeros_like(logits)
             fake.scatter_(1, last[:, None], 1.0)
             fake.scatter_(1, ((last + 1) % vocab)[:, None], 0.5)
-            return seqs, fake, hidden
+            return StepResult(fake)
 
-        runner.run = run_favouring_the_last_token
+        executor.execute = run_favouring_the_last_token
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, frequency_penalty=1.0)
         outs = llm.generate(prompts(42, [5, 9], vocab=512), params)
         return [o.token_ids for o in outs], ahead

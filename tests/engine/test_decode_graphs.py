@@ -1,29 +1,33 @@
-"""DecodeGraphs.load: the static buffers a decode graph reads hold exactly the engine's batch. Every row
-is its sequence's block table followed by the scratch block (graphs replayed back to back walk
-positions past a table's end), padding rows are all scratch at position 0. The buffers are plain
-tensors, so this runs on CPU; the graphs themselves need a GPU (tests/engine/test_fast_path.py)."""
+"""DecodeGraphs.load: the static buffers a decode graph reads hold exactly the plan's rows. Every row is
+its slot's row of the persistent block tables (its table, then the scratch block: graphs replayed back
+to back walk positions past a table's end); padding rows are the scratch slot's, at position 0. The
+buffers are plain tensors, so this runs on CPU; the graphs themselves need a GPU
+(tests/engine/test_fast_path.py)."""
 
 from types import SimpleNamespace
 
 import torch
 
-from engine.model_runner import DecodeGraphs
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.model_runner import BlockTables, DecodeGraphs
+from engine.step_plan import StepPlan
 
 SCRATCH = 99
 
 
 def graphs() -> DecodeGraphs:
+    tables = BlockTables(8, 8, SCRATCH, torch.device("cpu"))
     runner = SimpleNamespace(config=SimpleNamespace(max_num_seqs=8), max_model_len=128, block_size=16,
-                             num_blocks=SCRATCH, device=torch.device("cpu"))
+                             kv_pool=SimpleNamespace(scratch_block=SCRATCH), tables=tables,
+                             device=torch.device("cpu"))
     return DecodeGraphs(runner)
 
 
-def seq(blocks: list[int], computed: int) -> Sequence:
-    s = Sequence(f"s{computed}", list(range(3, 3 + computed + 1)), SamplingParams(), None, torch.Generator())
-    s.block_table, s.num_computed_tokens = list(blocks), computed
-    return s
+def decode_plan(g: DecodeGraphs, rows: list[tuple[int, list[int], int]], fresh: bool = True) -> StepPlan:
+    """rows: (slot, blocks, tokens cached); each decodes the token 3 + position."""
+    deltas = [(slot, 0, blocks) for slot, blocks, _ in rows] if fresh else []
+    g.runner.tables.apply(deltas)
+    return StepPlan([r[0] for r in rows], [r[2] for r in rows], [1] * len(rows), 0, [3 + r[2] for r in rows],
+                    list(range(len(rows))))
 
 
 def expected_row(blocks: list[int], width: int) -> list[int]:
@@ -32,33 +36,45 @@ def expected_row(blocks: list[int], width: int) -> list[int]:
 
 def test_load_writes_each_table_then_scratch_and_pads_with_scratch():
     g = graphs()
-    wide = [seq([1, 2, 3, 4], 60), seq([5, 6], 20), seq([7], 3)]
-    g.load(wide)
+    wide = [(0, [1, 2, 3, 4], 60), (1, [5, 6], 20), (2, [7], 3)]
+    g.load(decode_plan(g, wide))
     assert g.padded(3) == 4
-    assert g.block_tables[:3].tolist() == [expected_row(s.block_table, g.width) for s in wide]
+    assert g.block_tables[:3].tolist() == [expected_row(b, g.width) for _, b, _ in wide]
     assert g.block_tables[3].tolist() == [SCRATCH] * g.width  # a padding row
     assert g.positions[:4].tolist() == [60, 20, 3, 0]
     assert g.input_ids[:4].tolist() == [63, 23, 6, 0]  # the token at each position
 
-    # a narrower batch after a wider one: no column of the earlier tables survives in rows it uses
-    narrow = [seq([8], 5), seq([9, 10], 17)]
-    g.load(narrow)
-    assert g.block_tables[:2].tolist() == [expected_row(s.block_table, g.width) for s in narrow]
+    # slots taken by other sequences: nothing of the earlier, wider tables survives
+    narrow = [(0, [8], 5), (1, [9, 10], 17)]
+    g.load(decode_plan(g, narrow))
+    assert g.block_tables[:2].tolist() == [expected_row(b, g.width) for _, b, _ in narrow]
     # a batch of one, then a larger one rewrites every row it reuses and pads the rest with scratch
-    g.load([seq([11], 1)])
+    g.load(decode_plan(g, [(3, [11], 1)]))
     assert g.block_tables[:1].tolist() == [expected_row([11], g.width)]
-    g.load(wide + narrow)
-    assert g.block_tables[:5].tolist() == [expected_row(s.block_table, g.width) for s in wide + narrow]
+    both = [(2, [7], 3), (0, [8], 5), (1, [9, 10], 17), (3, [11], 1), (4, [12], 2)]
+    g.load(decode_plan(g, both[4:]))
+    g.load(decode_plan(g, both, fresh=False))
+    assert g.block_tables[:5].tolist() == [expected_row(b, g.width) for _, b, _ in both]
     assert all(row == [SCRATCH] * g.width for row in g.block_tables[5:8].tolist())  # padded to 8
 
 
 def test_a_prefill_chunk_loads_as_rows_at_consecutive_positions_of_its_table():
     g = graphs()
-    chunk = seq([1, 2], 16)  # 16 tokens cached; the chunk is its 17 tokens from position 16 on (ids 19..)
-    chunk.prompt_token_ids += list(range(100, 104))
-    decode = seq([5], 3)
-    g.load([chunk, decode], counts=[5, 1])
+    g.runner.tables.apply([(0, 0, [1, 2]), (1, 0, [5])])
+    # 16 tokens cached, a chunk of 5 from position 16 on; then a decode at position 3
+    plan = StepPlan([0, 1], [16, 3], [5, 1], 1, [19, 100, 101, 102, 103, 6], [4, 5])
+    g.load(plan)
     assert g.positions[:6].tolist() == [16, 17, 18, 19, 20, 3]
     assert g.input_ids[:6].tolist() == [19, 100, 101, 102, 103, 6]
     assert g.block_tables[:6].tolist() == [expected_row([1, 2], g.width)] * 5 + [expected_row([5], g.width)]
     assert g.padded(6) == 8 and g.positions[6:8].tolist() == [0, 0]
+
+
+def test_table_deltas_append_and_a_fresh_slot_forgets_the_last_table():
+    tables = BlockTables(4, 6, SCRATCH, torch.device("cpu"))
+    tables.apply([(0, 0, [1, 2, 3])])
+    tables.apply([(0, 3, [4]), (1, 0, [7])])  # a new block for slot 0, a new sequence in slot 1
+    assert tables.rows([0, 1]).tolist() == [[1, 2, 3, 4, SCRATCH, SCRATCH], [7] + [SCRATCH] * 5]
+    tables.apply([(0, 0, [9])])  # slot 0 taken by another sequence
+    assert tables.rows([0]).tolist() == [[9] + [SCRATCH] * 5]
+    assert tables.rows([tables.scratch_slot]).tolist() == [[SCRATCH] * 6]

@@ -167,8 +167,6 @@ class UncapturedGraphs:
     def install(runner) -> None:
         from engine.model_runner import DecodeGraphs
 
-        if runner.graphs is None:  # a GPU run allocates a scratch block past the pool; here the last block plays it
-            runner.num_blocks -= 1
         graphs = DecodeGraphs(runner)
 
         def replay(batch: int):
@@ -231,8 +229,6 @@ def test_warm_up_runs_the_fast_path_and_every_decode_slice_count(tmp_path):
     llm = LLM(str(save_hf_checkpoint(hf, tmp_path / "ckpt")), dtype="float32", attention_backend="triton",
               max_num_batched_tokens=8, enable_prefix_caching=False)
     runner = llm.engine.runner
-    if runner.graphs is None:  # with CUDA graphs the cache already has a scratch block past the pool
-        runner.num_blocks -= 1  # without, the last block plays it
     for layer in runner.model.attention_layers():
         layer.kv_cache[-1].zero_()  # graph capture at start may have written the scratch block already
     before = [layer.kv_cache.clone() for layer in runner.model.attention_layers()]

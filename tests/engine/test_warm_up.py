@@ -12,14 +12,12 @@ from engine import LLM, SamplingParams
 def test_warm_up_runs_every_step_size_into_the_scratch_block_only(random_checkpoint, monkeypatch, caplog):
     llm = LLM(str(random_checkpoint), dtype="float32", max_num_batched_tokens=100, enable_prefix_caching=False)
     runner = llm.engine.runner
-    if runner.graphs is None:  # a GPU run allocates a scratch block past the pool; here the last block plays it
-        runner.num_blocks -= 1
     for layer in runner.model.attention_layers():
         layer.kv_cache[-1].zero_()  # graph capture at start may have written the scratch block already
     before = [layer.kv_cache.clone() for layer in runner.model.attention_layers()]
     sizes = []
     run = runner._run_eager  # warm-up runs eagerly: the steps the graphs do not take need these kernels
-    monkeypatch.setattr(runner, "_run_eager", lambda batch: (sizes.append(batch.prefills[0][1]), run(batch))[1])
+    monkeypatch.setattr(runner, "_run_eager", lambda plan: (sizes.append(plan.query_lens[0]), run(plan))[1])
     with caplog.at_level(logging.INFO, logger="engine.model_runner"):
         runner.warm_up()
     assert sorted(set(sizes)) == [1, 2, 4, 8, 16, 32, 64, 100]
@@ -28,8 +26,6 @@ def test_warm_up_runs_every_step_size_into_the_scratch_block_only(random_checkpo
         assert torch.equal(layer.kv_cache[:-1], old[:-1])  # the blocks sequences own are untouched
         assert not torch.equal(layer.kv_cache[-1], old[-1])  # the scratch block took the writes
     assert "warmed up the prefill kernels" in caplog.text
-    if runner.graphs is None:
-        runner.num_blocks += 1
     monkeypatch.undo()
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))
     assert len(out[0].token_ids) == 2  # the engine serves on after it

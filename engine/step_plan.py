@@ -1,0 +1,104 @@
+"""The one contract between planning (rank 0's scheduler) and execution (every rank's worker).
+
+A `StepPlan` is flat and picklable: rows of one step with their slot in the persistent device block
+tables, how many tokens each has cached and brings, which token positions sample, the new tokens (or
+"the draws of the step still in flight, on the device"), and only the block-table entries that changed
+since the last plan. No `Sequence` crosses it, so every rank can run it and the host cost of a step
+does not grow with context length (a decode step sends a table entry once per block_size tokens).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class StepPlan:
+    slots: list[int]  # per row: its sequence's row in the block tables (prefill chunks first, then decodes)
+    num_computed: list[int]  # per row: tokens already in the cache (the chunk's first position)
+    query_lens: list[int]  # per row: new tokens this step
+    num_prefills: int  # the first num_prefills rows are prefill chunks
+    input_ids: list[int] | None  # the new tokens, flat; None: the previous step's draws, on the device
+    sample_indices: list[int]  # flat token indices whose logits are sampled
+    # (slot, first column, block ids): entries written before the step; column 0 also resets the row
+    table_deltas: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    replicate_blocks: list[int] = field(default_factory=list)  # rank 0's blocks to copy to every rank first
+    collect_logits: bool = False  # every token's logits too (scoring a prompt)
+    use_graph: bool = False  # set by rank 0's worker: replay a CUDA graph
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    def positions(self) -> list[int]:
+        return [p for start, n in zip(self.num_computed, self.query_lens) for p in range(start, start + n)]
+
+    def context_lens(self) -> list[int]:
+        return [start + n for start, n in zip(self.num_computed, self.query_lens)]
+
+
+@dataclass
+class StepResult:
+    """What rank 0's worker hands back: tensors on its device, nothing read to the host yet."""
+
+    logits: torch.Tensor | None  # [len(sample_indices), vocab] float32
+    all_logits: torch.Tensor | None = None  # [num_tokens, vocab] float32 when the plan collects them
+
+
+class PlanBuilder:
+    """Turns a scheduled batch into a plan: gives each running sequence a slot, and sends its block
+    table to the workers as deltas (the whole table once, at admission; then each new block)."""
+
+    def __init__(self, num_slots: int):
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.held: dict[int, tuple[Sequence, int, int]] = {}  # id(seq) -> (seq, slot, table entries sent)
+        self._replicate: list[int] = []
+
+    def replicate(self, block_ids: list[int]) -> None:
+        """Blocks written on rank 0 only (pulled from a peer): the next plan copies them to every rank."""
+        self._replicate += block_ids
+
+    def build(self, batch: ScheduledBatch, inputs_on_device: bool = False) -> StepPlan:
+        items = batch.items
+        self._release_idle()
+        slots, deltas, computed, lens, ids, sample = [], [], [], [], [], []
+        end = 0
+        for seq, n in items:
+            slot, sent = self._slot(seq)
+            if len(seq.block_table) > sent:
+                deltas.append((slot, sent, seq.block_table[sent:]))
+                self.held[id(seq)] = (seq, slot, len(seq.block_table))
+            start = seq.num_computed_tokens
+            slots.append(slot)
+            computed.append(start)
+            lens.append(n)
+            if not inputs_on_device:
+                ids += seq.token_ids(start, start + n)
+            end += n
+            if start + n == seq.num_drawn_tokens:  # the chunk reaches the end: it samples
+                sample.append(end - 1)
+        replicate, self._replicate = self._replicate, []
+        return StepPlan(slots, computed, lens, len(batch.prefills), None if inputs_on_device else ids, sample,
+                        deltas, replicate, collect_logits=any(seq.collect_logits for seq, _ in items))
+
+    def _slot(self, seq: Sequence) -> tuple[int, int]:
+        entry = self.held.get(id(seq))
+        if entry is not None:
+            return entry[1], entry[2]
+        if not self.free_slots:
+            raise RuntimeError("no free block-table slot: more sequences run than the tables hold")
+        slot = self.free_slots.pop()
+        self.held[id(seq)] = (seq, slot, 0)
+        return slot, 0
+
+    def _release_idle(self) -> None:
+        """Slots of sequences that stopped running (finished, aborted, preempted) return to the free list;
+        a preempted sequence gets a new slot, its table sent again, when it runs again. The step in flight
+        that may still read a released row was queued before the next plan's deltas rewrite it."""
+        for key, (seq, slot, _) in list(self.held.items()):
+            if seq.status is not SequenceStatus.RUNNING or not seq.block_table:
+                del self.held[key]
+                self.free_slots.append(slot)
