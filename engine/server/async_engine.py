@@ -89,7 +89,7 @@ class AsyncEngine:
         build, args = self._build
         self._process = ctx.Process(
             target=run_engine_process, args=(self._commands.reader, report_writer, build, args), name="engine-loop",
-            daemon=True,
+            daemon=False,  # it starts the other ranks' processes; it exits when the server's pipe closes
         )  # fmt: skip
         self._process.start()
         self._commands.reader.close()

@@ -31,12 +31,26 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--served-model-name", help="name clients send as `model` (default: --model)")
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     model.add_argument("--max-model-len", type=_positive_int, help="context length (default: the model's)")
-    model.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
     model.add_argument("--max-num-seqs", type=_positive_int, help="most requests decoded together")
+    model.add_argument("--max-num-batched-tokens", type=_positive_int, help="token budget of one step (default 2048)")
     model.add_argument(
         "--async-scheduling", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
         help="launch each decode step before the host reads the last one's tokens (auto: on a GPU)",
     )  # fmt: skip
+    par = parser.add_argument_group("parallelism and memory")
+    par.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                     help="ranks one replica runs on (GPUs; over all its nodes), one process each")
+    par.add_argument("--enable-expert-parallel", action="store_true",
+                     help="partition the routed experts over the ranks instead of splitting each one")
+    par.add_argument("--nnodes", type=_positive_int, default=1, help="nodes one replica spans")
+    par.add_argument("--node-rank", type=_non_negative_int, default=0,
+                     help="this node's index; nodes other than 0 run their ranks only (no HTTP server)")
+    par.add_argument("--dist-init-addr", help="host:port where node 0 meets the other nodes' ranks")
+    par.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+                     help="fraction of each GPU the engine may take; the KV cache gets what the rest leaves")
+    par.add_argument("--kv-cache-memory", type=_bytes,
+                     help="KV cache size per rank, e.g. 4GiB (instead of --gpu-memory-utilization; CPU default 1GiB)")
+    par.add_argument("--num-gpu-blocks-override", type=_positive_int, help="KV cache blocks per rank (tests)")
     http = parser.add_argument_group("server")
     http.add_argument("--host", default="0.0.0.0")
     http.add_argument("--port", type=_port, default=8000)
@@ -78,7 +92,10 @@ def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
         if value is None:
             continue
         try:
-            converted = action.type(value) if action.type else value
+            if action.nargs == 0:  # a switch (store_true): the variable says yes or no
+                converted = _switch(value)
+            else:
+                converted = action.type(value) if action.type else value
         except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
             parser.error(f"environment variable {name}={value!r}: {exc}")
         if action.choices is not None and converted not in action.choices:
@@ -112,16 +129,18 @@ def engine_config(args: argparse.Namespace) -> Any:
     """The EngineConfig the flags describe; bad flags fail here, at once, not in the engine process."""
     from engine.config import EngineConfig, resolve_model_path
 
-    if args.tensor_parallel_size != 1:
-        raise SystemExit("error: --tensor-parallel-size > 1 is not supported by this engine build yet")
     kwargs = {
         "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
         "kv_directory": args.kv_directory, "replica_id": args.replica_id, "kv_transport": args.kv_transport,
         "kv_transfer_port": args.kv_transfer_port, "kv_min_prefix_tokens": args.kv_min_prefix_tokens,
         "kv_pull_policy": args.kv_pull_policy, "async_scheduling": args.async_scheduling,
+        "tensor_parallel_size": args.tensor_parallel_size, "enable_expert_parallel": args.enable_expert_parallel,
+        "nnodes": args.nnodes, "node_rank": args.node_rank, "dist_init_addr": args.dist_init_addr,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_memory": args.kv_cache_memory,
+        "num_kv_blocks": args.num_gpu_blocks_override,
     }  # fmt: skip
     # Unset: the engine's own defaults.
-    for name in ("max_num_seqs", "advertise_host", "kv_transfer_streams"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "advertise_host", "kv_transfer_streams"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     try:
@@ -184,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
     config = engine_config(args)
+    if config.node_rank > 0:
+        return run_node_ranks(config)
     engine = AsyncEngine(
         build_llm_engine, (config,), EngineMetrics(kv_reuse=config.kv_directory is not None),
         load_tokenizer=Tokenizer, max_waiting_requests=settings.max_waiting_requests,
@@ -199,6 +220,52 @@ def run(args: argparse.Namespace) -> int:
     server = DrainingServer(config, engine, settings.drain_timeout)
     server.run()
     return server.exit_code
+
+
+def run_node_ranks(config: Any) -> int:
+    """A node other than 0 of a multi-node replica: its ranks only, until one exits (then the pod restarts)."""
+    from engine.config import ModelConfig, resolve_model_path
+    from engine.executor import run_node
+
+    path = resolve_model_path(config.model)
+    model_config = ModelConfig.from_dir(path)
+    logger.info("node %d of %d: starting ranks %d..%d, rank 0 at %s", config.node_rank, config.nnodes,
+                config.node_rank * config.ranks_per_node, (config.node_rank + 1) * config.ranks_per_node - 1,
+                config.dist_init_addr)
+    return run_node(config, model_config, path, config.max_model_len or model_config.max_position_embeddings)
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def _bytes(text: str) -> int:
+    """A size: bytes, or with a unit (4GiB, 512MiB, 2GB)."""
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number):].lower()
+    if unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"unknown size unit in {text!r}; use e.g. 4GiB, 512MiB or a byte count")
+    try:
+        value = int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
+def _switch(text: str) -> bool:
+    words = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+    if text.strip().lower() not in words:
+        raise argparse.ArgumentTypeError("use true or false")
+    return words[text.strip().lower()]
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:
