@@ -67,3 +67,44 @@ def hf_greedy(model: DeepseekV3ForCausalLM, ids: list[int], n: int) -> list[int]
 def prompts(seed: int, lengths: list[int], vocab: int = VOCAB) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def quantize_hf_checkpoint(hf: DeepseekV3ForCausalLM, path: Path, block: tuple[int, int]) -> None:
+    """Rewrite a saved checkpoint with FP8 e4m3 block-scaled weights, and set the oracle's weights to the
+    same FP8 values dequantized (so both run the same numbers)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.tools.make_random_checkpoint import quantize_checkpoint
+
+    tensors = quantize_checkpoint(load_file(str(path / "model.safetensors")), block)
+    assert any(t.dtype == torch.float8_e4m3fn for t in tensors.values())
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
+    (path / "config.json").write_text(json.dumps(cfg))
+    state = hf.state_dict()
+    b0, b1 = block
+    with torch.no_grad():
+        for name, t in tensors.items():
+            if t.dtype == torch.float8_e4m3fn:
+                scale = tensors[name + "_scale_inv"]
+                deq = t.float() * scale.repeat_interleave(b0, 0)[: t.shape[0]].repeat_interleave(b1, 1)[:, : t.shape[1]]
+                _set_hf_weight(hf, state, name, deq)
+
+
+def _set_hf_weight(hf, state, name, value):
+    """Write a published-layout tensor into HF's in-memory (fused-expert) layout."""
+    if ".experts." in name:
+        prefix, rest = name.split(".experts.")
+        e, proj = int(rest.split(".")[0]), rest.split(".")[1]
+        experts = hf.get_submodule(prefix + ".experts")
+        inter = experts.down_proj.shape[-1]
+        if proj == "down_proj":
+            experts.down_proj[e].copy_(value)
+        else:
+            rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+            experts.gate_up_proj[e, rows].copy_(value)
+    else:
+        state[name].copy_(value)

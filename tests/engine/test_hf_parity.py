@@ -1,14 +1,19 @@
 """Our engine against HF transformers' DeepseekV3ForCausalLM on tiny random checkpoints (float32)."""
 
-import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.tools.make_random_checkpoint import quantize_checkpoint
-from tests.engine.hf_oracle import YARN, build_hf_model, hf_greedy, hf_logits, prompts, save_hf_checkpoint
+from tests.engine.hf_oracle import (
+    YARN,
+    build_hf_model,
+    hf_greedy,
+    hf_logits,
+    prompts,
+    quantize_hf_checkpoint,
+    save_hf_checkpoint,
+)
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -69,37 +74,8 @@ def test_sharded_checkpoint_matches_hf(tmp_path):
 def test_fp8_block_scaled_weights_match_hf_on_dequantized_weights(tmp_path):
     hf = build_hf_model(seed=5, rope_parameters=YARN)
     path = save_hf_checkpoint(hf, tmp_path / "ckpt")
-    block = (16, 16)
-    tensors = quantize_checkpoint(load_file(str(path / "model.safetensors")), block)
-    assert any(t.dtype == torch.float8_e4m3fn for t in tensors.values())
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
-    (path / "config.json").write_text(json.dumps(cfg))
-    # the oracle runs the same FP8 values, dequantized
-    state = hf.state_dict()
-    with torch.no_grad():
-        for name, t in tensors.items():
-            if t.dtype == torch.float8_e4m3fn:
-                deq = t.float() * tensors[name + "_scale_inv"].repeat_interleave(16, 0)[: t.shape[0]].repeat_interleave(16, 1)[:, : t.shape[1]]
-                _set_hf_weight(hf, state, name, deq)
+    quantize_hf_checkpoint(hf, path, (16, 16))  # the oracle runs the same FP8 values, dequantized
     check_parity(hf, path, prompts(4, [13, 29]))
-
-
-def _set_hf_weight(hf, state, name, value):
-    """Write a published-layout tensor into HF's in-memory (fused-expert) layout."""
-    if ".experts." in name:
-        prefix, rest = name.split(".experts.")
-        e, proj = int(rest.split(".")[0]), rest.split(".")[1]
-        experts = hf.get_submodule(prefix + ".experts")
-        inter = experts.down_proj.shape[-1]
-        if proj == "down_proj":
-            experts.down_proj[e].copy_(value)
-        else:
-            rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
-            experts.gate_up_proj[e, rows].copy_(value)
-    else:
-        state[name].copy_(value)
 
 
 def test_deepseek_v2_lite_shape_matches_hf(tmp_path):

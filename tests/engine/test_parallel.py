@@ -1,0 +1,119 @@
+"""Tensor and expert parallelism on CPU (gloo, one process per rank) against HF transformers: the same
+oracle cases as tests/engine/test_hf_parity.py (float32 logits within 1e-4, identical greedy tokens)
+at TP=2, TP=4, EP=2 and TP=2 + EP, and a rank's loading of its slice alone."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.config import EngineConfig, ModelConfig
+from engine.model_runner import ModelRunner
+from engine.parallel import ParallelContext
+from tests.engine import test_hf_parity
+from tests.engine.hf_oracle import YARN, build_hf_model, prompts, quantize_hf_checkpoint, save_hf_checkpoint
+
+PARALLEL = {
+    "tp2": dict(tensor_parallel_size=2),
+    "tp4": dict(tensor_parallel_size=4),
+    "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+    "tp2+ep": dict(tensor_parallel_size=2, enable_expert_parallel=True, max_num_seqs=3),
+}
+
+
+def check_parity(hf, path, batch, **engine_args):
+    llm = test_hf_parity.check_parity(hf, path, batch, **engine_args)
+    llm.engine.shutdown()  # the other ranks' processes go now, not when the test session ends
+    return llm
+
+
+@pytest.fixture(params=list(PARALLEL), ids=list(PARALLEL))
+def parallel(request):
+    return PARALLEL[request.param]
+
+
+def test_mixed_batch_and_chunked_prefill_match_hf(tmp_path, parallel):
+    hf = build_hf_model(seed=1, rope_parameters=YARN)
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    # a 7-token budget splits the longer prompts into chunks over their cached prefix, mixed with decodes
+    check_parity(hf, path, prompts(0, [5, 17, 33, 64]), max_num_batched_tokens=7, block_size=4, **parallel)
+
+
+def test_preemption_matches_hf(tmp_path, parallel):
+    hf = build_hf_model(seed=3)
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    llm = check_parity(hf, path, prompts(2, [20, 24, 28, 18]), num_kv_blocks=30, block_size=4,
+                       enable_prefix_caching=False, **parallel)
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_sharded_checkpoint_and_prefix_cache_match_hf(tmp_path, parallel):
+    hf = build_hf_model(seed=4, q_lora_rank=None)
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt", max_shard_size="40KB")
+    batch = prompts(3, [11, 40])
+    llm = check_parity(hf, path, batch + [batch[1] + [7, 8, 9]], block_size=4, **parallel)
+    assert llm.engine.block_manager.hash_to_block  # the third prompt reused the second's blocks
+
+
+def test_fp8_block_scaled_weights_match_hf(tmp_path, parallel):
+    hf = build_hf_model(seed=5, rope_parameters=YARN)
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    quantize_hf_checkpoint(hf, path, (8, 8))  # blocks that tile every projection's slice at TP=4
+    check_parity(hf, path, prompts(4, [13, 29]), **parallel)
+
+
+def test_fp8_blocks_that_do_not_tile_a_rank_slice_are_refused(tmp_path):
+    cfg = ModelConfig.from_hf({**json.loads(json.dumps(_tiny_config())),
+                               "quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}})
+    from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    with pytest.raises(ValueError, match="do not tile"):
+        DeepseekV3ForCausalLM(cfg, 64, ParallelContext(0, 4))
+
+
+def _tiny_config() -> dict:
+    hf = build_hf_model(seed=0)
+    return {**hf.config.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
+def test_a_rank_reads_only_its_slice(tmp_path, monkeypatch, ep):
+    """Rank 1 of 2 holds its half of the heads, the vocabulary and the experts' width (or, with expert
+    parallelism, experts 4..7 whole), and never reads another rank's experts from disk."""
+    import engine.loader as loader
+
+    hf = build_hf_model(seed=7)
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    reads = []
+    real_open = loader._open
+
+    class Recording:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def keys(self):
+            return self.handle.keys()
+
+        def get_tensor(self, name):
+            reads.append(name)
+            return self.handle.get_tensor(name)
+
+    monkeypatch.setattr(loader, "_open", lambda f: Recording(real_open(f)))
+    cfg = ModelConfig.from_dir(path)
+    runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", show_progress=False), cfg, path, 64,
+                         ParallelContext(1, 2, enable_expert_parallel=ep))
+    full = load_file(str(path / "model.safetensors"))
+    layer = runner.model.model.layers[1]
+    experts = layer.mlp.experts
+    if ep:
+        assert experts.num_experts == 4 and experts.expert_offset == 4
+        assert torch.equal(experts.w2[0], full["model.layers.1.mlp.experts.4.down_proj.weight"])
+        assert not any(".experts.0." in n or ".experts.3." in n for n in reads)
+    else:
+        inter = experts.inter
+        assert torch.equal(experts.w2[0], full["model.layers.1.mlp.experts.0.down_proj.weight"][:, inter:])
+    heads = runner.model.model.layers[0].self_attn.num_heads
+    assert heads == cfg.num_attention_heads // 2
+    emb = runner.model.model.embed_tokens
+    assert torch.equal(emb.weight, full["model.embed_tokens.weight"][emb.start : emb.start + emb.num_local])
