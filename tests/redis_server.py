@@ -9,11 +9,13 @@ import redis
 
 
 class RedisServer:
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, port: int = 0, password: str | None = None):
+        """port 0: the unix socket only; a port also listens on 127.0.0.1 (for redis:// URLs)."""
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not installed (scripts/setup.sh --dev installs it)")
         self.dir = workdir
         self.socket = workdir / "redis.sock"
+        self.port, self.password = port, password
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -22,9 +24,11 @@ class RedisServer:
 
     def start(self) -> "RedisServer":
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", "0", "--unixsocket", str(self.socket), "--save", "", "--appendonly", "no",
-             "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        client = redis.Redis(unix_socket_path=str(self.socket))
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--unixsocket", str(self.socket),
+             "--save", "", "--appendonly", "no", "--dir", str(self.dir),
+             *(["--requirepass", self.password] if self.password else [])],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        client = redis.Redis(unix_socket_path=str(self.socket), password=self.password)
         deadline = time.monotonic() + 10
         while True:
             try:

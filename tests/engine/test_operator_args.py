@@ -1,0 +1,125 @@
+"""The seam operator -> engine: for every example fleet, the engine container's command, args and env
+exactly as the operator renders them start `deepseek-engine serve` on this machine (no GPU: every rank
+a process, gloo) and answer a chat completion through the official openai client.
+
+Only what a cluster provides is stood in for: the model path (deepseek-tiny), the downward API (pod
+name, pod IP = loopback), the Secrets' values, the Redis Service's address (a real redis-server with
+the rendered URL's password on loopback) and the ports (free ones, where a pod has its own network)."""
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis as redis_lib
+import yaml
+
+from fleet.manifests import build_children
+from fleet.validation import validate
+from tests.engine.conftest_server import free_port
+from tests.redis_server import RedisServer
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+PASSWORD = "kv-secret"
+API_KEY = "sk-fleet-key"
+
+
+def engine_container(children: list[dict]) -> dict:
+    for child in children:
+        for template in _pod_templates(child):
+            for container in template["spec"]["containers"]:
+                if "serve" in (container.get("args") or []):
+                    return container
+    raise AssertionError("no engine container among the children")
+
+
+def _pod_templates(obj):
+    """Every pod template in a workload (a Deployment's, a LeaderWorkerSet's leader and workers)."""
+    if isinstance(obj, dict):
+        if "spec" in obj and isinstance(obj["spec"], dict) and "containers" in obj["spec"]:
+            yield obj
+        for value in obj.values():
+            yield from _pod_templates(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            yield from _pod_templates(value)
+
+
+def kubelet_env(container: dict, given: dict[str, str]) -> dict[str, str]:
+    """The container's env as the kubelet makes it: downward-API and Secret values from `given`, literal
+    values with $(VAR) references to earlier variables expanded."""
+    env: dict[str, str] = {}
+    for entry in container.get("env", []):
+        name = entry["name"]
+        if "value" in entry:
+            env[name] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), entry["value"])
+        else:
+            env[name] = given[name]
+    return env
+
+
+def localize(args: list[str], env: dict[str, str], redis_port: int, api_key_file: Path, port: int) -> list[str]:
+    """Stand-ins for the cluster: the model, the ports, the api-key Secret's mount, the Redis Service."""
+    out = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in args]
+    replace = {"--model": "deepseek-tiny", "--port": str(port), "--kv-transfer-port": "0",
+               "--api-key-file": str(api_key_file)}
+    for i, a in enumerate(out[:-1]):
+        if a in replace:
+            out[i + 1] = replace[a]
+    for name, value in env.items():
+        if value.startswith("redis://"):
+            env[name] = re.sub(r"@[^/]+", f"@127.0.0.1:{redis_port}", value)
+    return out
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_rendered_engine_command_serves_a_chat_completion(path: Path, tmp_path: Path) -> None:
+    (doc,) = yaml.safe_load_all(path.read_text())
+    parent = validate({**doc, "metadata": {**doc["metadata"], "namespace": "ns"}})
+    managed = parent.spec.kv_cache.directory.managed
+    container = engine_container(build_children(parent, kv_password=PASSWORD if managed else None, replicas=1))
+    assert container["command"] == ["deepseek-engine"]
+    env = kubelet_env(container, {"POD_NAME": f"{doc['metadata']['name']}-0", "POD_IP": "127.0.0.1",
+                                  "DEEPSEEK_KV_DIRECTORY_PASSWORD": PASSWORD})
+    redis = RedisServer(tmp_path, port=free_port(), password=PASSWORD).start()
+    key_file = tmp_path / "api-key"
+    key_file.write_text(API_KEY + "\n")
+    port = free_port()
+    args = localize(container["args"], env, redis.port, key_file, port)
+    tp = int(args[args.index("--tensor-parallel-size") + 1])
+    log = open(tmp_path / "engine.log", "w")
+    proc = subprocess.Popen(container["command"] + args, env={**os.environ, **env}, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not _ready(port):
+            assert proc.poll() is None, (tmp_path / "engine.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "not ready in time"
+            time.sleep(0.5)
+        key = API_KEY if "--api-key-file" in args else "unused"
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key)
+        reply = client.chat.completions.create(model=parent.spec.model.name, max_tokens=8,
+                                               messages=[{"role": "user", "content": "Hello!"}])
+        assert reply.choices[0].message.content and reply.usage.completion_tokens > 0
+        assert tp == 1 or f"{tp} ranks ready" in (tmp_path / "engine.log").read_text()
+        # the rendered directory URL (its password from the Secret) reached Redis: the replica registered
+        url = next(v for v in env.values() if v.startswith("redis://"))
+        keys = redis_lib.Redis.from_url(url).keys("*replica:*")
+        assert any(env["POD_NAME"].encode() in k for k in keys), keys
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(60) == 0
+        redis.stop()
+
+
+def _ready(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200
+    except httpx.TransportError:
+        return False
+
