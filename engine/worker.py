@@ -72,6 +72,10 @@ class Worker:
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     device = resolve_device(config.device)
     if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"{config.ranks_per_node} ranks per node need as many GPUs; this node has "
+                             f"{torch.cuda.device_count()} (tensor_parallel_size {config.tensor_parallel_size}, "
+                             f"nnodes {config.nnodes})")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     return device

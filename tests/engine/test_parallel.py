@@ -14,11 +14,12 @@ from engine.parallel import ParallelContext
 from tests.engine import test_hf_parity
 from tests.engine.hf_oracle import YARN, build_hf_model, prompts, quantize_hf_checkpoint, save_hf_checkpoint
 
+# on CPU whatever the machine: one GPU cannot hold several ranks
 PARALLEL = {
-    "tp2": dict(tensor_parallel_size=2),
-    "tp4": dict(tensor_parallel_size=4),
-    "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True),
-    "tp2+ep": dict(tensor_parallel_size=2, enable_expert_parallel=True, max_num_seqs=3),
+    "tp2": dict(tensor_parallel_size=2, device="cpu"),
+    "tp4": dict(tensor_parallel_size=4, device="cpu"),
+    "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True, device="cpu"),
+    "tp2+ep": dict(tensor_parallel_size=2, enable_expert_parallel=True, max_num_seqs=3, device="cpu"),
 }
 
 
@@ -101,7 +102,7 @@ def test_a_rank_reads_only_its_slice(tmp_path, monkeypatch, ep):
 
     monkeypatch.setattr(loader, "_open", lambda f: Recording(real_open(f)))
     cfg = ModelConfig.from_dir(path)
-    runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", show_progress=False), cfg, path, 64,
+    runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", device="cpu", show_progress=False), cfg, path, 64,
                          ParallelContext(1, 2, enable_expert_parallel=ep))
     full = load_file(str(path / "model.safetensors"))
     layer = runner.model.model.layers[1]
