@@ -244,13 +244,30 @@ class PodTemplate(ApiModel):
     service_account_name: str | None = None
     """ServiceAccount of the engine pods."""
     resources: Resources = Resources()
-    """CPU, memory and other resources of the engine container."""
+    """CPU, memory and other resources of the engine container; cpu and memory requests left unset are
+    4 cores and 16Gi per GPU, plus sharedMemorySize of memory."""
     shared_memory_size: Quantity = "64Gi"
     """Size of the memory-backed /dev/shm (it counts against the pod's memory)."""
     labels: dict[str, str] = {}
     """Extra pod labels (the operator's own labels win)."""
     annotations: dict[str, str] = {}
     """Extra pod annotations."""
+    runtime_class_name: str | None = None
+    """RuntimeClass of the engine pods (e.g. `nvidia` where the NVIDIA runtime is not the default)."""
+    scheduler_name: str | None = None
+    """Scheduler of the engine pods (a gang or topology-aware scheduler); the default scheduler if unset."""
+    topology_spread_constraints: list[FreeForm] = []
+    """Kubernetes TopologySpreadConstraints of the engine pods."""
+    volumes: list[FreeForm] = []
+    """Extra pod volumes (Kubernetes Volume objects); the names model, dshm and api-key are the operator's."""
+    volume_mounts: list[FreeForm] = []
+    """Extra mounts of the engine container (Kubernetes VolumeMount objects)."""
+    sidecars: list[FreeForm] = []
+    """Extra containers next to the engine (Kubernetes Container objects), e.g. a log shipper."""
+    security_context: FreeForm | None = None
+    """Pod SecurityContext fields, merged over the operator's restricted defaults."""
+    container_security_context: FreeForm | None = None
+    """Engine container SecurityContext fields, merged over the operator's restricted defaults."""
 
 
 class RolloutSpec(ApiModel):

@@ -21,6 +21,8 @@ NAME_RULE = {
     "message": f"metadata.name must be a DNS label of at most {MAX_NAME_LEN} characters starting with a letter "
     "(children append suffixes such as -peers)",
 }
+OPERATOR_VOLUMES = ("model", "dshm", "api-key")
+OPERATOR_CONTAINERS = ("engine", "model-download")
 RESERVED_ENV = {"POD_NAME", "POD_IP", PASSWORD_ENV} | {
     "DEEPSEEK_ENGINE_" + flag.removeprefix("--").replace("-", "_").upper() for flag in MANAGED_FLAGS
 }
@@ -62,6 +64,14 @@ def _semantic_problems(spec: DeepSeekDeploymentSpec) -> list[str]:
     for var in spec.engine.env:
         if var.name in RESERVED_ENV:
             problems.append(f"spec.engine.env sets {var.name}, which the operator sets")
+    template = spec.template
+    for volume in template.volumes:
+        if volume.get("name") in OPERATOR_VOLUMES or not volume.get("name"):
+            problems.append(f"spec.template.volumes: a volume needs a name other than {', '.join(OPERATOR_VOLUMES)}")
+    for sidecar in template.sidecars:
+        if sidecar.get("name") in OPERATOR_CONTAINERS or not sidecar.get("name") or not sidecar.get("image"):
+            problems.append("spec.template.sidecars: a sidecar needs an image and a name other than "
+                            + ", ".join(OPERATOR_CONTAINERS))
     device_names = {spec.gpu_resource_name}
     if spec.network.rdma.resource_name:
         device_names.add(spec.network.rdma.resource_name)

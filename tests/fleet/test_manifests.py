@@ -44,6 +44,17 @@ VARIANTS = {
                   "labels": {"team": "ml"}, "annotations": {"note": "x"}},
         rollout={"maxSurge": "25%", "maxUnavailable": 0}, disruptionBudget={"maxUnavailable": "50%"},
     ),
+    "pod-extras": parent(template={
+        "runtimeClassName": "nvidia", "schedulerName": "volcano",
+        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                       "whenUnsatisfiable": "ScheduleAnyway",
+                                       "labelSelector": {"matchLabels": {names.PARENT_LABEL: "v3"}}}],
+        "volumes": [{"name": "cache", "emptyDir": {"sizeLimit": "10Gi"}}],
+        "volumeMounts": [{"name": "cache", "mountPath": "/home/engine/.cache"}],
+        "sidecars": [{"name": "logs", "image": "fluent/fluent-bit:3.0",
+                      "volumeMounts": [{"name": "cache", "mountPath": "/cache", "readOnly": True}]}],
+        "securityContext": {"fsGroup": 10001}, "containerSecurityContext": {"readOnlyRootFilesystem": True},
+    }),
 }
 
 
@@ -119,6 +130,17 @@ def test_user_overrides_merge_without_losing_ours() -> None:
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": "25%", "maxUnavailable": 0}
 
 
+def test_pod_extras_reach_the_pod() -> None:
+    _, pod, container = engine(VARIANTS["pod-extras"])
+    assert (pod["runtimeClassName"], pod["schedulerName"]) == ("nvidia", "volcano")
+    assert pod["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
+    assert pod["volumes"][-1]["name"] == "cache" and container["volumeMounts"][-1]["name"] == "cache"
+    assert [c["name"] for c in pod["containers"]] == ["engine", "logs"]
+    assert pod["securityContext"]["fsGroup"] == 10001 and pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                            "readOnlyRootFilesystem": True}
+
+
 def test_rdma_wiring() -> None:
     deployment, _, container = engine(VARIANTS["rdma"])
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
@@ -131,7 +153,8 @@ def test_rdma_wiring() -> None:
     assert env["NCCL_IB_DISABLE"] == "0" and env["NCCL_IB_HCA"] == "mlx5_0"
     assert env["UCX_NET_DEVICES"] == "mlx5_0:1" and env["NCCL_IB_GID_INDEX"] == "3"
     _, _, plain = engine(parent())
-    assert "securityContext" not in plain and not any(e["name"].startswith("NCCL") for e in plain["env"])
+    assert "add" not in plain["securityContext"]["capabilities"]
+    assert not any(e["name"].startswith("NCCL") for e in plain["env"])
 
 
 def test_model_sources() -> None:

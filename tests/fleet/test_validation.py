@@ -37,6 +37,13 @@ def test_operator_owned_flags_and_env_are_refused() -> None:
     assert "extraArgs sets --port" in text and "env sets DEEPSEEK_ENGINE_KV_TRANSPORT" in text
 
 
+def test_extra_volumes_and_sidecars_keep_off_the_operators_names() -> None:
+    text = problems(body(template={"volumes": [{"name": "dshm", "emptyDir": {}}],
+                                   "sidecars": [{"name": "engine", "image": "x"}, {"name": "s"}]}))
+    assert "spec.template.volumes: a volume needs a name other than model, dshm, api-key" in text
+    assert text.count("spec.template.sidecars") == 2
+
+
 def test_devices_come_from_their_own_fields() -> None:
     text = problems(body(template={"resources": {"limits": {"nvidia.com/gpu": "4"}}}))
     assert "use gpusPerReplica" in text

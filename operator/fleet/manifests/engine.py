@@ -6,8 +6,10 @@ import copy
 import math
 from typing import Any
 
+from kubernetes.utils import parse_quantity
+
 from fleet import names
-from fleet.manifests import rdma
+from fleet.manifests import rdma, security
 from fleet.manifests.kv_directory import directory_env
 from fleet.manifests.model_source import MODEL_DIR, VOLUME, model_source
 from fleet.parent import Parent
@@ -15,6 +17,8 @@ from fleet.parent import Parent
 API_KEY_DIR = "/etc/deepseek/api-key"
 PRESTOP_SECONDS = 10  # lets Services drop the endpoint before SIGTERM starts the drain
 STARTUP_PERIOD_SECONDS = 10
+CPU_PER_GPU = 4  # tokenization, detokenization, the HTTP server and one process per GPU
+MEMORY_PER_GPU_GI = 16  # host memory per GPU process: CUDA context, pinned buffers, weight loading
 # Flags the operator owns; extraArgs may not repeat them.
 MANAGED_FLAGS = (
     "--model", "--served-model-name", "--port", "--tensor-parallel-size", "--max-model-len", "--replica-id",
@@ -59,12 +63,31 @@ def _env(parent: Parent) -> list[dict[str, Any]]:
     return downward + directory_env(parent) + rdma.env(parent.spec.network.rdma) + user
 
 
+def default_requests(parent: Parent) -> dict[str, str]:
+    """CPU and memory requests the template does not set: CPU_PER_GPU cores and MEMORY_PER_GPU_GI GiB
+    per GPU, plus the memory-backed /dev/shm (which the pod's memory pays for).
+
+    A resource the template limits but does not request is left alone: Kubernetes then requests
+    the limit. So a pod is Burstable at least, never BestEffort (first to go under node pressure).
+    """
+    spec, resources = parent.spec, parent.spec.template.resources
+    gpus = spec.gpus_per_replica
+    shm_bytes = int(parse_quantity(spec.template.shared_memory_size))
+    wanted = {"cpu": str(CPU_PER_GPU * gpus), "memory": _bytes_text(shm_bytes + MEMORY_PER_GPU_GI * gpus * 2**30)}
+    return {k: v for k, v in wanted.items() if k not in resources.requests and k not in resources.limits}
+
+
+def _bytes_text(size: int) -> str:
+    mebibytes = -(-size // 2**20)  # rounded up to whole MiB
+    return f"{mebibytes // 1024}Gi" if mebibytes % 1024 == 0 else f"{mebibytes}Mi"
+
+
 def _resources(parent: Parent) -> dict[str, Any]:
     spec = parent.spec
     devices = {spec.gpu_resource_name: spec.gpus_per_replica, **rdma.device_resources(spec.network.rdma)}
     devices_text = {name: str(count) for name, count in devices.items()}
     return {
-        "requests": {**spec.template.resources.requests, **devices_text},
+        "requests": {**default_requests(parent), **spec.template.resources.requests, **devices_text},
         "limits": {**spec.template.resources.limits, **devices_text},
     }
 
@@ -117,6 +140,7 @@ def _container(parent: Parent, model_path: str) -> dict[str, Any]:
     ]
     if spec.engine.api_key_secret_ref is not None:
         mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
+    mounts += [dict(m) for m in spec.template.volume_mounts]
     container: dict[str, Any] = {
         "name": "engine",
         "image": parent.engine_image,
@@ -134,9 +158,7 @@ def _container(parent: Parent, model_path: str) -> dict[str, Any]:
     }
     if spec.engine.image_pull_policy:
         container["imagePullPolicy"] = spec.engine.image_pull_policy
-    caps = rdma.capabilities(spec.network.rdma)
-    if caps:
-        container["securityContext"] = {"capabilities": {"add": caps}}
+    container["securityContext"] = security.container_security_context(spec)
     return container
 
 
@@ -152,7 +174,7 @@ def _volumes(parent: Parent, model_volume: dict[str, Any]) -> list[dict[str, Any
             {"name": "api-key", "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": "api-key"}],
                                            "defaultMode": 0o440}}
         )
-    return volumes
+    return volumes + [dict(v) for v in spec.template.volumes]
 
 
 def build_engine_deployment(parent: Parent, *, replicas: int | None, kv_auth_hash: str | None) -> dict[str, Any]:
@@ -175,12 +197,16 @@ def build_engine_deployment(parent: Parent, *, replicas: int | None, kv_auth_has
         # which the engine reads as its --port flag.
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": PRESTOP_SECONDS + spec.engine.drain_seconds + 5,
+        "securityContext": security.pod_security_context(spec),
         "affinity": _affinity(parent),
-        "containers": [_container(parent, source.path)],
+        "containers": [_container(parent, source.path), *(dict(c) for c in template.sidecars)],
         "volumes": _volumes(parent, source.volume),
     }
     if source.init_containers:
-        pod_spec["initContainers"] = source.init_containers
+        pod_spec["initContainers"] = [
+            {**c, "securityContext": security.container_security_context(spec, engine=False)}
+            for c in source.init_containers
+        ]
     if template.node_selector:
         pod_spec["nodeSelector"] = dict(template.node_selector)
     if template.tolerations:
@@ -189,6 +215,12 @@ def build_engine_deployment(parent: Parent, *, replicas: int | None, kv_auth_has
         pod_spec["priorityClassName"] = template.priority_class_name
     if template.service_account_name:
         pod_spec["serviceAccountName"] = template.service_account_name
+    if template.runtime_class_name:
+        pod_spec["runtimeClassName"] = template.runtime_class_name
+    if template.scheduler_name:
+        pod_spec["schedulerName"] = template.scheduler_name
+    if template.topology_spread_constraints:
+        pod_spec["topologySpreadConstraints"] = [dict(c) for c in template.topology_spread_constraints]
     if spec.engine.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.engine.image_pull_secrets]
     deployment_spec: dict[str, Any] = {

@@ -105,6 +105,7 @@ def build_kv_deployment(parent: Parent, *, auth_hash: str) -> dict[str, Any]:
                 "spec": {
                     "enableServiceLinks": False,
                     "automountServiceAccountToken": False,
+                    "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
                     "containers": [container],
                     "volumes": [{"name": "data", "emptyDir": {}}],
                 },
