@@ -30,19 +30,22 @@ class Kind:
         return self.api_version.rpartition("/")[0]
 
 
+# "delete" marks the kinds a spec change can make unwanted (the reconcile prunes them).
 CHILD_KINDS = (
     Kind("apps/v1", "Deployment", "deployments", "AppsV1Api", "deployment",
-         ("get", "list", "watch", "create", "patch")),
-    Kind("v1", "Service", "services", "CoreV1Api", "service", ("get", "list", "watch", "create", "patch")),
-    # Secrets are not watched: a watch would read every Secret in the namespace.
-    Kind("v1", "Secret", "secrets", "CoreV1Api", "secret", ("get", "create", "patch")),
+         ("get", "list", "watch", "create", "patch", "delete")),
+    Kind("v1", "Service", "services", "CoreV1Api", "service", ("get", "list", "watch", "create", "patch", "delete")),
+    # Secrets are neither watched nor listed: that would read every Secret in the namespace. The
+    # ones to prune are found by the names the operator gives them.
+    Kind("v1", "Secret", "secrets", "CoreV1Api", "secret", ("get", "create", "patch", "delete")),
     Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies", "NetworkingV1Api", "network_policy",
-         ("get", "list", "watch", "create", "patch")),
+         ("get", "list", "watch", "create", "patch", "delete")),
     Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets", "PolicyV1Api", "pod_disruption_budget",
          ("get", "list", "watch", "create", "patch")),
 )
 KINDS = {(k.api_version, k.kind): k for k in CHILD_KINDS}
 WATCHED_KINDS = tuple(k for k in CHILD_KINDS if "watch" in k.verbs)
+PRUNED_KINDS = tuple(k for k in CHILD_KINDS if "delete" in k.verbs)
 # Engine pods: listed by label selector (RDMA readiness, the autoscaler's polls; a watch would
 # stream every pod of the cluster into the operator) and annotated with a deletion cost.
 POD_VERBS = ("list", "patch")
@@ -81,6 +84,23 @@ class Kube:
         """Apply a JSON merge patch."""
         method = self._method(api_version, kind, "patch")
         return json.loads(method(name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False).data)
+
+    def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """Objects of a kind matching a label selector."""
+        response = self._method(api_version, kind, "list")(namespace, label_selector=selector, _preload_content=False)
+        return json.loads(response.data).get("items", [])
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> bool:
+        """Delete exactly this object (uid precondition), its dependents in the background; False if gone."""
+        options = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid),
+                                          propagation_policy="Background")
+        try:
+            self._method(api_version, kind, "delete")(name, namespace, body=options, _preload_content=False)
+        except ApiException as exc:
+            if exc.status in (404, 409):  # gone, or replaced by an object of the same name
+                return False
+            raise
+        return True
 
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         """Pods matching a label selector."""

@@ -42,6 +42,16 @@ def kv_secret_name(parent: str) -> str:
     return f"{parent}-kv-auth"
 
 
+def secret_names(parent: str) -> list[str]:
+    """Every Secret the operator may create for a fleet (Secrets are pruned by name, never listed)."""
+    return [kv_secret_name(parent)]
+
+
+def children_selector(parent: str) -> dict[str, str]:
+    """Labels on every child object of one fleet."""
+    return {"app.kubernetes.io/managed-by": MANAGER, PARENT_LABEL: parent}
+
+
 def engine_selector(parent: str) -> dict[str, str]:
     """Labels that select exactly the engine pods of one fleet (Deployment selectors are immutable)."""
     return {PARENT_LABEL: parent}

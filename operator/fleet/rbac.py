@@ -13,8 +13,8 @@ from fleet.kube import CHILD_KINDS, POD_VERBS
 def rules() -> list[dict[str, Any]]:
     """PolicyRules for a ClusterRole (cluster-wide) or a Role per watched namespace."""
     out: list[dict[str, Any]] = [
-        # Kopf watches fleets and keeps its bookkeeping in their annotations; no delete: children
-        # go with their owner through garbage collection, and the operator never deletes a fleet.
+        # Kopf watches fleets and keeps its bookkeeping in their annotations; no delete: the
+        # operator never deletes a fleet (it deletes only children the spec no longer asks for).
         {"apiGroups": [names.GROUP], "resources": [names.PLURAL], "verbs": ["get", "list", "watch", "patch"]},
         {"apiGroups": [names.GROUP], "resources": [f"{names.PLURAL}/status"], "verbs": ["get", "patch"]},
         # Owner references with blockOwnerDeletion need this where OwnerReferencesPermissionEnforcement is on.

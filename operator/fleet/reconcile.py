@@ -13,7 +13,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from fleet import drift, names
-from fleet.kube import Kube
+from fleet.kube import PRUNED_KINDS, Kube
 from fleet.manifests import build_children
 from fleet.manifests.kv_directory import new_password, read_password
 from fleet.options import BuildOptions
@@ -131,6 +131,7 @@ class _Pass:
         password, kv_problem = self._kv_password()
         children = build_children(parent, kv_password=password, replicas=self._replicas(engine))
         applied = {(c["kind"], c["metadata"]["name"]): self._apply(c) for c in children}
+        self._prune(set(applied))
         observed = Observed(
             engine=applied.get(("Deployment", names.engine_name(parent.name))),
             redis=applied.get(("Deployment", names.kv_name(parent.name))),
@@ -219,6 +220,38 @@ class _Pass:
                 raise  # transient: the caller retries
             self.blocked.append(f"{kind} {name} was rejected by the API server: {_reason(exc)}")
             return live
+
+    def _prune(self, wanted: set[tuple[str, str]]) -> None:
+        """Delete the children of this fleet that the spec no longer asks for (say, a managed Redis
+        after a switch to an external one). Only objects that carry this fleet's labels and name
+        its uid as controller go: an object of the same name owned by anyone else is never touched."""
+        uid = self.body["metadata"].get("uid")
+        labels = names.children_selector(self.parent.name)
+        for kind in PRUNED_KINDS:
+            if "list" in kind.verbs:
+                candidates = self.kube.list(kind.api_version, kind.kind, self.parent.namespace,
+                                            names.selector_string(labels))
+            else:
+                found = (self._get(kind.api_version, kind.kind, n) for n in names.secret_names(self.parent.name))
+                candidates = [c for c in found if c is not None]
+            for live in candidates:
+                meta = live.get("metadata", {})
+                if (kind.kind, meta.get("name")) in wanted or not uid:
+                    continue
+                owned = (_controller(live) or {}).get("uid") == uid
+                if not owned or not labels.items() <= (meta.get("labels") or {}).items():
+                    continue
+                try:
+                    deleted = self.kube.delete(kind.api_version, kind.kind, self.parent.namespace, meta["name"],
+                                               uid=meta["uid"])
+                except ApiException as exc:
+                    if exc.status not in (403, 422):
+                        raise
+                    self.blocked.append(f"{kind.kind} {meta['name']} is no longer wanted but could not be deleted: "
+                                        f"{_reason(exc)}")
+                    continue
+                if deleted:
+                    self._did(f"Deleted {kind.kind} {meta['name']}, which the spec no longer asks for")
 
     def _did(self, action: str) -> None:
         self.outcome.actions.append(action)

@@ -151,6 +151,12 @@ async def drive_every_path(cluster: Cluster, metrics_port: int) -> None:
         await cluster.patch(api_version, plural, name, {"metadata": {"labels": {"app.kubernetes.io/part-of": None}}})
     for api_version, plural, name in children:
         await eventually(lambda: labelled(cluster, api_version, plural, name), what=f"repaired {plural}/{name}")
+
+    # A switch to an external directory prunes the managed Redis: a delete of each prunable kind.
+    await cluster.patch(names.API_VERSION, names.PLURAL, "a", {"spec": {"kvCache": {"directory": {
+        "managed": None, **external}}}})
+    for api_version, plural, name in children[4:]:
+        await eventually(lambda: cluster.get(api_version, plural, name) is None, what=f"pruned {plural}/{name}")
     await quiet(cluster)
 
 
