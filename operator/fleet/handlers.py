@@ -10,7 +10,7 @@ from kubernetes.client.exceptions import ApiException
 
 from fleet import names
 from fleet.kube import WATCHED_KINDS
-from fleet.runtime import Runtime
+from fleet.runtime import Runtime, warn_about_fleet
 from fleet.settings import OperatorSettings
 
 RETRY_DELAY_SECONDS = 10
@@ -57,10 +57,22 @@ async def track_autoscaling(event: kopf.RawEvent, body: kopf.Body, namespace: st
         memo.runtime.autoscalers.observe(body)
 
 
+@kopf.on.event(names.GROUP, names.VERSION, names.PLURAL, id="resync")
+async def track_fleets(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Keep the resync's list of fleets current, and start its loop with the first fleet.
+
+    Started from a handler (like the autoscalers), its task inherits the context in which
+    Kopf's event posting works; a startup handler's would not.
+    """
+    memo.runtime.resync.observe(body, deleted=event.get("type") == "DELETED")
+    memo.runtime.resync.start()
+
+
 @kopf.on.cleanup()
 async def stop_autoscalers(memo: kopf.Memo, **_: Any) -> None:
-    """The operator is stopping: end every autoscaler loop and close its connections."""
+    """The operator is stopping: end the resync and every autoscaler loop, and close their connections."""
     if getattr(memo, "runtime", None) is not None:
+        await memo.runtime.resync.stop()
         await memo.runtime.autoscalers.close()
 
 
@@ -80,11 +92,10 @@ def child_changed(body: kopf.Body, namespace: str, memo: kopf.Memo, logger: Any,
         memo.runtime.reconcile(namespace, owner["name"], wait=False)
     except ApiException as exc:
         # No retry loop here: the next event, or the parent's own handlers, will come back to it.
-        message = f"Reconciling after a change to {body.get('kind')} {body.metadata.name} failed: {exc.status} {exc.reason}"
+        message = (f"Reconciling after a change to {body.get('kind')} {body.metadata.name} failed: "
+                   f"{exc.status} {exc.reason}; the periodic resync retries it.")
         logger.warning(message)
-        fleet = {"apiVersion": owner["apiVersion"], "kind": owner["kind"],
-                 "metadata": {"name": owner["name"], "namespace": namespace, "uid": owner.get("uid")}}
-        kopf.warn(fleet, reason="ReconcileFailed", message=message)
+        warn_about_fleet(namespace, owner["name"], owner.get("uid"), message)
 
 
 def _watch_children() -> None:

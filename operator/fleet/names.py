@@ -16,6 +16,7 @@ PARENT_LABEL = f"{GROUP}/deployment"  # on every child object and on engine pods
 KV_DIRECTORY_LABEL = f"{GROUP}/kv-directory"  # on Redis pods (kept off the engine selector)
 LAST_APPLIED = f"{GROUP}/last-applied"  # what we last wrote, to find fields we must remove
 KV_AUTH_HASH = f"{GROUP}/kv-auth-hash"  # pod-template annotation: a password change rolls pods
+SECRETS_HASH = f"{GROUP}/secrets-hash"  # pod-template annotation: a change to a referenced Secret rolls pods
 
 HTTP_PORT = 8000
 KV_TRANSFER_PORT = 8100

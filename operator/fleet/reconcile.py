@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -129,7 +130,8 @@ class _Pass:
         parent = self.parent
         engine = self._get("apps/v1", "Deployment", names.engine_name(parent.name))
         password, kv_problem = self._kv_password()
-        children = build_children(parent, kv_password=password, replicas=self._replicas(engine))
+        children = build_children(parent, kv_password=password, replicas=self._replicas(engine),
+                                  secrets_hash=self._secrets_hash())
         applied = {(c["kind"], c["metadata"]["name"]): self._apply(c) for c in children}
         self._prune(set(applied))
         observed = Observed(
@@ -178,6 +180,23 @@ class _Pass:
                 "it is spliced into the redis:// URL, so use letters, digits and -._~ only."
             )
         return None, None
+
+    def _secrets_hash(self) -> str | None:
+        """A digest of the referenced Secret keys the engine pods read, None if they read none.
+
+        Secrets are read by name on every pass (no list or watch on Secrets): a rotated API key or
+        password changes the digest on the pod template at the next pass, which rolls the pods.
+        """
+        spec = self.parent.spec
+        refs = [spec.engine.api_key_secret_ref, spec.kv_cache.directory.password_secret_ref,
+                spec.model.token_secret_ref]
+        used = sorted({(r.name, r.key) for r in refs if r is not None})
+        if not used:
+            return None
+        values = {f"{name}/{key}": ((self._get("v1", "Secret", name) or {}).get("data") or {}).get(key)
+                  for name, key in used}
+        digest = hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
+        return digest[:16]
 
     def _pods(self) -> list[dict[str, Any]]:
         selector = names.selector_string(names.engine_selector(self.parent.name))

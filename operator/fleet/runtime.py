@@ -9,9 +9,11 @@ from typing import Any
 import kopf
 from kubernetes import client, config
 
+from fleet import names
 from fleet.autoscaler.registry import Autoscalers
 from fleet.kube import Kube
 from fleet.reconcile import Outcome, Reconciler
+from fleet.resync import Resync
 from fleet.settings import OperatorSettings
 from fleet.turns import Turns
 
@@ -21,13 +23,26 @@ def post_kopf_event(body: dict[str, Any], type_: str, reason: str, message: str)
     kopf.event(body, type=type_, reason=reason, message=message[:1024])
 
 
+def warn_about_fleet(namespace: str, name: str, uid: str | None, message: str) -> None:
+    """A Warning Event about a fleet known only by its identity (a pass that failed outside Kopf's retries)."""
+    fleet = {"apiVersion": names.API_VERSION, "kind": names.KIND,
+             "metadata": {"name": name, "namespace": namespace, "uid": uid}}
+    kopf.warn(fleet, reason="ReconcileFailed", message=message[:1024])
+
+
 @dataclass
 class Runtime:
-    """The reconciler, the per-fleet turns and the autoscalers."""
+    """The reconciler, the per-fleet turns, the autoscalers and the periodic resync."""
 
     reconciler: Reconciler
     autoscalers: Autoscalers
     turns: Turns = field(default_factory=Turns)
+    resync_seconds: float = 0.0
+    resync: Resync = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.resync = Resync(lambda ns, name: self.reconcile(ns, name, wait=False), warn_about_fleet,
+                             interval=self.resync_seconds)
 
     @classmethod
     def from_environment(cls, settings: OperatorSettings) -> Runtime:
@@ -38,7 +53,7 @@ class Runtime:
             config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
         kube = Kube(client.ApiClient())
         reconciler = Reconciler(kube, post_kopf_event, options=settings.build_options())
-        return cls(reconciler, Autoscalers(kube, post_kopf_event))
+        return cls(reconciler, Autoscalers(kube, post_kopf_event), resync_seconds=settings.resync_seconds)
 
     def reconcile(self, namespace: str, name: str, *, wait: bool) -> Outcome | None:
         """Reconcile one fleet in its turn; wait=False folds into a pass already running."""

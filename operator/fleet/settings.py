@@ -26,6 +26,8 @@ class OperatorSettings(BaseModel):
     """Debug logging."""
     engine_image: str = Field(default=DEFAULT_ENGINE_IMAGE, min_length=1)
     """Engine image of fleets that name none in spec.engine.image."""
+    resync_seconds: float = Field(default=60.0, ge=0)
+    """Interval of the periodic pass over every fleet (0 turns it off)."""
 
     @property
     def clusterwide(self) -> bool:
@@ -47,6 +49,9 @@ class OperatorSettings(BaseModel):
         scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch the whole cluster (default)")
         parser.add_argument("--liveness", metavar="URL", help="liveness endpoint; 'off' disables it")
         parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+        parser.add_argument("--resync-seconds", metavar="S", type=float,
+                            help="interval of the periodic pass over every fleet, 0 = off (60); "
+                            "env DEEPSEEK_OPERATOR_RESYNC_SECONDS")
         parser.add_argument("--engine-image", metavar="IMAGE",
                             help="engine image of fleets without spec.engine.image; env DEEPSEEK_OPERATOR_ENGINE_IMAGE")
         args = parser.parse_args(list(argv))
@@ -58,4 +63,11 @@ class OperatorSettings(BaseModel):
             liveness_endpoint=None if liveness == "off" else liveness,
             verbose=args.verbose or environ.get(f"{ENV_PREFIX}VERBOSE", "").lower() in ("1", "true", "yes"),
             engine_image=args.engine_image or environ.get(f"{ENV_PREFIX}ENGINE_IMAGE") or DEFAULT_ENGINE_IMAGE,
+            resync_seconds=_first(args.resync_seconds, environ.get(f"{ENV_PREFIX}RESYNC_SECONDS"),
+                                  cls.model_fields["resync_seconds"].default),
         )
+
+
+def _first(*values: object) -> object:
+    """The first value that is set (a flag, then an environment variable, then the default)."""
+    return next(v for v in values if v is not None and v != "")

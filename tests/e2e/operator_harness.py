@@ -91,6 +91,15 @@ class Emulator(kmock.KubernetesEmulator):
     """kmock's emulator plus the object bookkeeping a real API server does."""
 
     _revision: int = attrs.field(default=0, init=False)
+    _failures: dict[tuple[str, str], int] = attrs.field(factory=dict, init=False)
+
+    def fail_next(self, method: str, plural: str, times: int = 1) -> None:
+        """Answer the next `times` requests of this method on this resource with a 500, as an
+        overloaded or restarting API server would."""
+        self._failures[(method, plural)] = times
+
+    def failures_left(self, method: str, plural: str) -> int:
+        return self._failures.get((method, plural), 0)
 
     def _next_revision(self) -> str:
         self._revision += 1
@@ -109,6 +118,10 @@ class Emulator(kmock.KubernetesEmulator):
         return False
 
     async def _handle(self, request: kmock.Request) -> Any:
+        key = (request.method.value, getattr(request.resource, "plural", None))
+        if self._failures.get(key):
+            self._failures[key] -= 1
+            raise kmock.KubernetesError(status=500, reason="InternalError", message="injected by the test")
         if request.resource is not None and isinstance(request.data, dict) and request.action == kmock.action.CREATE:
             self._stamp_new(request.data)
         elif request.resource is not None and request.action == kmock.action.UPDATE and request.name is not None:

@@ -9,12 +9,11 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
-from operator_harness import NAMESPACE, Cluster, RunningOperator, emulated_cluster, eventually
+from operator_harness import NAMESPACE, Cluster, RunningOperator, eventually
 
 from engine.metrics import EngineMetrics
 from fleet import names
@@ -23,12 +22,6 @@ pytestmark = pytest.mark.timeout(120)
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 AUTOSCALING = {"enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 4, "pollIntervalSeconds": 1,
                "scaleDownStabilizationSeconds": 3, "maxScaleUpStep": 2, "maxScaleDownStep": 1}
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Cluster]:
-    async with emulated_cluster(tmp_path, monkeypatch) as cluster:
-        yield cluster
 
 
 @pytest.fixture

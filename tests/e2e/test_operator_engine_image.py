@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_harness import Cluster, RunningOperator, emulated_cluster, eventually, fleet_manifest
+from operator_harness import Cluster, RunningOperator, eventually, fleet_manifest
 
 from fleet import names
 from fleet.settings import OperatorSettings
 
 pytestmark = pytest.mark.timeout(60)
 OPERATOR_DEFAULT = "registry.example/deepseek-engine:7.0"
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Cluster]:
-    async with emulated_cluster(tmp_path, monkeypatch) as cluster:
-        yield cluster
 
 
 def pod_spec(cluster: Cluster) -> dict[str, Any]:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_harness import NAMESPACE, Cluster, RunningOperator, emulated_cluster, eventually, quiet
+from operator_harness import NAMESPACE, Cluster, RunningOperator, eventually, quiet
 
 from fleet import names
 
@@ -23,12 +22,6 @@ def fleet_manifest(name: str = "v3", **spec: Any) -> dict[str, Any]:
     }
     return {"apiVersion": names.API_VERSION, "kind": names.KIND,
             "metadata": {"name": name, "namespace": NAMESPACE}, "spec": {**base, **spec}}
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Cluster]:
-    async with emulated_cluster(tmp_path, monkeypatch) as cluster:
-        yield cluster
 
 
 @pytest.fixture

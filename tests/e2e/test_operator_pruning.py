@@ -4,32 +4,16 @@ against the emulated API server switches a fleet from a managed to an external R
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_harness import (
-    NAMESPACE,
-    Cluster,
-    RunningOperator,
-    emulated_cluster,
-    eventually,
-    fleet_manifest,
-    quiet,
-)
+from operator_harness import NAMESPACE, Cluster, RunningOperator, eventually, fleet_manifest, quiet
 
 from fleet import names
 
 pytestmark = pytest.mark.timeout(90)
 MANAGED_REDIS = [("apps/v1", "deployments", "v3-kv"), ("v1", "services", "v3-kv"),
                  ("networking.k8s.io/v1", "networkpolicies", "v3-kv"), ("v1", "secrets", "v3-kv-auth")]
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Cluster]:
-    async with emulated_cluster(tmp_path, monkeypatch) as cluster:
-        yield cluster
 
 
 def lookalike(kind: str, name: str, owner: dict[str, Any] | None) -> dict[str, Any]:

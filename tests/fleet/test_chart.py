@@ -35,6 +35,7 @@ SCENARIOS = {
         "engineImage": "registry.example.com/platform/deepseek-engine:0.1.0",
         "watchNamespaces": ["llm"],
         "logLevel": "debug",
+        "resyncSeconds": 30,
         "serviceAccount": {"create": False, "name": "platform-operator"},
         "liveness": {"enabled": False},
         "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
@@ -149,6 +150,7 @@ def test_the_operator_reads_the_settings_the_chart_sets(scenario: str) -> None:
     assert settings.verbose == (values.get("logLevel") == "debug")
     chart_default = yaml.safe_load((CHART / "values.yaml").read_text())["engineImage"]
     assert settings.engine_image == values.get("engineImage", chart_default)
+    assert settings.resync_seconds == values.get("resyncSeconds", 60)
     if values.get("liveness", {}).get("enabled", True):
         port = operator["livenessProbe"]["httpGet"]["port"]
         (declared,) = [p for p in operator["ports"] if p["name"] == port]
@@ -258,6 +260,7 @@ BAD_VALUES = [
     ({"image": {"repository": ""}}, "repository"),
     ({"image": {"repository": "r", "digest": "latest"}}, "digest"),
     ({"liveness": {"port": 0}}, "port"),
+    ({"resyncSeconds": -1}, "resyncSeconds"),
     ({"serviceAccount": {"create": False}}, "serviceAccount.name is required"),
 ]
 

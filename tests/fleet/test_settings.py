@@ -39,3 +39,9 @@ def test_engine_image_from_flag_environment_or_the_release() -> None:
     assert from_env.build_options().engine_image == "r/e:2"
     flag = OperatorSettings.load(["--engine-image", "r/e:3"], environ={"DEEPSEEK_OPERATOR_ENGINE_IMAGE": "r/e:2"})
     assert flag.engine_image == "r/e:3"
+
+
+def test_resync_interval() -> None:
+    assert OperatorSettings.load([], environ={}).resync_seconds == 60
+    assert OperatorSettings.load([], environ={"DEEPSEEK_OPERATOR_RESYNC_SECONDS": "0"}).resync_seconds == 0
+    assert OperatorSettings.load(["--resync-seconds", "5"], environ={}).resync_seconds == 5

@@ -17,11 +17,13 @@ from fleet.manifests.services import build_engine_service, build_peers_service
 from fleet.parent import Parent
 
 
-def build_children(parent: Parent, *, kv_password: str | None, replicas: int | None) -> list[dict[str, Any]]:
+def build_children(parent: Parent, *, kv_password: str | None, replicas: int | None,
+                   secrets_hash: str | None = None) -> list[dict[str, Any]]:
     """Every child of a fleet, in creation order (what others depend on first).
 
     kv_password is the managed Redis password (None for an external directory); replicas is
-    None when the autoscaler owns the engine Deployment's replica count.
+    None when the autoscaler owns the engine Deployment's replica count; secrets_hash digests the
+    Secrets the engines read (API key, external Redis password, Hugging Face token).
     """
     children: list[dict[str, Any]] = []
     auth_hash = None
@@ -38,6 +40,6 @@ def build_children(parent: Parent, *, kv_password: str | None, replicas: int | N
         build_engine_service(parent),
         build_peers_service(parent),
         build_disruption_budget(parent),
-        build_engine_deployment(parent, replicas=replicas, kv_auth_hash=auth_hash),
+        build_engine_deployment(parent, replicas=replicas, kv_auth_hash=auth_hash, secrets_hash=secrets_hash),
     ]
     return children

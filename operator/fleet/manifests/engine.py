@@ -177,7 +177,8 @@ def _volumes(parent: Parent, model_volume: dict[str, Any]) -> list[dict[str, Any
     return volumes + [dict(v) for v in spec.template.volumes]
 
 
-def build_engine_deployment(parent: Parent, *, replicas: int | None, kv_auth_hash: str | None) -> dict[str, Any]:
+def build_engine_deployment(parent: Parent, *, replicas: int | None, kv_auth_hash: str | None,
+                            secrets_hash: str | None = None) -> dict[str, Any]:
     """The engine Deployment; replicas=None leaves the count to whoever owns it (the autoscaler)."""
     spec = parent.spec
     source = model_source(spec.model, spec.engine, parent.engine_image)
@@ -192,6 +193,8 @@ def build_engine_deployment(parent: Parent, *, replicas: int | None, kv_auth_has
     }
     if kv_auth_hash is not None:
         annotations[names.KV_AUTH_HASH] = kv_auth_hash
+    if secrets_hash is not None:
+        annotations[names.SECRETS_HASH] = secrets_hash
     pod_spec: dict[str, Any] = {
         # Service links would inject e.g. DEEPSEEK_ENGINE_PORT for a Service named deepseek-engine,
         # which the engine reads as its --port flag.
