@@ -25,11 +25,13 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         prefix=names.GROUP, key="last-handled-configuration"
     )
     settings.posting.reporting_component = names.MANAGER
-    settings.scanning.disabled = True  # no cluster-wide CRD watch (and no RBAC for it)
     settings.watching.server_timeout = 300  # re-establish watches every few minutes
+    # `deepseek-operator` hands its parsed settings over; otherwise (kopf run) the environment decides.
+    operator_settings = getattr(memo, "settings", None) or OperatorSettings.load([], os.environ)
+    # Kopf resolves namespace patterns by listing and watching namespaces (scanning); exact names
+    # need none of it, nor the cluster-wide RBAC it takes.
+    settings.scanning.disabled = not operator_settings.namespace_globs
     if getattr(memo, "runtime", None) is None:
-        # `deepseek-operator` hands its parsed settings over; otherwise (kopf run) the environment decides.
-        operator_settings = getattr(memo, "settings", None) or OperatorSettings.load([], os.environ)
         memo.runtime = Runtime.from_environment(operator_settings)
 
 

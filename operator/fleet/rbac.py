@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import yaml
@@ -10,8 +11,12 @@ from fleet import names
 from fleet.kube import CHILD_KINDS, POD_VERBS
 
 
-def rules() -> list[dict[str, Any]]:
-    """PolicyRules for a ClusterRole (cluster-wide) or a Role per watched namespace."""
+def rules(*, namespace_globs: bool = False) -> list[dict[str, Any]]:
+    """PolicyRules for a ClusterRole (cluster-wide) or a Role per watched namespace.
+
+    namespace_globs: the operator watches namespace patterns (`-n 'llm-*'`), which Kopf resolves by
+    listing and watching namespaces; those rules only work in a ClusterRole.
+    """
     out: list[dict[str, Any]] = [
         # Kopf watches fleets and keeps its bookkeeping in their annotations; no delete: the
         # operator never deletes a fleet (it deletes only children the spec no longer asks for).
@@ -28,14 +33,17 @@ def rules() -> list[dict[str, Any]]:
         {"apiGroups": [""], "resources": ["pods"], "verbs": list(POD_VERBS)},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     ]
+    if namespace_globs:
+        out.append({"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]})
     return out
 
 
-def cluster_role(name: str = names.MANAGER) -> dict[str, Any]:
+def cluster_role(name: str = names.MANAGER, *, namespace_globs: bool = False) -> dict[str, Any]:
     """A ClusterRole holding the rules."""
     return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": name},
-            "rules": rules()}
+            "rules": rules(namespace_globs=namespace_globs)}
 
 
 if __name__ == "__main__":
-    print(yaml.safe_dump(cluster_role(), sort_keys=False), end="")
+    # `--namespace-globs`: the ClusterRole for an operator started with namespace patterns.
+    print(yaml.safe_dump(cluster_role(namespace_globs="--namespace-globs" in sys.argv), sort_keys=False), end="")

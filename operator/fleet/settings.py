@@ -33,6 +33,11 @@ class OperatorSettings(BaseModel):
     def clusterwide(self) -> bool:
         return not self.namespaces
 
+    @property
+    def namespace_globs(self) -> bool:
+        """Whether a namespace is a Kopf pattern (`llm-*`, `!kube-*`), which needs the namespaces observed."""
+        return any(c in ns for ns in self.namespaces for c in "*?!,")
+
     def build_options(self) -> BuildOptions:
         """The part of the settings that shapes every fleet's children."""
         return BuildOptions(engine_image=self.engine_image)

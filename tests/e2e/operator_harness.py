@@ -5,6 +5,8 @@ resourceVersion, generation or creationTimestamp, answers a failed JSON-patch `t
 and can lose events between a watch's snapshot and its subscription. `Emulator` fixes those, and
 also filters lists by label selector, honours resourceVersion preconditions (409), names
 generateName objects and keeps spec and status apart for resources with a status subresource.
+It also parses `/api/v1/namespaces` (kmock 0.8 cannot), so Kopf can resolve namespace patterns,
+and can fail chosen requests with a 500 (`fail_next`).
 
 Still not emulated (covered by unit tests of the logic behind them instead): garbage collection
 (`collect_garbage()` below is an explicit, test-driven stand-in), admission (schema validation,
@@ -30,6 +32,7 @@ import jsonpatch
 import kmock
 import kopf
 import yaml
+from kmock._internal import parsing as kmock_parsing
 from kubernetes.config import kube_config
 
 from fleet import names
@@ -51,6 +54,17 @@ CLUSTER_RESOURCES = {  # present on every real cluster; Kopf waits for them in d
     "v1/namespaces": dict(kind="Namespace"),
 }
 VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+
+
+def _parse_path(path: str, _parse: Callable[[str], Any] = kmock_parsing.parse_path) -> Any:
+    """kmock 0.8 reads `/api/v1/namespaces` (the Namespace collection) as the start of a namespaced
+    path and fails; that collection is what Kopf lists and watches to resolve namespace patterns."""
+    if path.rstrip("/") == "/api/v1/namespaces":
+        return kmock_parsing.ParsedPath(group="", version="v1", plural="namespaces")
+    return _parse(path)
+
+
+kmock_parsing.parse_path = _parse_path
 
 
 def _merge(base: Any, patch: Any) -> Any:
@@ -253,7 +267,11 @@ class Cluster:
         plural = manifest["kind"].lower() + "s"
         if manifest["kind"] == names.KIND:
             plural = names.PLURAL
-        return await self._call("POST", path_of(manifest["apiVersion"], plural), manifest, "application/json")
+        if manifest["kind"] == "Namespace":
+            return await self._call("POST", "/api/v1/namespaces", manifest, "application/json")
+        namespace = manifest["metadata"].get("namespace", NAMESPACE)
+        path = path_of(manifest["apiVersion"], plural, namespace=namespace)
+        return await self._call("POST", path, manifest, "application/json")
 
     async def patch(self, api_version: str, plural: str, name: str, patch: Any, *, subresource: str = "") -> Any:
         path = path_of(api_version, plural, name) + (f"/{subresource}" if subresource else "")
@@ -263,9 +281,9 @@ class Cluster:
     async def delete(self, api_version: str, plural: str, name: str) -> Any:
         return await self._call("DELETE", path_of(api_version, plural, name))
 
-    def get(self, api_version: str, plural: str, name: str) -> dict[str, Any] | None:
+    def get(self, api_version: str, plural: str, name: str, namespace: str = NAMESPACE) -> dict[str, Any] | None:
         try:
-            obj = self.emulator.objects[f"{api_version}/{plural}", NAMESPACE, name]
+            obj = self.emulator.objects[f"{api_version}/{plural}", namespace, name]
         except KeyError:
             return None
         return None if obj.deleted else copy.deepcopy(obj.raw)
@@ -366,8 +384,9 @@ class RunningOperator:
         import fleet.handlers  # noqa: F401  (registers the handlers, as the CLI does)
 
         try:
+            namespaces = list(self.settings.namespaces) if self.settings and self.settings.namespaces else [NAMESPACE]
             asyncio.run(kopf.operator(
-                namespaces=[NAMESPACE], standalone=True, stop_flag=self._stop, ready_flag=self._ready,
+                namespaces=namespaces, standalone=True, stop_flag=self._stop, ready_flag=self._ready,
                 memo=kopf.Memo(settings=self.settings),
             ))
         except BaseException as exc:  # surfaced by stop()

@@ -21,6 +21,16 @@ def test_namespaces_from_flags_or_environment() -> None:
     assert forced.clusterwide
 
 
+def test_namespace_patterns_are_told_apart_from_names() -> None:
+    from fleet.rbac import rules
+
+    assert not OperatorSettings.load(["-n", "llm", "-n", "llm-staging"], environ={}).namespace_globs
+    assert OperatorSettings.load(["-n", "llm-*"], environ={}).namespace_globs
+    assert OperatorSettings.load(["-n", "!kube-system"], environ={}).namespace_globs
+    namespaces = {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]}
+    assert namespaces in rules(namespace_globs=True) and namespaces not in rules()
+
+
 def test_liveness_and_verbosity() -> None:
     settings = OperatorSettings.load(["--liveness", "off", "-v"], environ={})
     assert settings.liveness_endpoint is None and settings.verbose
