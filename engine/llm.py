@@ -34,12 +34,12 @@ class LLM:
         return self._run(prompts, params_list, use_tqdm)
 
     def score(self, prompts: list[Prompt]) -> list[torch.Tensor]:
-        """Logits [len(prompt), vocab] (float32) for every prompt position, through the serving path."""
+        """Logits [len(prompt), vocab] (float32, on the CPU) for every prompt position, through the serving path."""
         params = [SamplingParams(temperature=0.0, max_tokens=1) for _ in prompts]
         ids = self._submit(prompts, params, collect_logits=True)
         seqs = [self.engine.requests[i] for i in ids]
         self._drain(len(ids), False)
-        return [torch.cat(s.prompt_logits)[: s.num_prompt_tokens] for s in seqs]
+        return [torch.cat(s.prompt_logits)[: s.num_prompt_tokens].cpu() for s in seqs]
 
     def _submit(self, prompts, params_list, collect_logits=False) -> list[str]:
         ids = []

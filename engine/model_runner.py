@@ -183,15 +183,16 @@ class ModelRunner:
         """How many KV blocks this rank can hold: `num_kv_blocks` if set; else `kv_cache_memory` bytes;
         else, on a GPU, `gpu_memory_utilization` of the card less what is in use once the weights are
         loaded and less the activation peak of the largest step (measured by running the warm-up over a
-        one-block pool, as vLLM's profiling step does); else (CPU) 1 GiB, capped at what max_num_seqs
-        sequences of max_model_len tokens can use."""
+        one-block pool, as vLLM's profiling step does); else (CPU) 1 GiB. The last two are capped at
+        what max_num_seqs sequences of max_model_len tokens can use: a small model on a large card
+        would otherwise get millions of blocks, each a bookkeeping entry on the host."""
         c = self.config
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if c.kv_cache_memory is not None:
             return max(1, int(c.kv_cache_memory // self.block_bytes))
+        by_need = c.max_num_seqs * -(-self.max_model_len // self.block_size)
         if self.device.type != "cuda":
-            by_need = c.max_num_seqs * -(-self.max_model_len // self.block_size)
             return max(1, min(int(DEFAULT_CPU_KV_MEMORY // self.block_bytes), by_need))
         self._allocate(1)
         torch.cuda.synchronize(self.device)
@@ -213,7 +214,10 @@ class ModelRunner:
             raise MemoryError(f"no room for the KV cache: gpu_memory_utilization {c.gpu_memory_utilization} of "
                               f"{total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB after the weights and "
                               "activations; raise it, lower max_num_batched_tokens, or use more GPUs")
-        return blocks
+        if blocks > by_need:
+            logger.info("KV memory for %d blocks; %d hold max_num_seqs (%d) sequences of max_model_len (%d) "
+                        "tokens, and no more are taken", blocks, by_need, c.max_num_seqs, self.max_model_len)
+        return min(blocks, by_need)
 
     def _allocate(self, num_blocks: int) -> None:
         self.kv_pool = KVPool(self.kv_specs, num_blocks, self.block_size, self.device)

@@ -23,3 +23,27 @@ def deepseek_tokenizer_dir(tmp_path_factory) -> Path:
 def random_checkpoint(tmp_path_factory) -> Path:
     """A tiny random DeepSeek-V3-format checkpoint, shared by tests that only read it."""
     return make_random_checkpoint(tmp_path_factory.mktemp("random-ckpt"), seed=0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def share_the_gpu():
+    """On a GPU, a test process holds many engines at once (and earlier tests' until they are collected):
+    each gets a 1 GiB KV pool unless the test sizes its own, instead of gpu_memory_utilization of the card."""
+    import torch
+
+    if not torch.cuda.is_available():
+        yield
+        return
+    import engine.llm
+
+    real = engine.llm.EngineConfig
+
+    def config(**kwargs):
+        sized = {"num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization"} & kwargs.keys()
+        if not sized and kwargs.get("device", "auto") != "cpu":
+            kwargs["kv_cache_memory"] = 2**30
+        return real(**kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine.llm, "EngineConfig", config)
+        yield
