@@ -60,7 +60,9 @@ class MultiprocExecutor(InProcessExecutor):
         self.procs = _start_ranks(config, model_config, path, max_model_len, init_method,
                                   range(1, config.ranks_per_node))
         self._state = {"stopped": False}
-        threading.Thread(target=_watch_ranks, args=(self.procs, self._state), name="rank-watch", daemon=True).start()
+        if self.procs:  # a node's own ranks; those of other nodes fail the next collective when they go
+            threading.Thread(target=_watch_ranks, args=(self.procs, self._state), name="rank-watch",
+                             daemon=True).start()
         device = rank_device(config, 0)
         par, self.control = init_process_groups(config, 0, init_method, device)
         # the ranks wait for plans: told to stop when this executor goes, or this process ends

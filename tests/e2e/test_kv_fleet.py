@@ -63,6 +63,16 @@ def test_next_turn_on_another_replica_pulls_the_prefix(fleet, redis_server):
     assert metrics["deepseek_engine_kv_transfer_bytes_total"] > 0
 
 
+def test_a_tensor_parallel_replica_pulls_into_every_rank(fleet, redis_server):
+    """Rank 0 receives the pulled blocks; every rank holds MLA's latent cache whole, so the next step
+    copies them to the others first (without it rank 1 would attend over blocks it never wrote)."""
+    a, b = fleet("a", "--tensor-parallel-size", "2"), fleet("b", "--tensor-parallel-size", "2")
+    recomputing = fleet("c", "--kv-pull-policy", "never")
+    convo, turn2 = two_turns(a, b, redis_server)
+    assert turn2.usage.prompt_tokens_details.cached_tokens >= 32 and remote_hits(b) > 0
+    assert turn2.choices[0].message.content == chat(recomputing, convo).choices[0].message.content
+
+
 def test_killed_peer_means_recompute_not_error(fleet, redis_server):
     a, b = fleet("a"), fleet("b")
     chat(a, HISTORY)
