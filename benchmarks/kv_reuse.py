@@ -121,7 +121,7 @@ def prefix_hashes(eng, prompt, num_blocks):
     from engine import SamplingParams
     from engine.sequence import Sequence
 
-    return eng.block_manager.prefix_hashes(Sequence("probe", prompt, SamplingParams(), None, None))[:num_blocks]
+    return eng.block_manager.prefix_hashes(Sequence("probe", prompt, SamplingParams()))[:num_blocks]
 
 
 def best_rate(transport, addr, hashes) -> float:

@@ -56,7 +56,7 @@ def main() -> None:
     for context in args.contexts:
         seqs = []
         for i in range(args.batch):
-            seq = Sequence(f"s{i}", [5] * context, SamplingParams(), None, torch.Generator())
+            seq = Sequence(f"s{i}", [5] * context, SamplingParams(), torch.Generator())
             seq.block_table = [(i + j) % 64 for j in range(-(-(context + 1) // bs))]
             seq.num_computed_tokens, seq.status = context - 1, SequenceStatus.RUNNING
             seqs.append(seq)

@@ -20,9 +20,9 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, model_fingerprint, resolve_model_path
 from engine.copies import to_device
-from engine.detokenizer import IncrementalDetokenizer
 from engine.executor import create_executor
 from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampler import Draws, Sampler
 from engine.sampling_params import SamplingParams
@@ -76,6 +76,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.kv = self._make_kv_connector() if config.kv_directory else None
         self.pending_pulls: dict[str, tuple[Sequence, object]] = {}  # request id -> (sequence, PendingPull)
 
@@ -141,11 +142,11 @@ class LLMEngine:
             gen = torch.Generator().manual_seed(params.seed)
         else:
             gen = torch.Generator().manual_seed(self._rng.getrandbits(63))
-        detok = IncrementalDetokenizer(self.tokenizer, ids)
-        seq = Sequence(request_id, ids, params, detok, gen)
+        seq = Sequence(request_id, ids, params, gen)
         seq.collect_logits = collect_logits
         seq.prompt_logits = [] if collect_logits else None
         self.requests[request_id] = seq
+        self.output_processor.add(seq)
         if self.kv is not None and self._start_pull(seq):
             return
         self.scheduler.add(seq)
@@ -184,6 +185,7 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return
+        self.output_processor.remove(request_id)
         pending = self.pending_pulls.pop(request_id, None)
         if pending is not None:
             pending[1].future.cancel()  # a transfer already under way finishes and is dropped
@@ -288,63 +290,11 @@ class LLMEngine:
                 if seq.metrics.first_token_time is None:
                     seq.metrics.first_token_time = now
                     seq.metrics.num_prefill_tokens = seq.num_prompt_tokens - seq.num_cached_tokens
-                self._append_token(seq, token, lp)
-                outputs.append(self._output(seq))
+                reason = self.output_processor.append(seq, token, lp, self.max_model_len)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                outputs.append(self.output_processor.output(seq))
                 if seq.is_finished:
                     seq.metrics.finished_time = now
                     self.requests.pop(seq.request_id, None)
         return outputs
-
-    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
-        p = seq.params
-        seq.output_token_ids.append(token)
-        if seq.logprobs is not None:
-            seq.logprobs.append(logprobs)
-        num_out = len(seq.output_token_ids)
-        reason = None
-        if num_out > p.min_tokens and ((not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids):
-            reason = "stop"
-        else:
-            delta = seq.detokenizer.add(token)
-            if delta:
-                seq.text += delta
-                if p.stop and num_out > p.min_tokens:
-                    reason = self._check_stop_strings(seq, len(delta))
-        if reason is None and ((p.max_tokens is not None and num_out >= p.max_tokens)
-                               or seq.num_tokens >= self.max_model_len):
-            reason = "length"
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-
-    @staticmethod
-    def _check_stop_strings(seq: Sequence, delta_len: int) -> str | None:
-        for stop in seq.params.stop:
-            # a stop string can straddle the new text and what came before
-            start = max(0, len(seq.text) - delta_len - len(stop) + 1)
-            idx = seq.text.find(stop, start)
-            if idx != -1:
-                end = idx + len(stop) if seq.params.include_stop_str_in_output else idx
-                seq.text = seq.text[:end]
-                return "stop"
-        return None
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        # hold back what could still turn out to be the start of a stop string
-        hold = 0 if seq.is_finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
-        visible = seq.text[: max(seq.num_emitted_chars, len(seq.text) - hold)]
-        out = RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
-            text=visible,
-            logprobs=seq.logprobs,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            num_remote_cached_tokens=max(0, min(seq.num_cached_tokens, seq.remote_span[1]) - seq.remote_span[0]),
-            new_token_ids=seq.output_token_ids[seq.num_emitted_tokens :],
-            new_text=visible[seq.num_emitted_chars :],
-            metrics=seq.metrics,
-        )
-        seq.num_emitted_tokens, seq.num_emitted_chars = len(seq.output_token_ids), len(visible)
-        return out

@@ -1,11 +1,11 @@
-"""One request's state as it moves through the scheduler."""
+"""One request's scheduling state as it moves through the scheduler (its text, detokenizer and logprobs
+live in the output processor)."""
 
 import enum
 import time
 
 import torch
 
-from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
 
@@ -18,7 +18,7 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer | None, generator: torch.Generator):
+                 generator: torch.Generator | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -30,15 +30,10 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first admission)
         self.remote_span = (0, 0)  # token range [start, end) whose blocks were pulled from a peer
         self.pinned_blocks: list[int] = []  # pulled blocks held for this sequence until it is admitted
-        self.detokenizer = detokenizer
         self.generator = generator
         # the seed a sampled token's noise is keyed by, with its output position (engine.sampler)
         self.seed = generator.initial_seed() if generator is not None else 0
-        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
-        self.text = ""  # generated text, stop string trimmed
-        self.num_emitted_tokens = 0  # what the last RequestOutput already carried
-        self.num_emitted_chars = 0
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.collect_logits = False  # keep every position's logits (LLM.score)
         self.prompt_logits: list[torch.Tensor] | None = None

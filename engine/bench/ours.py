@@ -37,7 +37,7 @@ def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
 
 
 def make_sequence(ids: list[int], blocks: list[int], name: str) -> Sequence:
-    seq = Sequence(name, ids, SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True), None,
+    seq = Sequence(name, ids, SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True),
                    torch.Generator())
     seq.block_table = blocks
     seq.status = SequenceStatus.RUNNING  # holds its block-table slot while measured

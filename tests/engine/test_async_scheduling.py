@@ -158,7 +158,7 @@ def test_a_request_arriving_mid_decode_is_admitted_at_the_next_step(engines):
 
 def test_the_penalties_count_the_token_still_in_flight():
     # token 3 is the favourite by 1.0; the step in flight drew it, so a penalty of 2 must move the draw
-    seq = Sequence("r", [1, 2], SamplingParams(temperature=0.0, frequency_penalty=2.0), None, None)
+    seq = Sequence("r", [1, 2], SamplingParams(temperature=0.0, frequency_penalty=2.0))
     seq.output_token_ids = [5]
     logits = torch.tensor([[0.0, 0.0, 0.0, 2.0, 1.0, 0.5]])
     assert Sampler().sample(logits.clone(), [seq]).result()[0] == [3]

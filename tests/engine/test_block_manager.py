@@ -8,7 +8,7 @@ from engine.sequence import Sequence
 
 
 def seq(rid: str, ids: list[int]) -> Sequence:
-    return Sequence(rid, ids, SamplingParams(), None, torch.Generator())
+    return Sequence(rid, ids, SamplingParams(), torch.Generator())
 
 
 def run_prefill(bm: BlockManager, s: Sequence) -> None:

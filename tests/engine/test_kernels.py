@@ -465,7 +465,7 @@ def _sampling_seqs(n: int, **params):
     from engine.sampling_params import SamplingParams
     from engine.sequence import Sequence
 
-    return [Sequence(f"r{i}", [1, 2], SamplingParams(seed=i, **params), None, torch.Generator().manual_seed(i))
+    return [Sequence(f"r{i}", [1, 2], SamplingParams(seed=i, **params), torch.Generator().manual_seed(i))
             for i in range(n)]
 
 
@@ -549,7 +549,7 @@ def test_sampler_draws_a_mixed_batch_on_the_device_path():
     g = torch.Generator().manual_seed(35)
     logits = torch.randn(4, 30, generator=g).to(DEV)
     seqs = _sampling_seqs(4, temperature=0.8, logprobs=2)
-    seqs[1] = Sequence("greedy", [1], SamplingParams(temperature=0.0, logprobs=0), None, torch.Generator())
+    seqs[1] = Sequence("greedy", [1], SamplingParams(temperature=0.0, logprobs=0), torch.Generator())
     tokens, logprobs = Sampler(on_device=True)(logits.clone(), seqs)
     drawn = draw_on_device(logits[[0, 2, 3]], [seqs[0], seqs[2], seqs[3]]).tolist()
     assert tokens == [drawn[0], int(logits[1].argmax()), drawn[1], drawn[2]]

@@ -73,7 +73,7 @@ def test_the_pool_takes_what_gpu_memory_utilization_leaves(random_checkpoint):
 
 
 def _running(name: str, num_tokens: int, blocks: list[int]) -> Sequence:
-    seq = Sequence(name, list(range(num_tokens)), SamplingParams(), None, torch.Generator())
+    seq = Sequence(name, list(range(num_tokens)), SamplingParams(), torch.Generator())
     seq.block_table, seq.num_computed_tokens, seq.status = blocks, num_tokens - 1, SequenceStatus.RUNNING
     return seq
 

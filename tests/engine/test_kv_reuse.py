@@ -94,7 +94,7 @@ def test_restarted_replica_entries_are_not_trusted(make_engine, redis_server):
 def _seq(engine, prompt):
     from engine.sequence import Sequence
 
-    return Sequence("probe", prompt, GREEDY, None, None)
+    return Sequence("probe", prompt, GREEDY)
 
 
 def test_redis_down_keeps_serving(make_engine, redis_server):

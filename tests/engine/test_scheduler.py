@@ -9,7 +9,7 @@ from engine.sequence import Sequence
 
 
 def seq(rid: str, num_tokens: int) -> Sequence:
-    return Sequence(rid, list(range(1, num_tokens + 1)), SamplingParams(), None, torch.Generator())
+    return Sequence(rid, list(range(1, num_tokens + 1)), SamplingParams(), torch.Generator())
 
 
 def test_a_one_token_chunk_short_of_the_prompts_end_is_a_prefill_not_a_decode():
