@@ -118,3 +118,26 @@ def test_a_rank_reads_only_its_slice(tmp_path, monkeypatch, ep):
     assert heads == cfg.num_attention_heads // 2
     emb = runner.model.model.embed_tokens
     assert torch.equal(emb.weight, full["model.embed_tokens.weight"][emb.start : emb.start + emb.num_local])
+
+
+def test_async_scheduling_over_two_ranks_gives_the_synchronous_tokens(tmp_path):
+    """With async scheduling a decode step's inputs are rank 0's draws still on its device: they are
+    broadcast inside the step, so rank 1 embeds the same tokens (seeded sampling and greedy alike)."""
+    from engine import LLM, SamplingParams
+
+    path = save_hf_checkpoint(build_hf_model(seed=8), tmp_path / "ckpt")
+    batch = prompts(8, [6, 15, 9])
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=20, seed=4, max_tokens=10, ignore_eos=True)]
+    sync = LLM(str(path), dtype="float32", device="cpu")
+    want = [o.token_ids for o in sync.generate(batch, params)]
+    llm = LLM(str(path), dtype="float32", device="cpu", tensor_parallel_size=2, async_scheduling="on")
+    try:
+        execute, ahead = llm.engine.executor.execute, []
+        llm.engine.executor.execute = lambda plan, inputs=None: ahead.append(plan.input_ids is None) or execute(
+            plan, inputs)
+        assert [o.token_ids for o in llm.generate(batch, params)] == want
+        assert ahead.count(True) >= 8  # decode steps went ahead on the draws in flight
+    finally:
+        llm.engine.shutdown()
