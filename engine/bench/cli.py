@@ -36,6 +36,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs): steps through the executor")
+    p.add_argument("--enable-expert-parallel", action="store_true", help="routed experts partitioned over the ranks")
+    p.add_argument("--parallel-path", action="store_true",
+                   help="at one rank too, measure through the executor (the like-for-like baseline of TP/EP)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where the JSON and PNG go")
 
 
@@ -53,7 +57,9 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
                         decode_steps=args.decode_steps, hf_decode_steps=args.hf_decode_steps,
                         hf_max_prompt_len=args.hf_max_prompt_len, repeats=args.repeats, kernels=args.kernels,
                         device=args.device, dtype=args.dtype, backend=args.backend, block_size=args.block_size,
-                        eager=args.eager, seed=args.seed, out_dir=args.out, command=command)
+                        eager=args.eager, seed=args.seed, out_dir=args.out, command=command,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        enable_expert_parallel=args.enable_expert_parallel, parallel_path=args.parallel_path)
     try:
         result = run(opts)
     except (ValueError, FileNotFoundError) as e:
@@ -64,8 +70,10 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
 
 
 def summary(result: dict) -> str:
+    ranks = (f", TP={result['tensor_parallel_size']}" + (" + EP" if result["enable_expert_parallel"] else "")
+             if "tensor_parallel_size" in result else "")
     lines = [f"{result['preset']} on {result['gpu']} ({result['weights']}, {result['backend']}, "
-             f"graphs={result['cuda_graphs']}):"]
+             f"graphs={result['cuda_graphs']}{ranks}):"]
     hf = result.get("hf") or {}
     for key, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s")):
         for k, v in result[key].items():

@@ -4,9 +4,10 @@ import json
 from pathlib import Path
 
 
-def write_json(result: dict, out_dir: Path) -> Path:
+def write_json(result: dict, out_dir: Path, name: str | None = None) -> Path:
+    """<out_dir>/<name or the preset>.json"""
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{result['preset']}.json"
+    path = out_dir / f"{name or result['preset']}.json"
     path.write_text(json.dumps(result, indent=2, sort_keys=False) + "\n")
     return path
 

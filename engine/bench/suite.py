@@ -41,6 +41,9 @@ class BenchOptions:
     block_size: int = 64
     eager: bool = False
     seed: int = 0
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    parallel_path: bool = False  # through the executor (engine/bench/parallel.py) even at one rank
     out_dir: Path = Path("benchmarks/results")
     command: str = ""
 
@@ -69,6 +72,15 @@ def run(opts: BenchOptions) -> dict:
     else:
         path, hf_config, name = None, preset_config(opts.preset), opts.preset
     model_config = ModelConfig.from_hf(hf_config)
+    if opts.tensor_parallel_size > 1 or opts.parallel_path:
+        from engine.bench.parallel import run_parallel
+
+        if opts.model:
+            raise ValueError("the parallel benchmark runs presets (random weights): use --preset")
+        tag = f"tp{opts.tensor_parallel_size}" + ("-ep" if opts.enable_expert_parallel else "")
+        result = run_parallel(opts, model_config, name)
+        write_json(result, opts.out_dir, f"{name}-{tag}")
+        return result
     device = resolve_device(opts.device)
     max_conc, bs = max(opts.concurrency), opts.block_size
     decode_len = opts.decode_context + opts.decode_steps + 16

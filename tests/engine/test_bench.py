@@ -34,6 +34,18 @@ def test_bench_writes_results_and_plot_with_the_peer(tmp_path):
     assert (tmp_path / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_over_two_ranks_writes_its_figures(tmp_path):
+    """`--tensor-parallel-size 2 --enable-expert-parallel`: the steps through the executor, two processes."""
+    rc = main(["bench", "--preset", "tiny", "--device", "cpu", "--prompt-lens", "32", "--concurrency", "1,3",
+               "--decode-context", "16", "--decode-steps", "3", "--repeats", "1", "--tensor-parallel-size", "2",
+               "--enable-expert-parallel", "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "tiny-tp2-ep.json").read_text())
+    assert (result["tensor_parallel_size"], result["enable_expert_parallel"]) == (2, True)
+    assert set(result["decode_tok_s"]) == {"1", "3"} and all(v > 0 for v in result["decode_tok_s"].values())
+    assert result["prefill_tok_s"]["32"] > 0 and result["command"].endswith("--out " + str(tmp_path))
+
+
 def test_bench_rejects_bad_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--preset", "tiny", "--prompt-lens", "0,5"])
