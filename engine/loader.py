@@ -22,6 +22,51 @@ class CheckpointError(ValueError):
     """The checkpoint on disk does not match the model (missing, corrupt, extra or mis-shaped tensors)."""
 
 
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class CheckpointTensor:
+    """A checkpoint tensor not read yet. A parameter's loader narrows it to its rank's slice (`narrow`, as
+    on a tensor) and `read()` reads that region alone from the file (safetensors slicing), so a rank
+    never reads what another rank holds."""
+
+    def __init__(self, source, name: str, region: tuple[tuple[int, int], ...] | None = None):
+        self._source, self.name = source, name
+        self._region = region or tuple((0, n) for n in source.get_shape())
+        self.dtype = _DTYPES.get(source.get_dtype())
+        if self.dtype is None:
+            raise CheckpointError(f"tensor {name} has an unsupported dtype {source.get_dtype()}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(end - start for start, end in self._region)
+
+    def dim(self) -> int:
+        return len(self._region)
+
+    def narrow(self, dim: int, start: int, length: int) -> "CheckpointTensor":
+        first, end = self._region[dim]
+        if start < 0 or length < 0 or first + start + length > end:
+            raise ValueError(f"shape mismatch: checkpoint tensor {tuple(self.shape)} has no [{start}, "
+                             f"{start + length}) along dimension {dim}")
+        region = list(self._region)
+        region[dim] = (first + start, first + start + length)
+        return CheckpointTensor(self._source, self.name, tuple(region))
+
+    def read(self) -> torch.Tensor:
+        try:
+            return self._source[tuple(slice(a, b) for a, b in self._region)]
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read tensor {self.name}: {e}") from e
+
+
+def materialize(tensor) -> torch.Tensor:
+    """A tensor, whether given or still in the checkpoint."""
+    return tensor.read() if isinstance(tensor, CheckpointTensor) else tensor
+
+
 def checkpoint_files(path: Path) -> dict[str, Path]:
     """tensor name -> safetensors file, from model.safetensors.index.json or the files themselves."""
     index = path / "model.safetensors.index.json"
@@ -61,12 +106,13 @@ def load_weights(model: nn.Module, path: Path, num_hidden_layers: int, block_siz
     loaded: set[str] = set()
     skipped_mtp = 0
 
-    def read(name: str) -> torch.Tensor:
+    def read(name: str) -> CheckpointTensor:
+        """The tensor, lazily: what its parameter's loader keeps of it is read when it is copied."""
         file = files[name]
         if file not in handles:
             handles[file] = _open(file)
         try:
-            return handles[file].get_tensor(name)
+            return CheckpointTensor(handles[file].get_slice(name), name)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read tensor {name} from {file.name}: {e}") from e
 
@@ -94,8 +140,8 @@ def load_weights(model: nn.Module, path: Path, num_hidden_layers: int, block_siz
                     raise CheckpointError(f"the model has no parameter {scale_target} for {scale_name}")
                 _load_into(params[scale_target], scale, shard_id, scale_name)
                 loaded.add(f"{scale_target}#{shard_id}")
-            else:  # dequantized once at load
-                tensor = dequantize_fp8_block(tensor, scale, block_size or (128, 128))
+            else:  # dequantized once at load (the reference path), then sliced
+                tensor = dequantize_fp8_block(tensor.read(), scale.read(), block_size or (128, 128))
         elif param.dtype == torch.float8_e4m3fn:
             raise CheckpointError(f"tensor {name} is {tensor.dtype}, but the FP8 model expects float8_e4m3fn blocks")
         _load_into(param, tensor, shard_id, name)
@@ -115,7 +161,7 @@ def _load_into(param: nn.Parameter, tensor: torch.Tensor, shard_id: object, name
         if loader is None:
             if param.shape != tensor.shape:
                 raise ValueError(f"shape mismatch: checkpoint tensor {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
-            param.data.copy_(tensor)
+            param.data.copy_(materialize(tensor))
         else:
             loader(param, tensor, shard_id)
     except ValueError as e:

@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.config import QuantConfig
 from engine.layers.fp8 import dequantize_fp8_block, quantize_activations_reference
+from engine.loader import materialize
 from engine.parallel import SINGLE, ParallelContext, divide
 
 
@@ -165,8 +166,8 @@ class VocabParallelEmbedding(nn.Module):
         if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != self.vocab_size:
             raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, model expects "
                              f"{(self.vocab_size, *param.shape[1:])}")
-        rows = loaded[self.start : self.start + self.num_local]
-        param.data[: rows.shape[0]].copy_(rows)  # rows past the vocabulary (padding) stay zero
+        rows = loaded.narrow(0, self.start, max(0, min(self.num_local, self.vocab_size - self.start)))
+        param.data[: rows.shape[0]].copy_(materialize(rows))  # rows past the vocabulary (padding) stay zero
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.par.tp_size == 1:
@@ -212,7 +213,8 @@ def fuse_linears(*layers: Linear) -> Linear | None:
     return fused
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+def _copy_checked(dst: torch.Tensor, src) -> None:
+    """src: a tensor, or a checkpoint region (read only now, after the check)."""
     if dst.shape != src.shape:
         raise ValueError(f"shape mismatch: checkpoint tensor {tuple(src.shape)}, model expects {tuple(dst.shape)}")
-    dst.copy_(src)
+    dst.copy_(materialize(src))

@@ -10,6 +10,7 @@ from torch import nn
 
 from engine.config import ModelConfig, QuantConfig
 from engine.layers.fp8 import dequantize_fp8_block, quantize_activations_reference
+from engine.loader import materialize
 from engine.parallel import SINGLE, ParallelContext, divide
 
 
@@ -138,7 +139,7 @@ class FusedExperts(nn.Module):
                 loaded = loaded.narrow(0, self.tp_rank * rows, rows)
         if dst.shape != loaded.shape:
             raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, model expects {tuple(dst.shape)}")
-        dst.copy_(loaded)
+        dst.copy_(materialize(loaded))
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) as float32 (for the reference path and for oracles)."""

@@ -81,43 +81,44 @@ def _tiny_config() -> dict:
 @pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
 def test_a_rank_reads_only_its_slice(tmp_path, monkeypatch, ep):
     """Rank 1 of 2 holds its half of the heads, the vocabulary and the experts' width (or, with expert
-    parallelism, experts 4..7 whole), and never reads another rank's experts from disk."""
+    parallelism, experts 4..7 whole), and reads from disk only those regions (safetensors slicing):
+    never another rank's experts, and half of each split matrix."""
     import engine.loader as loader
 
     hf = build_hf_model(seed=7)
     path = save_hf_checkpoint(hf, tmp_path / "ckpt")
-    reads = []
-    real_open = loader._open
+    reads = {}
+    real_read = loader.CheckpointTensor.read
 
-    class Recording:
-        def __init__(self, handle):
-            self.handle = handle
+    def recording_read(self):
+        reads[self.name] = tuple(self.shape)
+        return real_read(self)
 
-        def keys(self):
-            return self.handle.keys()
-
-        def get_tensor(self, name):
-            reads.append(name)
-            return self.handle.get_tensor(name)
-
-    monkeypatch.setattr(loader, "_open", lambda f: Recording(real_open(f)))
+    monkeypatch.setattr(loader.CheckpointTensor, "read", recording_read)
     cfg = ModelConfig.from_dir(path)
-    runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", device="cpu", show_progress=False), cfg, path, 64,
-                         ParallelContext(1, 2, enable_expert_parallel=ep))
+    runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", device="cpu", show_progress=False), cfg, path,
+                         64, ParallelContext(1, 2, enable_expert_parallel=ep))
     full = load_file(str(path / "model.safetensors"))
     layer = runner.model.model.layers[1]
     experts = layer.mlp.experts
+    down = "model.layers.1.mlp.experts.{}.down_proj.weight"
     if ep:
         assert experts.num_experts == 4 and experts.expert_offset == 4
-        assert torch.equal(experts.w2[0], full["model.layers.1.mlp.experts.4.down_proj.weight"])
-        assert not any(".experts.0." in n or ".experts.3." in n for n in reads)
+        assert torch.equal(experts.w2[0], full[down.format(4)])
+        assert down.format(0) not in reads and reads[down.format(4)] == tuple(full[down.format(4)].shape)
     else:
         inter = experts.inter
-        assert torch.equal(experts.w2[0], full["model.layers.1.mlp.experts.0.down_proj.weight"][:, inter:])
+        assert torch.equal(experts.w2[0], full[down.format(0)][:, inter:])
+        assert reads[down.format(0)] == (full[down.format(0)].shape[0], inter)  # its columns only
+    q_b = "model.layers.0.self_attn.q_b_proj.weight"
+    assert reads[q_b] == (full[q_b].shape[0] // 2, full[q_b].shape[1])  # its heads' rows only
+    o = "model.layers.0.self_attn.o_proj.weight"
+    assert reads[o] == (full[o].shape[0], full[o].shape[1] // 2)
     heads = runner.model.model.layers[0].self_attn.num_heads
     assert heads == cfg.num_attention_heads // 2
     emb = runner.model.model.embed_tokens
     assert torch.equal(emb.weight, full["model.embed_tokens.weight"][emb.start : emb.start + emb.num_local])
+    assert reads["model.embed_tokens.weight"][0] == emb.num_local
 
 
 def test_async_scheduling_over_two_ranks_gives_the_synchronous_tokens(tmp_path):
