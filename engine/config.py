@@ -232,6 +232,7 @@ class EngineConfig:
     kv_transfer_streams: int | None = None  # TCP connections per large pull (None: min(4, usable cores))
     kv_min_prefix_tokens: int = 64
     kv_pull_policy: str = "auto"  # auto | always | never
+    kv_secret: bytes | None = field(default=None, repr=False)  # the fleet's secret (peers authenticate)
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -87,7 +87,8 @@ class LLMEngine:
         kv_config = KVConfig(directory_url=c.kv_directory, replica_id=c.replica_id, advertise_host=c.advertise_host,
                              transfer_port=c.kv_transfer_port, transport=c.kv_transport,
                              transfer_streams=c.kv_transfer_streams,
-                             min_prefix_tokens=c.kv_min_prefix_tokens, pull_policy=c.kv_pull_policy)
+                             min_prefix_tokens=c.kv_min_prefix_tokens, pull_policy=c.kv_pull_policy,
+                             secret=c.kv_secret)
         connector = KVConnector(kv_config, self.block_manager, self.runner.kv_pool.caches, self.model_key)
         connector.start()
         return connector

@@ -46,4 +46,4 @@ class RedisServer:
         self.proc = None
 
     def client(self) -> redis.Redis:
-        return redis.Redis(unix_socket_path=str(self.socket))
+        return redis.Redis(unix_socket_path=str(self.socket), password=self.password)

@@ -15,6 +15,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.kv.directory import KVDirectory
+from engine.kv.auth import PeerAuth
 from engine.kv.transfer import BlockLayout, KVTransferServer, PulledBlocks, TcpTransport, TransferError
 from engine.kv.transport import ServedCache, select_transport
 
@@ -26,8 +27,9 @@ class KVConfig:
     directory_url: str
     replica_id: str | None = None  # default: a random name
     advertise_host: str = "127.0.0.1"
-    transfer_host: str = "0.0.0.0"
+    transfer_host: str | None = None  # the address the transfer port listens on (None: advertise_host)
     transfer_port: int = 8100  # 0: any free port
+    secret: bytes | None = None  # the fleet's KV secret: peers authenticate, directory records are signed
     transport: str = "auto"  # auto | tcp | rdma
     transfer_streams: int | None = None  # TCP connections per large pull (None: min(4, usable cores))
     min_prefix_tokens: int = 64
@@ -79,6 +81,18 @@ class PendingPull:
     future: Future
 
 
+def redact_url(url: str) -> str:
+    """The URL without its password (redis://:secret@host -> redis://:***@host), for logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:***" if parts.username else ":***"
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+
+
 class KVConnector:
     def __init__(self, config: KVConfig, block_manager: BlockManager, kv_caches: list[torch.Tensor], model_key: str):
         self.config = config
@@ -92,15 +106,21 @@ class KVConnector:
         self.prefill_rate = RateEstimate(prior=5e3)  # tokens/s
         self.block_bytes = sum(c[0].numel() * c.element_size() for c in kv_caches)
         layout = BlockLayout((len(kv_caches), *kv_caches[0].shape[1:]), kv_caches[0].dtype)
-        self.server = KVTransferServer(config.transfer_host, config.transfer_port, model_key, layout, self._gather)
+        self.auth = PeerAuth(config.secret)
+        if not self.auth.enabled:
+            logger.warning("KV transfer without a fleet secret (--kv-secret-file): any peer that reaches port %d "
+                           "can read cached prompts", config.transfer_port)
+        bind = config.transfer_host or config.advertise_host  # the pod IP, never every interface by default
+        self.server = KVTransferServer(bind, config.transfer_port, model_key, layout, self._gather, auth=self.auth)
         served = ServedCache(kv_caches, block_manager.lookup_cached, self._served, config.advertise_host,
-                             self.server.port, config.transfer_host)
+                             self.server.port, bind, self.auth)
         self.transport, transport_name = select_transport(config.transport, model_key, config.timeout, self.stats,
-                                                          served, streams=config.transfer_streams)
+                                                          served, streams=config.transfer_streams, auth=self.auth,
+                                                          layout=layout)
         addr = self.transport.addr if transport_name == "rdma" else f"{config.advertise_host}:{self.server.port}"
         self.directory = KVDirectory(config.directory_url, model_key, self.replica_id, self.incarnation,
                                      addr, transport_name,
-                                     heartbeat_ttl=config.heartbeat_ttl)
+                                     heartbeat_ttl=config.heartbeat_ttl, auth=self.auth)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull")
         block_manager.on_cached = self.directory.publish
         block_manager.on_evicted = self.directory.unpublish
@@ -108,9 +128,10 @@ class KVConnector:
     def start(self) -> None:
         self.server.start()
         self.directory.start()
-        logger.info("KV reuse on: replica %s (incarnation %s), transfer %s at %s:%d, directory %s",
+        logger.info("KV reuse on: replica %s (incarnation %s), transfer %s at %s:%d%s, directory %s",
                     self.replica_id, self.incarnation[:8], self.transport.name, self.config.advertise_host,
-                    self.server.port, self.config.directory_url)
+                    self.server.port, " (authenticated)" if self.auth.enabled else "",
+                    redact_url(self.config.directory_url))
 
     def stop(self) -> None:
         self.directory.close_replica()
@@ -155,9 +176,12 @@ class KVConnector:
         return PendingPull(wanted, num_local_blocks, self.pool.submit(self._pull, wanted))
 
     def _pull(self, wanted: list[bytes]) -> PulledBlocks | None:
+        forged = self.directory.num_forged
         peer = self.directory.lookup(wanted)
         if peer is None:
-            if not self.directory.healthy:
+            if self.directory.num_forged > forged:
+                self.stats.fallback("unsigned_entry")
+            elif not self.directory.healthy:
                 self.stats.fallback("directory_unavailable")
             return None
         tokens = peer.num_blocks * self.bm.block_size
@@ -171,6 +195,10 @@ class KVConnector:
             reason = "checksum" if "checksum" in str(e) else "transfer_failed"
             logger.warning("KV pull from %s failed (%s); recomputing", peer.replica_id, e)
             self.stats.fallback(reason)
+            return None
+        except Exception:  # a hostile or broken peer: whatever it did, this request recomputes
+            logger.warning("KV pull from %s failed unexpectedly; recomputing", peer.replica_id, exc_info=True)
+            self.stats.fallback("protocol")
             return None
         self.transfer_rate.update(pulled.num_bytes, pulled.seconds)
         self.stats.pulls += 1

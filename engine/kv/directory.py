@@ -1,7 +1,9 @@
 """The KV directory in Redis: which live replica holds which prefix block.
 
 Keys (all under `dsf:<model key>:`):
-  replica:<id>   hash {incarnation, addr, transport}, expiring unless the replica's heartbeat renews it
+  replica:<id>   hash {incarnation, addr, transport, sig}, expiring unless the replica's heartbeat renews
+                 it; sig is the fleet secret's MAC over the other fields (engine.kv.auth), checked before
+                 a pull, so a Redis writer without the secret cannot point a replica at a peer of its own
   block:<hash>   hash {<replica id>: <incarnation>}, expiring `entry_ttl` after the last publish
 
 An entry is trusted only while its replica's heartbeat key exists with the same incarnation, so a
@@ -18,17 +20,19 @@ from dataclasses import dataclass
 
 import redis
 
+from engine.kv.auth import PeerAuth
+
 logger = logging.getLogger(__name__)
 
 # KEYS: block keys in prefix order. ARGV: replica key prefix, own replica id.
-# Returns {replica id, addr, transport, number of leading blocks} for the live peer holding the longest
-# run of leading blocks, or {} when none does.
+# Returns {replica id, addr, transport, number of leading blocks, incarnation, sig} for the live peer
+# holding the longest run of leading blocks, or {} when none does.
 _LOOKUP = """
 local prefix, me = ARGV[1], ARGV[2]
 local alive = {}
 local function live(rid, inc)
   if alive[rid] == nil then
-    local info = redis.call('HMGET', prefix .. rid, 'incarnation', 'addr', 'transport')
+    local info = redis.call('HMGET', prefix .. rid, 'incarnation', 'addr', 'transport', 'sig')
     alive[rid] = info
   end
   local info = alive[rid]
@@ -53,7 +57,7 @@ for i, key in ipairs(KEYS) do
 end
 if best == nil then return {} end
 local info = alive[best]
-return {best, info[2], info[3], best_n}
+return {best, info[2], info[3], best_n, info[1], info[4]}
 """
 
 
@@ -67,8 +71,11 @@ class PeerPrefix:
 
 class KVDirectory:
     def __init__(self, url: str, model_key: str, replica_id: str, incarnation: str, addr: str, transport: str = "tcp",
-                 heartbeat_ttl: float = 15.0, entry_ttl: float = 600.0, timeout: float = 0.5):
+                 heartbeat_ttl: float = 15.0, entry_ttl: float = 600.0, timeout: float = 0.5,
+                 auth: PeerAuth | None = None):
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self.auth = auth or PeerAuth(None)
+        self.num_forged = 0  # lookups that found a replica record the fleet's secret did not sign
         self.ns = f"dsf:{model_key}:"
         self.replica_id, self.incarnation, self.addr, self.transport = replica_id, incarnation, addr, transport
         self.heartbeat_ttl, self.entry_ttl = heartbeat_ttl, entry_ttl
@@ -116,8 +123,13 @@ class KVDirectory:
             return None
         if not res:
             return None
-        rid, addr, transport, n = res
-        return PeerPrefix(rid.decode(), addr.decode(), (transport or b"tcp").decode(), int(n))
+        rid, addr, transport, n, incarnation, sig = (v.decode() if isinstance(v, bytes) else v for v in res)
+        transport = transport or "tcp"
+        if not self.auth.verify(sig or "", rid, incarnation, addr, transport):
+            self.num_forged += 1
+            logger.warning("KV directory: replica %r's record is not signed with this fleet's secret; ignored", rid)
+            return None
+        return PeerPrefix(rid, addr, transport, int(n))
 
     # -- background thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -151,7 +163,9 @@ class KVDirectory:
             ttl = max(1, int(self.heartbeat_ttl))
             if not self.client.expire(key, ttl) or not self._registered:
                 pipe = self.client.pipeline(transaction=True)
-                pipe.hset(key, mapping={"incarnation": self.incarnation, "addr": self.addr, "transport": self.transport})
+                sig = self.auth.sign(self.replica_id, self.incarnation, self.addr, self.transport)
+                pipe.hset(key, mapping={"incarnation": self.incarnation, "addr": self.addr, "transport": self.transport,
+                                        "sig": sig})
                 pipe.expire(key, ttl)
                 pipe.execute()
                 self._registered = True

@@ -28,11 +28,12 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from engine.kv.auth import AuthError, PeerAuth
 from engine.kv.transfer import BlockLayout, ConnectionServer, PulledBlocks, TcpTransport, TransferError
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 LEASE_MAGIC = b"DSKL"
 LESSOR_TIMEOUT = 30.0  # a silent or stalled client is dropped after this long
 _LEN = struct.Struct(">I")
-_MAX_HEADER = 64 << 20
+_MAX_HEADER = 4 << 20
 
 
 class RdmaUnavailable(Exception):
@@ -57,6 +58,7 @@ class ServedCache:
     host: str  # the address peers reach this pod at (the pod IP)
     tcp_port: int  # the local TCP transfer server, which takes peers that pull over TCP
     bind_host: str = "0.0.0.0"
+    auth: PeerAuth = field(default_factory=lambda: PeerAuth(None))  # the fleet's handshake, both ways
 
     @property
     def row_bytes(self) -> int:
@@ -162,7 +164,7 @@ class Lessor:
 
     def __init__(self, cache: ServedCache, model_key: str, session: str, checksum: BlockChecksum):
         self.cache, self.model_key, self.session, self.checksum = cache, model_key, session, checksum
-        self._tcp = ConnectionServer(cache.bind_host, 0, self._handle, "kv-lessor")
+        self._tcp = ConnectionServer(cache.bind_host, 0, self._handle, "kv-lessor", cache.auth)
         self.port = self._tcp.port
         self._tcp.start()
 
@@ -188,7 +190,7 @@ class Lessor:
                 release = _recv_json(sock)
                 if release is not None:
                     _send_json(sock, {"valid": self._still_valid(release["release"])})
-        except (OSError, TransferError, ValueError, KeyError, TypeError) as e:
+        except (OSError, TransferError, AuthError, ValueError, KeyError, TypeError) as e:
             logger.debug("KV lease connection ended: %s", e)
 
     def _lease(self, req: dict) -> dict:
@@ -222,6 +224,7 @@ class Lessor:
         host = "127.0.0.1" if self.cache.bind_host in ("0.0.0.0", "") else self.cache.bind_host
         host = "::1" if host == "::" else host
         with socket.create_connection((host, self.cache.tcp_port)) as backend:
+            self.cache.auth.connect(backend)  # the peer proved itself here; this process does the same there
             back = threading.Thread(target=_pump, args=(backend, client), daemon=True)
             back.start()
             _pump(client, backend)
@@ -254,7 +257,8 @@ class RdmaTransport:
         self.session = _join(cache.host, engine.get_rpc_port())
         self.lessor = Lessor(cache, model_key, self.session, self.checksum)
         self.addr = _join(cache.host, self.lessor.port)  # what peers should pull from
-        self.tcp = TcpTransport(model_key, timeout)  # for peers that do not lease over RDMA
+        # for peers that do not lease over RDMA
+        self.tcp = TcpTransport(model_key, timeout, auth=cache.auth, layout=cache.layout)
         self._tcp_peers: set[str] = set()
 
     @classmethod
@@ -300,6 +304,7 @@ class RdmaTransport:
         try:
             with socket.create_connection(_host_port(addr), timeout=self.timeout) as sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.cache.auth.connect(sock)
                 _send_json(sock, {"model": self.model_key, "hashes": [h.hex() for h in hashes]}, LEASE_MAGIC)
                 lease = _recv_json(sock)
                 if lease is None:  # a TCP-only peer hangs up on the lease magic
@@ -313,7 +318,7 @@ class RdmaTransport:
                 if reply is None:
                     raise TransferError("peer closed the connection before confirming the lease")
                 valid = int(reply["valid"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AuthError) as e:
             raise TransferError(f"RDMA pull from {addr} failed: {e}") from e
         if valid == 0:
             raise TransferError(f"{addr} reused the blocks during the read")

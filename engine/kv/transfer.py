@@ -27,11 +27,18 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from engine.kv.auth import AuthError, PeerAuth
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"DSK2"  # v1 peers ("DSKV") and v2 peers hang up on each other: the puller recomputes
 _LEN = struct.Struct(">I")
-_MAX_HEADER = 64 << 20
+# Bounds checked before anything is allocated: a request names at most MAX_HASHES blocks (a 1M-token
+# prompt in 16-token blocks), and its header (JSON, 34 bytes a hash) fits in _MAX_HEADER
+MAX_HASHES = 1 << 16
+_MAX_HEADER = 4 << 20
+HANDSHAKE_SECONDS = 5.0  # the handshake and a request's header arrive within this, however they trickle
+MAX_CONNECTIONS = 64  # connections served at once; more are closed at once
 
 # Defaults, measured on loopback (docs/perf.md): frames large enough that per-frame work (a GPU gather
 # and its sync, the Python between syscalls) stays small, small enough to stay in cache between gather,
@@ -122,11 +129,20 @@ def _checksums(raw: memoryview, block_bytes: int) -> list[int]:
     return [xxhash.xxh3_64_intdigest(raw[i : i + block_bytes]) for i in range(0, len(raw), block_bytes)]
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill view from the socket. With a deadline, the whole read must end by then, however the bytes
+    trickle in (each read waits only for what is left of it)."""
     got = 0
     while got < len(view):
-        try:  # MSG_WAITALL: a whole frame in one call (the kernel's SO_RCVTIMEO still bounds it)
-            n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+        flags = socket.MSG_WAITALL  # a whole frame in one call (the kernel's SO_RCVTIMEO still bounds it)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferError("the peer is too slow")
+            _set_recv_timeout(sock, left)
+            flags = 0
+        try:
+            n = sock.recv_into(view[got:], 0, flags)
         except BlockingIOError as e:
             raise TransferError("timed out waiting for the peer") from e
         if n == 0:
@@ -134,9 +150,9 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
+    _recv_into(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 
@@ -153,14 +169,18 @@ def _send_json(sock: socket.socket, obj: dict, magic: bytes = b"") -> None:
     sock.sendall(magic + _LEN.pack(len(body)) + body)
 
 
-def _recv_json(sock: socket.socket) -> dict:
-    (n,) = _LEN.unpack(_recv_exact(sock, 4))
+def _recv_json(sock: socket.socket, deadline: float | None = None) -> dict:
+    (n,) = _LEN.unpack(_recv_exact(sock, 4, deadline))
     if n > _MAX_HEADER:
         raise TransferError(f"oversized header ({n} bytes)")
-    obj = json.loads(_recv_exact(sock, n))
+    obj = json.loads(_recv_exact(sock, n, deadline))
     if not isinstance(obj, dict):
         raise TransferError("malformed header")
     return obj
+
+
+def _set_recv_timeout(sock: socket.socket, seconds: float) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
 
 
 def _tune(sock: socket.socket, buffer_bytes: int, timeout: float) -> None:
@@ -182,12 +202,34 @@ Gather = Callable[[list[bytes], torch.Tensor], int]
 
 
 class ConnectionServer:
-    """A threaded TCP server handing each connection to `handle(sock)` on a daemon thread of its own."""
+    """A threaded TCP server handing each connection to `handle(sock)` on a daemon thread of its own, once
+    the peer passed the fleet's handshake (`auth`); at most MAX_CONNECTIONS at once."""
 
-    def __init__(self, host: str, port: int, handle: Callable[[socket.socket], None], name: str):
+    def __init__(self, host: str, port: int, handle: Callable[[socket.socket], None], name: str,
+                 auth: PeerAuth | None = None, max_connections: int = MAX_CONNECTIONS):
+        auth = auth or PeerAuth(None)
+        slots = threading.BoundedSemaphore(max_connections)
+        self.num_refused = 0  # connections that failed the handshake or found every slot taken
+
+        def serve(sock: socket.socket) -> None:
+            if not slots.acquire(blocking=False):
+                self.num_refused += 1
+                return
+            try:
+                sock.settimeout(HANDSHAKE_SECONDS)
+                try:
+                    auth.accept(sock, HANDSHAKE_SECONDS)
+                except (AuthError, OSError) as e:
+                    self.num_refused += 1
+                    logger.warning("KV transfer: refused a connection from %s: %s", _peer(sock), e)
+                    return
+                handle(sock)
+            finally:
+                slots.release()
+
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                handle(self.request)
+                serve(self.request)
 
         class Server(socketserver.ThreadingTCPServer):
             allow_reuse_address = True
@@ -206,11 +248,20 @@ class ConnectionServer:
         self._server.server_close()
 
 
+def _peer(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "a peer"
+
+
 class KVTransferServer:
     """Serves this replica's cached blocks to peers; `gather` runs on the server's connection threads."""
 
     def __init__(self, host: str, port: int, model_key: str, layout: BlockLayout, gather: Gather, *,
-                 frame_bytes: int = FRAME_BYTES, socket_buffer_bytes: int = 0, timeout: float = 30.0):
+                 frame_bytes: int = FRAME_BYTES, socket_buffer_bytes: int = 0, timeout: float = 30.0,
+                 auth: PeerAuth | None = None, max_connections: int = MAX_CONNECTIONS):
         self.model_key = model_key
         self.layout = layout
         self.gather = gather
@@ -218,8 +269,12 @@ class KVTransferServer:
         self.socket_buffer_bytes = socket_buffer_bytes
         self.timeout = timeout  # a stalled or silent client is dropped after this long
         self.pool = StagingPool()
-        self._tcp = ConnectionServer(host, port, self._handle, "kv-transfer")
+        self._tcp = ConnectionServer(host, port, self._handle, "kv-transfer", auth, max_connections)
         self.port = self._tcp.port
+
+    @property
+    def num_refused(self) -> int:
+        return self._tcp.num_refused
 
     def start(self) -> None:
         self._tcp.start()
@@ -231,11 +286,16 @@ class KVTransferServer:
         _tune(sock, self.socket_buffer_bytes, self.timeout)
         try:
             while _next_request(sock):
-                req = _recv_json(sock)
+                req = _recv_json(sock, time.monotonic() + HANDSHAKE_SECONDS)
+                _set_recv_timeout(sock, self.timeout)
                 if req.get("model") != self.model_key:
                     _send_json(sock, {"error": "model mismatch"})
                     continue
-                hashes = [bytes.fromhex(h) for h in req.get("hashes", [])]
+                wanted = req.get("hashes", [])
+                if not isinstance(wanted, list) or len(wanted) > MAX_HASHES:
+                    _send_json(sock, {"error": f"a pull names at most {MAX_HASHES} blocks"})
+                    return
+                hashes = [bytes.fromhex(h) for h in wanted]
                 _send_json(sock, self.layout.header())
                 self._stream(sock, hashes)
         except (OSError, TransferError, ValueError, TypeError) as e:  # the peer left or spoke nonsense
@@ -304,7 +364,9 @@ class TcpTransport:
 
     def __init__(self, model_key: str, timeout: float = 5.0, *, num_stripes: int | None = None,
                  min_stripe_bytes: int = MIN_STRIPE_BYTES, socket_buffer_bytes: int = 0,
-                 pool: StagingPool | None = None):
+                 pool: StagingPool | None = None, auth: PeerAuth | None = None, layout: BlockLayout | None = None):
+        """layout: this replica's own blocks; a peer that announces another is refused before anything is
+        allocated for it."""
         num_stripes = min(NUM_STRIPES, len(os.sched_getaffinity(0))) if num_stripes is None else num_stripes
         if num_stripes < 1:
             raise ValueError(f"num_stripes must be >= 1, got {num_stripes}")
@@ -316,6 +378,8 @@ class TcpTransport:
         self.min_stripe_bytes = min_stripe_bytes
         self.socket_buffer_bytes = socket_buffer_bytes
         self.pool = pool or StagingPool()
+        self.auth = auth or PeerAuth(None)
+        self.layout = layout
         self._block_bytes = 0  # learnt from the first response; until then a pull is one stream
 
     def stripes(self, num_blocks: int) -> list[range]:
@@ -352,8 +416,8 @@ class TcpTransport:
         except TransferError:
             landing.release()
             raise
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
-            landing.release()
+        except (OSError, ValueError, KeyError, TypeError, struct.error, AuthError, RuntimeError) as e:
+            landing.release()  # RuntimeError: torch refusing a hostile peer's layout, say
             raise TransferError(f"pull from {addr} failed: {e}") from e
         self._block_bytes = landing.layout.num_bytes
         data = landing.layout.view(landing.buffer, num_blocks)
@@ -365,12 +429,15 @@ class TcpTransport:
         """Receives blocks[0], blocks[1], ... into their places; returns how many the peer sent."""
         try:
             with socket.create_connection(addr, timeout=self.timeout) as sock:
+                self.auth.connect(sock)
                 _tune(sock, self.socket_buffer_bytes, self.timeout)
                 _send_json(sock, {"model": self.model_key, "hashes": [hashes[i].hex() for i in blocks]}, MAGIC)
                 header = _recv_json(sock)
                 if "error" in header:
                     raise TransferError(f"peer refused: {header['error']}")
                 layout = BlockLayout.from_header(header)
+                if self.layout is not None and layout != self.layout:
+                    raise TransferError(f"peer's blocks are {layout}, this replica's {self.layout}")
                 raw, block_bytes = landing.claim(layout), layout.num_bytes
                 got = 0
                 while (n := _LEN.unpack(_recv_exact(sock, 4))[0]) > 0:

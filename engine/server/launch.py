@@ -77,6 +77,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="shorter missing prefixes are recomputed without asking the directory",
     )  # fmt: skip
     fleet.add_argument("--kv-pull-policy", default="auto", choices=["auto", "always", "never"])
+    fleet.add_argument(
+        "--kv-secret-file",
+        help="file holding the fleet's KV secret: peers authenticate with it and sign their directory entries",
+    )  # fmt: skip
     parser.epilog = f"Every flag also reads {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}MAX_MODEL_LEN=8192)."
     apply_env_defaults(parser)
 
@@ -138,6 +142,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         "nnodes": args.nnodes, "node_rank": args.node_rank, "dist_init_addr": args.dist_init_addr,
         "gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_memory": args.kv_cache_memory,
         "num_kv_blocks": args.num_gpu_blocks_override,
+        "kv_secret": read_kv_secret(args.kv_secret_file) if args.kv_secret_file else None,
     }  # fmt: skip
     # Unset: the engine's own defaults.
     for name in ("max_num_seqs", "max_num_batched_tokens", "advertise_host", "kv_transfer_streams"):
@@ -148,6 +153,17 @@ def engine_config(args: argparse.Namespace) -> Any:
         return EngineConfig(**kwargs)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
+
+
+def read_kv_secret(path: str) -> bytes:
+    from engine.kv.auth import read_secret
+
+    try:
+        return read_secret(path)
+    except OSError as exc:
+        raise SystemExit(f"error: cannot read --kv-secret-file {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise SystemExit(f"error: --kv-secret-file: {exc}") from None
 
 
 class DrainingServer(uvicorn.Server):

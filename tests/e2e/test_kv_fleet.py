@@ -118,3 +118,37 @@ def test_corrupted_block_in_transit_is_recomputed(fleet, redis_server):
     turn2 = chat(b, HISTORY + [{"role": "assistant", "content": "ok"}, FOLLOW_UP])
     assert turn2.usage.prompt_tokens_details.cached_tokens == 0
     assert b.metrics()['deepseek_engine_kv_pull_fallbacks_total{reason="checksum"}'] == 1
+
+
+def test_replicas_of_one_fleet_authenticate_and_strangers_recompute(fleet, redis_server, tmp_path):
+    """With the fleet's secret (--kv-secret-file, mounted by the operator) peers pull from each other; a
+    replica holding another secret can neither read the fleet's blocks nor be read from."""
+    (tmp_path / "fleet").write_text("a-fleet-secret-of-32-characters!\n")
+    (tmp_path / "other").write_text("another-secret-of-32-characters!\n")
+    a = fleet("a", "--kv-secret-file", str(tmp_path / "fleet"))
+    b = fleet("b", "--kv-secret-file", str(tmp_path / "fleet"))
+    stranger = fleet("s", "--kv-secret-file", str(tmp_path / "other"))
+    convo, turn2 = two_turns(a, b, redis_server)
+    assert turn2.usage.prompt_tokens_details.cached_tokens >= 32 and remote_hits(b) > 0
+    other = chat(stranger, convo)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # recomputed, not an error
+    assert other.choices[0].message.content == turn2.choices[0].message.content
+    assert stranger.metrics()['deepseek_engine_kv_pull_fallbacks_total{reason="unsigned_entry"}'] >= 1
+    assert "(authenticated)" in a.log()
+
+
+def test_the_directory_password_never_reaches_the_log(tmp_path, tiny_checkpoint):  # noqa: F811
+    from tests.engine.conftest_server import free_port
+
+    redis = RedisServer(tmp_path, port=free_port(), password="hunter2-hunter2").start()
+    server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--kv-directory",
+                           f"redis://:hunter2-hunter2@127.0.0.1:{redis.port}/0", "--replica-id", "a",
+                           "--kv-transfer-port", "0").wait_ready()
+    try:
+        assert chat(server, HISTORY).choices[0].finish_reason in ("stop", "length")
+        log = server.log()
+        assert "hunter2" not in log and ":***@127.0.0.1" in log
+        assert wait_for(lambda: redis.client().keys("dsf:*:replica:a"), timeout=10)  # it did reach Redis
+    finally:
+        server.stop(signal.SIGKILL)
+        redis.stop()

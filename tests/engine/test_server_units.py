@@ -239,8 +239,9 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
         "DTYPE": "bfloat16", "KV_MIN_PREFIX_TOKENS": "32", "KV_PULL_POLICY": "never", "KV_TRANSFER_STREAMS": "3",
         "ASYNC_SCHEDULING": "off", "MAX_NUM_BATCHED_TOKENS": "512", "ENABLE_EXPERT_PARALLEL": "true",
         "NNODES": "2", "NODE_RANK": "1", "DIST_INIT_ADDR": "leader:29500", "GPU_MEMORY_UTILIZATION": "0.8",
-        "KV_CACHE_MEMORY": "2GiB", "NUM_GPU_BLOCKS_OVERRIDE": "64",
+        "KV_CACHE_MEMORY": "2GiB", "NUM_GPU_BLOCKS_OVERRIDE": "64", "KV_SECRET_FILE": str(tmp_path / "kv-secret"),
     }  # fmt: skip
+    (tmp_path / "kv-secret").write_text("0123456789abcdef0123456789abcdef\n")
     env["TENSOR_PARALLEL_SIZE"] = "4"
     for name, value in env.items():
         monkeypatch.setenv(f"DEEPSEEK_ENGINE_{name}", value)
@@ -261,6 +262,7 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
     assert (c.tensor_parallel_size, c.enable_expert_parallel, c.max_num_batched_tokens) == (4, True, 512)
     assert (c.nnodes, c.node_rank, c.dist_init_addr, c.ranks_per_node) == (2, 1, "leader:29500", 2)
     assert (c.gpu_memory_utilization, c.kv_cache_memory, c.num_kv_blocks) == (0.8, 2 * 2**30, 64)
+    assert c.kv_secret == b"0123456789abcdef0123456789abcdef" and b"0123" not in repr(c).encode()
     assert parser.parse_args(["--port", "9100"]).port == 9100  # the command line wins
     assert parser.parse_args(["--async-scheduling"]).async_scheduling == "on"  # a bare flag, as vLLM's
 
