@@ -9,6 +9,7 @@ The engine never waits for a client, and a client waits at most one engine step 
 import asyncio
 import logging
 import multiprocessing
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,6 +60,7 @@ class AsyncEngine:
         self.error: str | None = None  # why the engine died, if it did
         self.draining = False
         self.failed = asyncio.Event()  # set if the engine died
+        self.last_report = 0.0  # time.monotonic() of the engine's last message (it reports each second)
         self._build = (build_engine, build_args)
         self._load_tokenizer = load_tokenizer
         self._commands: CommandPipe | None = None
@@ -107,6 +109,11 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self.error is None
+
+    def silent_for(self) -> float:
+        """Seconds since the engine process last reported, once it is up (0 while it loads: building the
+        model sends nothing)."""
+        return time.monotonic() - self.last_report if self.is_ready else 0.0
 
     async def stop(self) -> None:
         """Aborts what still runs, stops the engine process and waits for it."""
@@ -204,6 +211,7 @@ class AsyncEngine:
         self._ready.set()
 
     def _on_message(self, message: Any) -> None:
+        self.last_report = time.monotonic()
         if isinstance(message, Report):
             self._on_report(message)
         elif isinstance(message, Ready):

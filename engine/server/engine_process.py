@@ -27,6 +27,10 @@ from engine.server.engine_messages import (
 
 logger = logging.getLogger(__name__)
 
+# An idle engine still reports this often (its heartbeat: the server's /health, and the KV directory's
+# health as the engine last saw it, stay current without traffic)
+HEARTBEAT_SECONDS = 1.0
+
 
 def build_llm_engine(config: Any) -> Any:
     """The default engine builder (importable by name, so the spawned process can run it)."""
@@ -78,12 +82,13 @@ class EngineLoop:
         self.live: set[str] = set()  # request ids the engine holds
         self._last_queue: tuple | None = None
         self._last_kv: KVSnapshot | None = None
+        self._last_sent = 0.0
 
     def run(self) -> None:
         engine = self.engine
         while True:
             if not engine.has_unfinished_requests():
-                self.commands.poll(None)  # idle: sleep until the server sends something
+                self.commands.poll(HEARTBEAT_SECONDS)  # idle: sleep until the server sends something
             report = Report(time=0.0, num_waiting=0, num_running=0, kv_cache_usage=0.0)  # filled in by _send
             while self.commands.poll(0):
                 command = self.commands.recv()
@@ -105,10 +110,12 @@ class EngineLoop:
         kv = KVSnapshot.of(engine.kv) if getattr(engine, "kv", None) is not None else None
         if kv != self._last_kv:
             report.kv = self._last_kv = kv
-        if report.admissions or report.deltas or report.aborted or report.kv or queue != self._last_queue:
-            report.time = time.monotonic()
+        now = time.monotonic()
+        if (report.admissions or report.deltas or report.aborted or report.kv or queue != self._last_queue
+                or now - self._last_sent >= HEARTBEAT_SECONDS):
+            report.time = now
             report.num_waiting, report.num_running, report.kv_cache_usage = queue
-            self._last_queue = queue
+            self._last_queue, self._last_sent = queue, now
             self.reports.send(report)
 
     def _add(self, command: AddRequests) -> Admission:

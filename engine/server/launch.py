@@ -62,6 +62,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--drain-timeout", type=_non_negative_float, default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM",
     )
+    http.add_argument(
+        "--engine-heartbeat-timeout", type=_positive_float, default=10.0,
+        help="/health fails once the engine process has been silent this long (it reports every second)",
+    )
     fleet = parser.add_argument_group("fleet (set by the operator)")
     fleet.add_argument("--replica-id", help="this replica's name in the KV directory (the pod name)")
     fleet.add_argument("--advertise-host", help="address peers pull KV blocks from (the pod IP; default 127.0.0.1)")
@@ -115,6 +119,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         api_key=read_api_key(args.api_key_file) if args.api_key_file else None,
         max_waiting_requests=args.max_waiting_requests,
         drain_timeout=args.drain_timeout,
+        engine_silence_timeout=args.engine_heartbeat_timeout,
     )
 
 
@@ -306,6 +311,13 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 

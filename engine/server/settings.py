@@ -11,3 +11,6 @@ class ServerSettings:
     api_key: str | None = None  # None: no authentication
     max_waiting_requests: int | None = None  # None: unbounded waiting queue
     drain_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    # /health fails when the engine process (which reports every second, and after every step) has been
+    # silent this long: a wedged process gets restarted; a single step longer than this is the cost
+    engine_silence_timeout: float = 10.0

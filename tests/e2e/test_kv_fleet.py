@@ -152,3 +152,12 @@ def test_the_directory_password_never_reaches_the_log(tmp_path, tiny_checkpoint)
     finally:
         server.stop(signal.SIGKILL)
         redis.stop()
+
+
+def test_an_idle_replica_reports_the_directory_down(fleet, redis_server):
+    """No request needed: the directory's heartbeat fails, and the engine's own heartbeat carries it to
+    /metrics within seconds."""
+    a = fleet("a")
+    assert a.metrics()["deepseek_engine_kv_directory_up"] == 1
+    redis_server.stop()
+    assert wait_for(lambda: a.metrics()["deepseek_engine_kv_directory_up"] == 0, timeout=15, interval=0.5)

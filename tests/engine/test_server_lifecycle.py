@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import signal
 import subprocess
+import time
 
 import httpx
 import openai
@@ -227,3 +228,25 @@ async def test_an_engine_process_that_dies_fails_requests(tiny_checkpoint):
             assert (await http.get("/health")).status_code == 503
     finally:
         await engine.stop()
+
+
+def test_a_stopped_engine_process_turns_health_unhealthy(tiny_checkpoint, tmp_path):  # noqa: F811
+    """The engine reports at least every second, idle or not: one that stops (SIGSTOP, a wedged driver)
+    fails /health within the heartbeat timeout, so the kubelet restarts the pod, and recovers with it."""
+    from tests.engine.test_parallel_server import descendants
+
+    server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--engine-heartbeat-timeout", "2").wait_ready()
+    try:
+        time.sleep(2.5)  # idle longer than the timeout: the heartbeat keeps it healthy
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        (engine_pid,) = [pid for pid, cmd in descendants(server.proc.pid) if "spawn_main" in cmd]
+        os.kill(engine_pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while httpx.get(f"{server.url}/health").status_code == 200:
+            assert time.monotonic() - stopped < 6, "/health still 200 with the engine stopped"
+            time.sleep(0.2)
+        assert httpx.get(f"{server.url}/health").json()["status"] == "unresponsive"
+        os.kill(engine_pid, signal.SIGCONT)
+        assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200, timeout=5)
+    finally:
+        server.stop(signal.SIGKILL)
