@@ -49,11 +49,11 @@ def create_app(settings: ServerSettings, engine: AsyncEngine) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[*v1, Depends(accepting)])
     async def chat_completions(raw: Request) -> Response:
-        return await app.state.chat.create(await parse_body(raw, ChatCompletionRequest), raw)
+        return await app.state.chat.create(await parse_body(raw, ChatCompletionRequest, settings.max_body_bytes), raw)
 
     @app.post("/v1/completions", dependencies=[*v1, Depends(accepting)])
     async def completions(raw: Request) -> Response:
-        return await app.state.completions.create(await parse_body(raw, CompletionRequest), raw)
+        return await app.state.completions.create(await parse_body(raw, CompletionRequest, settings.max_body_bytes), raw)
 
     @app.get("/v1/models", dependencies=v1)
     async def models() -> ModelList:

@@ -28,7 +28,7 @@ from engine.server.engine_messages import (
     Stop,
 )
 from engine.server.engine_process import run_engine_process
-from engine.server.errors import InternalError, QueueFull, ServiceUnavailable
+from engine.server.errors import InternalError, InvalidRequest, QueueFull, ServiceUnavailable
 from engine.server.request_log import summarize
 from engine.server.request_stream import RequestStream
 
@@ -78,6 +78,8 @@ class AsyncEngine:
         self._admitting: dict[str, RequestStream] = {}  # streams sent to the engine, not yet acknowledged
         self._active: set[RequestStream] = set()  # admitted and neither finished nor closed
         self._num_waiting = 0  # the engine's waiting queue in its last report
+        self._num_running = 0  # and what it ran
+        self.max_num_seqs = 0  # what it runs at once (from Ready)
         self._num_unacked = 0  # choices sent to the engine, not yet acknowledged
 
     # ----------------------------------------------------------------------------------- lifecycle
@@ -152,11 +154,18 @@ class AsyncEngine:
             raise ServiceUnavailable("The server is draining and accepts no new requests.")
         if not self.is_ready:
             raise ServiceUnavailable("The model is not loaded yet." if self.error is None else "The engine failed.")
-        num_waiting = self._num_waiting + self._num_unacked
-        if self.max_waiting_requests is not None and num_waiting + len(prompts) > self.max_waiting_requests:
+        limit = self.max_waiting_requests
+        if limit is not None and len(prompts) > limit + self.max_num_seqs:
+            raise InvalidRequest(f"This request has {len(prompts)} choices (prompts x n), more than this server ever "
+                                 f"holds ({self.max_num_seqs} running + {limit} waiting); send fewer per request.",
+                                 param="n")
+        # what will wait: choices not yet admitted beyond the engine's free running slots
+        pending = self._num_waiting + self._num_unacked
+        free = max(0, self.max_num_seqs - self._num_running)
+        num_waiting = max(0, pending - free)
+        if limit is not None and max(0, pending + len(prompts) - free) > limit:
             raise QueueFull(
-                f"The waiting queue is full ({num_waiting} waiting, at most {self.max_waiting_requests}); "
-                "retry later.",
+                f"The waiting queue is full ({num_waiting} waiting, at most {limit}); retry later.",
                 headers={"Retry-After": "1"},
             )
         stream = RequestStream(request_id, len(prompts), self._close)
@@ -207,7 +216,7 @@ class AsyncEngine:
         except Exception as exc:  # noqa: BLE001 - same outcome as an engine that cannot start
             self._on_failed(f"loading the tokenizer failed: {type(exc).__name__}: {exc}")
             return
-        self.tokenizer, self.max_model_len = tokenizer, ready.max_model_len
+        self.tokenizer, self.max_model_len, self.max_num_seqs = tokenizer, ready.max_model_len, ready.max_num_seqs
         self._ready.set()
 
     def _on_message(self, message: Any) -> None:
@@ -222,7 +231,7 @@ class AsyncEngine:
             self._on_failed(message.message)
 
     def _on_report(self, report: Report) -> None:
-        self._num_waiting = report.num_waiting
+        self._num_waiting, self._num_running = report.num_waiting, report.num_running
         self.metrics.set_queue(report.num_waiting, report.num_running, report.kv_cache_usage)
         if report.kv is not None:
             self.metrics.set_kv(report.kv.transfer_bytes, report.kv.pull_fallbacks, report.kv.directory_up)

@@ -38,6 +38,7 @@ class Stop:
 class Ready:
     model_path: str
     max_model_len: int
+    max_num_seqs: int = 0  # requests the engine runs at once (the rest wait)
 
 
 @dataclass

@@ -61,7 +61,8 @@ def run_engine_process(
     except BaseException as exc:  # noqa: BLE001 - reported to the server, which exits non-zero
         reports.send(Failed(f"building the engine failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
-    reports.send(Ready(model_path=str(engine.model_path), max_model_len=engine.max_model_len))
+    reports.send(Ready(model_path=str(engine.model_path), max_model_len=engine.max_model_len,
+                       max_num_seqs=getattr(getattr(engine, "config", None), "max_num_seqs", 0)))
     try:
         EngineLoop(engine, commands, reports).run()
     except (EOFError, BrokenPipeError):

@@ -66,6 +66,11 @@ class QueueFull(APIError):
     code = "rate_limit_exceeded"
 
 
+class PayloadTooLarge(APIError):
+    status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+    code = "request_too_large"
+
+
 class ServiceUnavailable(APIError):
     status = HTTPStatus.SERVICE_UNAVAILABLE
     type = "service_unavailable"
@@ -111,10 +116,26 @@ def _loc(loc: tuple) -> str:
     return out
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 as soon as it is known to pass `limit` bytes (by its Content-Length,
+    else while it arrives): nothing larger is held in memory."""
+    too_large = PayloadTooLarge(f"The request body is larger than this server accepts ({limit} bytes).")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
+async def parse_body(request: Request, model: type[M], limit: int) -> M:
     """The request body as `model`, whatever the Content-Type says; any defect is a 400 naming it."""
+    body = await read_body(request, limit)
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(body)
     except ValidationError as exc:
         errors = exc.errors()
         if any(e["type"] == "json_invalid" for e in errors):

@@ -63,6 +63,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish after SIGTERM",
     )
     http.add_argument(
+        "--max-request-body-size", type=_bytes, default=32 << 20,
+        help="larger request bodies get a 413 (default 32MiB; units as for --kv-cache-memory)",
+    )
+    http.add_argument(
         "--engine-heartbeat-timeout", type=_positive_float, default=10.0,
         help="/health fails once the engine process has been silent this long (it reports every second)",
     )
@@ -120,6 +124,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_waiting_requests=args.max_waiting_requests,
         drain_timeout=args.drain_timeout,
         engine_silence_timeout=args.engine_heartbeat_timeout,
+        max_body_bytes=args.max_request_body_size,
     )
 
 

@@ -1,5 +1,6 @@
 """What chat and completions share: admission checks, sampling settings, running a request to its end."""
 
+import asyncio
 import functools
 import re
 from collections.abc import Callable, Sequence
@@ -21,10 +22,19 @@ T = TypeVar("T")
 
 # OpenAI reports tokens outside the sampling set (top-p/top-k cut) as -9999.0; JSON has no -inf.
 MIN_LOGPROB = -9999.0
+MAX_CHOICES = 256  # prompts x n per request: more is refused before anything is tokenized
+OFFLOAD_CHARS = 16 << 10  # text longer than this is templated / tokenized in a thread
 
 
 class Serving:
     """Base of the chat and completions services; holds the engine and the served model's name."""
+
+    async def off_the_loop(self, fn: Callable, *args, size: int = 0) -> Any:
+        """fn(*args), in a thread when its input is large (a long prompt's template or tokenization would
+        hold every other stream's event loop for milliseconds); inline when small (a thread hop costs more)."""
+        if size > OFFLOAD_CHARS:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
 
     def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
         self.engine = engine
@@ -96,10 +106,17 @@ class Serving:
             raise InvalidRequest("stream_options is only allowed when stream is true.", param="stream_options")
         return bool(request.stream and request.stream_options and request.stream_options.include_usage)
 
+    @staticmethod
+    def check_choices(num_choices: int) -> None:
+        if num_choices > MAX_CHOICES:
+            raise InvalidRequest(f"A request may carry at most {MAX_CHOICES} choices (prompts x n); this one has "
+                                 f"{num_choices}.", param="n")
+
     async def submit(
         self, request_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams], raw: Request, what: str
     ) -> RequestStream:
         """Hands the choices to the engine; the engine's refusal becomes a 400 about `what` (the prompt)."""
+        self.check_choices(len(prompts))
         stream = self.engine.submit(request_id, prompts, params)
         try:
             await until_disconnected(raw, stream.admitted())

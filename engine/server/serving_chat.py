@@ -36,12 +36,16 @@ class ChatServing(Serving):
         include_usage = self.check_stream_options(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
-        prompt = self.render(request)
-        prompt_ids = self.tokenizer.encode(prompt)  # the template wrote BOS; encode() does not repeat it
+        n = request.n or 1
+        self.check_choices(n)
+        size = sum(len(m.content) if isinstance(m.content, str) else sum(len(getattr(part, "text", "")) for part in m.content)
+                   for m in request.messages)
+        prompt = await self.off_the_loop(self.render, request, size=size)
+        # the template wrote BOS; encode() does not repeat it
+        prompt_ids = await self.off_the_loop(self.tokenizer.encode, prompt, size=len(prompt))
         max_tokens = request.max_completion_tokens or request.max_tokens
         max_tokens = self.check_context(len(prompt_ids), max_tokens, "messages")
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        n = request.n or 1
         params = [self.sampling_params(request, max_tokens, num_logprobs, i) for i in range(n)]
         stream = await self.submit(f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids] * n, params, raw, "messages")
         reply = _Reply(self, stream.request_id, prompt, n, num_logprobs)

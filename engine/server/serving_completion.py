@@ -22,11 +22,15 @@ class CompletionServing(Serving):
     async def create(self, request: CompletionRequest, raw: Request) -> Response:
         self.check_model(request.model)
         include_usage = self.check_stream_options(request)
-        prompts = self.tokenize(request.prompt)
+        n = request.n or 1
+        num_prompts = 1 if isinstance(request.prompt, str) or isinstance(request.prompt[0], int) else len(request.prompt)
+        self.check_choices(num_prompts * n)  # before tokenizing thousands of prompts
+        size = len(request.prompt) if isinstance(request.prompt, str) else sum(
+            len(p) if isinstance(p, str) else 0 for p in request.prompt)
+        prompts = await self.off_the_loop(self.tokenize, request.prompt, size=size)
         max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
         for prompt_ids in prompts:
             self.check_context(len(prompt_ids), max_tokens, "prompt")
-        n = request.n or 1
         choice_prompts = [p for p in prompts for _ in range(n)]
         params = [self.sampling_params(request, max_tokens, request.logprobs, i) for i in range(len(choice_prompts))]
         stream = await self.submit(f"cmpl-{uuid.uuid4().hex}", choice_prompts, params, raw, "prompt")

@@ -14,3 +14,4 @@ class ServerSettings:
     # /health fails when the engine process (which reports every second, and after every step) has been
     # silent this long: a wedged process gets restarted; a single step longer than this is the cost
     engine_silence_timeout: float = 10.0
+    max_body_bytes: int = 32 << 20  # a request body beyond this is a 413 (a 1M-token prompt is ~4-8 MB)

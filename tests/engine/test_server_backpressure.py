@@ -61,8 +61,13 @@ async def test_full_queue_is_429_with_retry_after(server):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
 
 
-def test_n_choices_count_against_the_queue(server):
-    # An idle server, yet 2 choices cannot both wait when one request may: refused whole, nothing half-made.
-    refused = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "n": 2}, timeout=60)
-    assert refused.status_code == 429
+def test_n_choices_count_against_what_the_engine_holds(server):
+    # An idle server runs one and queues one: 2 choices are admitted (one runs at once, one waits) ...
+    ok = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "n": 2, "max_tokens": 2},
+                    timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+    # ... 3 never fit: a 400 that says so (not a 429 to retry forever), nothing half-made
+    never = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "n": 3}, timeout=60)
+    assert never.status_code == 400 and never.json()["error"]["param"] == "n"
+    assert "ever holds" in never.json()["error"]["message"]
     assert server.metrics()["deepseek_engine_requests_waiting"] == 0

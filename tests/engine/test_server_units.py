@@ -240,7 +240,7 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
         "ASYNC_SCHEDULING": "off", "MAX_NUM_BATCHED_TOKENS": "512", "ENABLE_EXPERT_PARALLEL": "true",
         "NNODES": "2", "NODE_RANK": "1", "DIST_INIT_ADDR": "leader:29500", "GPU_MEMORY_UTILIZATION": "0.8",
         "KV_CACHE_MEMORY": "2GiB", "NUM_GPU_BLOCKS_OVERRIDE": "64", "KV_SECRET_FILE": str(tmp_path / "kv-secret"),
-        "ENGINE_HEARTBEAT_TIMEOUT": "4",
+        "ENGINE_HEARTBEAT_TIMEOUT": "4", "MAX_REQUEST_BODY_SIZE": "1MiB",
     }  # fmt: skip
     (tmp_path / "kv-secret").write_text("0123456789abcdef0123456789abcdef\n")
     env["TENSOR_PARALLEL_SIZE"] = "4"
@@ -253,7 +253,7 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
     assert (args.port, args.max_model_len, args.drain_timeout, args.kv_transport) == (9000, 8192, 12.5, "rdma")
     s = settings_from_args(args)
     assert (s.served_model_name, s.api_key, s.max_waiting_requests) == ("v3", "secret", 32)
-    assert s.engine_silence_timeout == 4.0
+    assert (s.engine_silence_timeout, s.max_body_bytes) == (4.0, 2**20)
     c = engine_config(args)
     assert (c.model, c.dtype, c.max_model_len, c.max_num_seqs) == (str(tmp_path), "bfloat16", 8192, 8)
     assert (c.replica_id, c.advertise_host, c.kv_directory, c.kv_transport, c.kv_transfer_port) == (
