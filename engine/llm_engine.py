@@ -34,6 +34,12 @@ from engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+def _release_pulled(future) -> None:
+    pulled = None if future.cancelled() or future.exception() is not None else future.result()
+    if pulled is not None:
+        pulled.release()
+
+
 class PromptTooLongError(ValueError):
     """The prompt does not fit the context window (or the KV cache)."""
 
@@ -44,6 +50,33 @@ class LaunchedStep(NamedTuple):
     batch: ScheduledBatch
     sample_seqs: list[Sequence]
     draws: Draws | None
+    prefill_timer: "StepTimer | None" = None  # how long its prefill took, read once its tokens are
+
+
+class StepTimer:
+    """The device time of a step, read after the step's own results (no extra synchronization): CUDA
+    events around it on a GPU, the host's clock elsewhere (where the step ran synchronously)."""
+
+    def __init__(self, device: torch.device):
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.start = time.perf_counter()
+        self.seconds = 0.0
+
+    def stop(self) -> "StepTimer":
+        if self.events is not None:
+            self.events[1].record()
+        else:
+            self.seconds = time.perf_counter() - self.start
+        return self
+
+    def elapsed(self) -> float:
+        if self.events is not None:
+            self.events[1].synchronize()  # done already: the step's tokens were read
+            return self.events[0].elapsed_time(self.events[1]) / 1e3
+        return self.seconds
 
 
 class LLMEngine:
@@ -189,7 +222,10 @@ class LLMEngine:
         self.output_processor.remove(request_id)
         pending = self.pending_pulls.pop(request_id, None)
         if pending is not None:
-            pending[1].future.cancel()  # a transfer already under way finishes and is dropped
+            future = pending[1].future
+            # a transfer already under way finishes and is dropped: its staging buffer goes back
+            if not future.cancel():
+                future.add_done_callback(_release_pulled)
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "abort"
             return
@@ -221,14 +257,12 @@ class LLMEngine:
         for seq, _ in batch.items:
             if seq.pinned_blocks:  # admitted: its own references now hold the pulled blocks
                 self._unpin(seq)
-        start = time.perf_counter()
+        timer = StepTimer(self.runner.device) if self.kv is not None and batch.prefills else None
         plan = self.planner.build(batch, inputs_on_device=inputs is not None)
         result = self.executor.execute(plan, inputs)
         logits = result.logits
-        if self.kv is not None and batch.prefills:
-            if logits is not None:
-                logits.sum().item()  # the device finished the step: time it honestly
-            self.kv.observe_prefill(sum(n for _, n in batch.prefills), time.perf_counter() - start)
+        if timer is not None:
+            timer.stop()  # read when the step's tokens are: the prefill rate the pull policy weighs
         offset, sample_seqs = 0, []
         for seq, n in batch.items:
             if seq.collect_logits:
@@ -240,7 +274,7 @@ class LLMEngine:
         draws = self.sampler.sample(logits, sample_seqs, inputs) if sample_seqs else None
         for seq in sample_seqs:
             seq.num_inflight_tokens += 1
-        return LaunchedStep(batch, sample_seqs, draws)
+        return LaunchedStep(batch, sample_seqs, draws, timer)
 
     def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
         """The decode step after `step`, launched before its tokens reach the host; None where the next
@@ -283,6 +317,8 @@ class LLMEngine:
         outputs = []
         if step.draws is not None:
             tokens, logprobs = step.draws.result()
+            if step.prefill_timer is not None:
+                self.kv.observe_prefill(sum(n for _, n in step.batch.prefills), step.prefill_timer.elapsed())
             now = time.monotonic()
             for seq, token, lp in zip(step.sample_seqs, tokens, logprobs):
                 seq.num_inflight_tokens -= 1

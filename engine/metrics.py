@@ -121,6 +121,10 @@ class EngineMetrics:
         for out in outputs:
             self._observe(out, now)
 
+    def forget(self, request_id: str) -> None:
+        """The request's client left: nothing more is observed for it (its last-token time goes)."""
+        self._last_token_time.pop(request_id, None)
+
     def observe_abort(self, request_id: str) -> None:
         """Counts a request aborted before the engine reported it finished."""
         self._last_token_time.pop(request_id, None)

@@ -192,6 +192,7 @@ class AsyncEngine:
 
     def _forget(self, sub_id: str) -> bool:
         self._builders.pop(sub_id, None)
+        self.metrics.forget(sub_id)  # its last report may never be observed (the client left first)
         return self._routes.pop(sub_id, None) is not None
 
     def _retire(self, stream: RequestStream) -> None:

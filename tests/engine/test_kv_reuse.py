@@ -171,3 +171,28 @@ def test_pull_policy():
     assert not should_pull(1024, 70_000_000, 1e9, 50e3, 256, "auto")
     assert not should_pull(128, 1, 10e9, 1, 256, "always")  # below the minimum prefix
     assert not should_pull(4096, 1, 10e9, 1, 256, "never")
+
+
+def test_an_abort_during_a_pull_returns_its_staging_buffer(make_engine, redis_server):
+    """The request goes while its blocks are on the wire: the transfer finishes, and its buffer goes back
+    to the pool instead of staying held (each such abort would keep one)."""
+    a, b = make_engine("a"), make_engine("b")
+    run(a, "t1", PROMPT)
+    wait_published(a, redis_server, 16)
+    released, arrived = threading.Event(), threading.Event()
+    pull = b.kv.transport.pull
+
+    def slow_pull(addr, hashes):
+        pulled = pull(addr, hashes)
+        arrived.wait(5)  # the abort lands while the transfer is still "under way"
+        release = pulled.release
+        pulled.release = lambda: (release(), released.set())
+        return pulled
+
+    b.kv.transport.pull = slow_pull
+    b.add_request("t2", PROMPT, GREEDY)
+    assert b.pending_pulls
+    b.abort_request("t2")
+    arrived.set()
+    assert released.wait(5) and not b.has_unfinished_requests()
+

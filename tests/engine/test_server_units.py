@@ -287,3 +287,24 @@ def test_empty_or_missing_api_key_file_is_an_error(tmp_path):
     for path in (empty, tmp_path / "missing"):
         with pytest.raises(SystemExit, match="api-key-file"):
             settings_from_args(serve_parser().parse_args(["--api-key-file", str(path)]))
+
+
+def test_metrics_forget_a_request_whose_client_left():
+    """A client gone after its last token but before the engine's final report: its inter-token state
+    goes with it (it used to stay forever)."""
+    import time
+
+    from engine.metrics import EngineMetrics
+    from engine.outputs import RequestMetrics, RequestOutput
+    from engine.server.async_engine import AsyncEngine
+
+    metrics = EngineMetrics(kv_reuse=False)
+    engine = AsyncEngine(lambda: None, (), metrics, load_tokenizer=lambda path: None)
+    out = RequestOutput(request_id="r-0", prompt_token_ids=[1], token_ids=[5], text="", logprobs=None,
+                        finished=False, finish_reason=None, num_cached_tokens=0, new_token_ids=[5], new_text="",
+                        metrics=RequestMetrics(arrival_time=time.monotonic()))
+    metrics.observe_outputs([out])
+    assert "r-0" in metrics._last_token_time
+    engine._routes["r-0"], engine._builders["r-0"] = (None, 0), None
+    engine._forget("r-0")  # what the stream's close does when its client leaves
+    assert metrics._last_token_time == {}
