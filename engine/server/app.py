@@ -17,6 +17,30 @@ from engine.server.serving_completion import CompletionServing
 from engine.server.settings import ServerSettings
 
 
+def _body(model: type) -> dict:
+    """The route's request body in the OpenAPI document (routes parse it themselves: size limit, errors)."""
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _with_request_schemas(app: FastAPI, models: list[type]) -> None:
+    """Adds the request models (and what they reference) to the OpenAPI document's components."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = generate()
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def create_app(settings: ServerSettings, engine: AsyncEngine) -> FastAPI:
     """The server for one engine; the engine loop starts with the app and stops with it."""
 
@@ -29,6 +53,7 @@ def create_app(settings: ServerSettings, engine: AsyncEngine) -> FastAPI:
             await engine.stop()
 
     app = FastAPI(title="deepseek-engine", lifespan=lifespan)
+    _with_request_schemas(app, [ChatCompletionRequest, CompletionRequest])
     app.state.settings = settings
     app.state.engine = engine
     app.state.chat = ChatServing(engine, settings.served_model_name)
@@ -47,11 +72,11 @@ def create_app(settings: ServerSettings, engine: AsyncEngine) -> FastAPI:
 
     v1 = [Depends(require_api_key)]
 
-    @app.post("/v1/chat/completions", dependencies=[*v1, Depends(accepting)])
+    @app.post("/v1/chat/completions", dependencies=[*v1, Depends(accepting)], openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(raw: Request) -> Response:
         return await app.state.chat.create(await parse_body(raw, ChatCompletionRequest, settings.max_body_bytes), raw)
 
-    @app.post("/v1/completions", dependencies=[*v1, Depends(accepting)])
+    @app.post("/v1/completions", dependencies=[*v1, Depends(accepting)], openapi_extra=_body(CompletionRequest))
     async def completions(raw: Request) -> Response:
         return await app.state.completions.create(await parse_body(raw, CompletionRequest, settings.max_body_bytes), raw)
 
