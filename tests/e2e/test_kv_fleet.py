@@ -161,3 +161,95 @@ def test_an_idle_replica_reports_the_directory_down(fleet, redis_server):
     assert a.metrics()["deepseek_engine_kv_directory_up"] == 1
     redis_server.stop()
     assert wait_for(lambda: a.metrics()["deepseek_engine_kv_directory_up"] == 0, timeout=15, interval=0.5)
+
+
+def test_redis_restarted_mid_conversation(fleet, redis_server):
+    """The directory's content is soft state: after a restart the replicas register again, the next turn
+    recomputes (no error), and later turns pull again."""
+    a, b = fleet("a"), fleet("b")
+    convo, turn2 = two_turns(a, b, redis_server)
+    redis_server.stop()
+    redis_server.start()
+    turn3 = chat(b, convo + [{"role": "assistant", "content": turn2.choices[0].message.content}, FOLLOW_UP])
+    assert turn3.choices[0].finish_reason in ("stop", "length")
+    assert wait_for(lambda: len(redis_server.client().keys("dsf:*:replica:*")) == 2, timeout=15)
+    fresh = [{"role": "user", "content": "Explain leader election in Kubernetes controllers in detail. " * 3}]
+    chat(a, fresh)
+    assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
+    follow = chat(b, fresh + [{"role": "assistant", "content": "ok"}, FOLLOW_UP])
+    assert follow.usage.prompt_tokens_details.cached_tokens >= 32
+
+
+def test_a_peer_serving_garbage_costs_a_recompute(fleet, redis_server):
+    import socket
+    import threading
+
+    a, b = fleet("a"), fleet("b")
+    chat(a, HISTORY)
+    assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
+    garbage = socket.create_server(("127.0.0.1", 0))
+
+    def serve_garbage():
+        while True:
+            try:
+                conn, _ = garbage.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1 << 16)
+                conn.sendall(b"\xff\x00\x13" * 5000)
+
+    threading.Thread(target=serve_garbage, daemon=True).start()
+    (key,) = redis_server.client().keys("dsf:*:replica:a")
+    redis_server.client().hset(key, "addr", f"127.0.0.1:{garbage.getsockname()[1]}")
+    turn2 = chat(b, HISTORY + [{"role": "assistant", "content": "ok"}, FOLLOW_UP])
+    assert turn2.choices[0].finish_reason in ("stop", "length")
+    assert turn2.usage.prompt_tokens_details.cached_tokens == 0
+    fallbacks = {k: v for k, v in b.metrics().items() if k.startswith("deepseek_engine_kv_pull_fallbacks_total")}
+    assert sum(fallbacks.values()) >= 1, fallbacks
+    garbage.close()
+
+
+def test_200_disconnects_during_pulls_leave_nothing_behind(fleet, redis_server):
+    """Clients that leave while their prefix is being pulled: every request ends, the replica's blocks
+    are all free again, and its engine process ends near the memory it started with."""
+    import asyncio
+
+    import httpx
+
+    from tests.engine.test_parallel_server import descendants
+
+    a, b = fleet("a"), fleet("b")
+    chat(a, HISTORY)
+    assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
+    (engine_pid,) = [pid for pid, cmd in descendants(b.proc.pid) if "spawn_main" in cmd]
+
+    def rss_mb() -> float:
+        for line in open(f"/proc/{engine_pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    chat(b, HISTORY + [{"role": "assistant", "content": "warm"}, FOLLOW_UP])  # allocations of a first pull
+    before = rss_mb()
+
+    async def leave_early(http: httpx.AsyncClient, i: int) -> None:
+        messages = HISTORY + [{"role": "assistant", "content": f"turn {i}"}, FOLLOW_UP]
+        body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 64, "stream": True}
+        try:
+            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                async for _ in r.aiter_lines():
+                    break  # gone after the first line
+        except httpx.HTTPError:
+            pass
+
+    async def storm() -> None:
+        async with httpx.AsyncClient(base_url=b.url, timeout=60) as http:
+            for wave in range(4):
+                await asyncio.gather(*(leave_early(http, wave * 50 + i) for i in range(50)))
+
+    asyncio.run(storm())
+    assert wait_for(lambda: b.metrics()["deepseek_engine_requests_running"] == 0, timeout=30)
+    assert b.metrics()["deepseek_engine_requests_waiting"] == 0
+    assert chat(b, HISTORY).choices[0].finish_reason in ("stop", "length")  # alive and serving
+    assert rss_mb() < before + 200, (before, rss_mb())
