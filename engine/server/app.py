@@ -90,7 +90,7 @@ def create_app(settings: ServerSettings, engine: AsyncEngine) -> FastAPI:
         # Alive while the model loads; dead (restart me) once the engine loop has failed, or while it has
         # been silent longer than its heartbeat allows (a wedged or stopped engine process)
         if engine.error is not None:
-            return JSONResponse({"status": "failed", "error": engine.error}, status_code=503)
+            return JSONResponse({"status": "failed"}, status_code=503)  # why: in the log
         if engine.silent_for() > settings.engine_silence_timeout:
             return JSONResponse({"status": "unresponsive", "error": f"the engine has not reported for "
                                  f"{engine.silent_for():.0f} s"}, status_code=503)

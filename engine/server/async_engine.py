@@ -270,6 +270,7 @@ class AsyncEngine:
     def _on_failed(self, message: str) -> None:
         logger.error("%s", message)
         self.error = message.splitlines()[0]
-        self.abort_all(InternalError(f"The engine failed: {self.error}"))
+        # what failed stays in the log: a client learns that it did, not the internals
+        self.abort_all(InternalError("The engine failed; this replica is restarting. Retry the request."))
         self._ready.set()
         self.failed.set()
