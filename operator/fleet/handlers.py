@@ -17,7 +17,7 @@ RETRY_DELAY_SECONDS = 10
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Any, **_: Any) -> None:
     """Keep Kopf's bookkeeping in our annotations and build the shared runtime."""
     # Structural schemas prune unknown status fields, so Kopf's progress lives in annotations.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.GROUP)
@@ -33,6 +33,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.scanning.disabled = not operator_settings.namespace_globs
     if getattr(memo, "runtime", None) is None:
         memo.runtime = Runtime.from_environment(operator_settings)
+        if operator_settings.metrics_port:
+            try:
+                memo.runtime.metrics.serve(operator_settings.metrics_port)
+            except OSError as exc:  # the fleets matter more than the operator's own metrics
+                logger.error(f"Cannot serve metrics on port {operator_settings.metrics_port}: {exc}")
 
 
 @kopf.on.resume(names.GROUP, names.VERSION, names.PLURAL)
@@ -67,6 +72,7 @@ async def track_fleets(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, *
     Kopf's event posting works; a startup handler's would not.
     """
     memo.runtime.resync.observe(body, deleted=event.get("type") == "DELETED")
+    memo.runtime.metrics.fleets.set(len(memo.runtime.resync.fleets()))
     memo.runtime.resync.start()
 
 

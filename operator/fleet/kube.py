@@ -21,13 +21,25 @@ class Kind:
     api_version: str
     kind: str
     plural: str
-    api: str  # class in kubernetes.client
+    api: str  # class in kubernetes.client; CUSTOM for kinds a CRD adds
     method_suffix: str  # e.g. "deployment" in read_namespaced_deployment
     verbs: tuple[str, ...]  # what the operator does with it (RBAC is derived from this)
 
     @property
     def group(self) -> str:
         return self.api_version.rpartition("/")[0]
+
+    @property
+    def version(self) -> str:
+        return self.api_version.rpartition("/")[2]
+
+    @property
+    def custom(self) -> bool:
+        return self.api == CUSTOM
+
+
+CUSTOM = "CustomObjectsApi"
+CUSTOM_VERBS = ("get", "list", "create", "patch", "delete")
 
 
 # "delete" marks the kinds a spec change can make unwanted (the reconcile prunes them).
@@ -43,12 +55,26 @@ CHILD_KINDS = (
     Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets", "PolicyV1Api", "pod_disruption_budget",
          ("get", "list", "watch", "create", "patch")),
 )
+# Kinds that CRDs of other projects add: used only where a fleet or a setting asks for them, never
+# watched (Kopf would wait for a CRD that may not be installed); the resync repairs their drift.
+OPTIONAL_KINDS = (
+    Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors", CUSTOM, "", CUSTOM_VERBS),
+)
+CHILD_KINDS = CHILD_KINDS + OPTIONAL_KINDS
 KINDS = {(k.api_version, k.kind): k for k in CHILD_KINDS}
 WATCHED_KINDS = tuple(k for k in CHILD_KINDS if "watch" in k.verbs)
 PRUNED_KINDS = tuple(k for k in CHILD_KINDS if "delete" in k.verbs)
 # Engine pods: listed by label selector (RDMA readiness, the autoscaler's polls; a watch would
 # stream every pod of the cluster into the operator) and annotated with a deletion cost.
 POD_VERBS = ("list", "patch")
+
+
+class CRDMissing(Exception):
+    """The API server does not serve this kind: the CRD that adds it is not installed."""
+
+    def __init__(self, kind: Kind) -> None:
+        super().__init__(f"the {kind.api_version} {kind.kind} API is not served (is its CRD installed?)")
+        self.kind = kind
 
 
 class Kube:
@@ -61,6 +87,8 @@ class Kube:
 
     def _method(self, api_version: str, kind: str, verb: str):  # noqa: ANN202
         spec = KINDS[(api_version, kind)]
+        if spec.custom:
+            return _CustomMethod(self._custom, spec, verb)
         api = getattr(client, spec.api)(self._client)
         return getattr(api, f"{verb}_namespaced_{spec.method_suffix}")
 
@@ -75,10 +103,14 @@ class Kube:
         return json.loads(response.data)
 
     def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        """Create a namespaced object from its manifest."""
+        """Create a namespaced object from its manifest (CRDMissing if its kind is not served)."""
         meta = manifest["metadata"]
         create = self._method(manifest["apiVersion"], manifest["kind"], "create")
-        return json.loads(create(meta["namespace"], manifest, _preload_content=False).data)
+        try:
+            return json.loads(create(meta["namespace"], manifest, _preload_content=False).data)
+        except ApiException as exc:
+            self._raise_if_unserved(exc, manifest["apiVersion"], manifest["kind"])
+            raise
 
     def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         """Apply a JSON merge patch."""
@@ -86,9 +118,21 @@ class Kube:
         return json.loads(method(name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False).data)
 
     def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
-        """Objects of a kind matching a label selector."""
-        response = self._method(api_version, kind, "list")(namespace, label_selector=selector, _preload_content=False)
+        """Objects of a kind matching a label selector (CRDMissing if the kind is not served)."""
+        try:
+            response = self._method(api_version, kind, "list")(namespace, label_selector=selector,
+                                                               _preload_content=False)
+        except ApiException as exc:
+            self._raise_if_unserved(exc, api_version, kind)
+            raise
         return json.loads(response.data).get("items", [])
+
+    @staticmethod
+    def _raise_if_unserved(exc: ApiException, api_version: str, kind: str) -> None:
+        # A collection answers 404 only when its kind is not served at all.
+        spec = KINDS[(api_version, kind)]
+        if exc.status == 404 and spec.custom:
+            raise CRDMissing(spec) from exc
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> bool:
         """Delete exactly this object (uid precondition), its dependents in the background; False if gone."""
@@ -138,3 +182,34 @@ class Kube:
             _content_type=MERGE_PATCH, _preload_content=False,
         )
         return json.loads(response.data)
+
+
+class _CustomMethod:
+    """A typed-client-like `verb_namespaced_x(...)` for a kind served through CustomObjectsApi.
+
+    Positional arguments follow the typed client's order: (name, namespace[, body]) for an
+    object, (namespace[, body]) for a collection.
+    """
+
+    def __init__(self, api: client.CustomObjectsApi, kind: Kind, verb: str) -> None:
+        self.api, self.kind, self.verb = api, kind, verb
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        k = self.kind
+        where = (k.group, k.version)
+        if self.verb == "read":
+            name, namespace = args
+            return self.api.get_namespaced_custom_object(*where, namespace, k.plural, name, **kwargs)
+        if self.verb == "create":
+            namespace, body = args
+            return self.api.create_namespaced_custom_object(*where, namespace, k.plural, body, **kwargs)
+        if self.verb == "patch":
+            name, namespace, body = args
+            return self.api.patch_namespaced_custom_object(*where, namespace, k.plural, name, body, **kwargs)
+        if self.verb == "list":
+            (namespace,) = args
+            return self.api.list_namespaced_custom_object(*where, namespace, k.plural, **kwargs)
+        if self.verb == "delete":
+            name, namespace = args
+            return self.api.delete_namespaced_custom_object(*where, namespace, k.plural, name, **kwargs)
+        raise ValueError(self.verb)

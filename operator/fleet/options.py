@@ -23,3 +23,5 @@ class BuildOptions:
 
     engine_image: str = DEFAULT_ENGINE_IMAGE
     """Engine image of fleets whose spec.engine.image is unset."""
+    pod_monitors: bool = False
+    """Give every fleet a PodMonitor (needs the Prometheus Operator's CRDs)."""

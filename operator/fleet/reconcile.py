@@ -6,6 +6,7 @@ import copy
 import datetime
 import hashlib
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from fleet import drift, names
-from fleet.kube import PRUNED_KINDS, Kube
+from fleet.kube import PRUNED_KINDS, CRDMissing, Kube
 from fleet.manifests import build_children
 from fleet.manifests.kv_directory import new_password, read_password
 from fleet.options import BuildOptions
@@ -26,6 +27,12 @@ from fleet.validation import InvalidSpec, validate
 # (parent body, event type, reason, message)
 EventSink = Callable[[dict[str, Any], str, str, str], None]
 CONFLICT_RETRIES = 3
+UNSERVED_RECHECK_SECONDS = 300.0
+INSTALL_HINTS = {
+    "LeaderWorkerSet": "multi-node replicas need the LeaderWorkerSet controller (docs/install.md)",
+    "PodMonitor": "install the Prometheus Operator's CRDs, or turn off --pod-monitors",
+    "InferencePool": "install the Gateway API Inference Extension's CRDs, or turn off --inference-pools",
+}
 URL_SAFE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 
 
@@ -53,6 +60,7 @@ class Reconciler:
         self.post_event = post_event
         self.now = now
         self.options = options
+        self.unserved: dict[str, float] = {}  # optional kind -> when its CRD was last found missing
 
     def reconcile(self, namespace: str, name: str) -> Outcome:
         """One pass over the named DeepSeekDeployment, from a fresh read of it.
@@ -234,6 +242,9 @@ class _Pass:
             result = self.kube.patch(api_version, kind, self.parent.namespace, name, patch)
             self._did(f"{'Adopted' if controller is None else 'Updated'} {kind} {name}")
             return result
+        except CRDMissing as exc:
+            self.blocked.append(f"{kind} {name} cannot be created: {exc}; {INSTALL_HINTS.get(kind, '')}".rstrip("; "))
+            return live
         except ApiException as exc:
             if exc.status not in (400, 403, 422):
                 raise  # transient: the caller retries
@@ -247,9 +258,15 @@ class _Pass:
         uid = self.body["metadata"].get("uid")
         labels = names.children_selector(self.parent.name)
         for kind in PRUNED_KINDS:
+            if self.owner.unserved.get(kind.kind, -UNSERVED_RECHECK_SECONDS) > time.monotonic() - UNSERVED_RECHECK_SECONDS:
+                continue  # its CRD was missing a moment ago: nothing of that kind to prune
             if "list" in kind.verbs:
-                candidates = self.kube.list(kind.api_version, kind.kind, self.parent.namespace,
-                                            names.selector_string(labels))
+                try:
+                    candidates = self.kube.list(kind.api_version, kind.kind, self.parent.namespace,
+                                                names.selector_string(labels))
+                except CRDMissing:
+                    self.owner.unserved[kind.kind] = time.monotonic()
+                    continue
             else:
                 found = (self._get(kind.api_version, kind.kind, n) for n in names.secret_names(self.parent.name))
                 candidates = [c for c in found if c is not None]

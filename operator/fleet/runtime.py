@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ from kubernetes import client, config
 from fleet import names
 from fleet.autoscaler.registry import Autoscalers
 from fleet.kube import Kube
+from fleet.metrics import OperatorMetrics
 from fleet.reconcile import Outcome, Reconciler
 from fleet.resync import Resync
 from fleet.settings import OperatorSettings
@@ -38,11 +40,13 @@ class Runtime:
     autoscalers: Autoscalers
     turns: Turns = field(default_factory=Turns)
     resync_seconds: float = 0.0
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     resync: Resync = field(init=False)
 
     def __post_init__(self) -> None:
         self.resync = Resync(lambda ns, name: self.reconcile(ns, name, wait=False), warn_about_fleet,
                              interval=self.resync_seconds)
+        self.autoscalers.on_decision = self.metrics.observe_decision
 
     @classmethod
     def from_environment(cls, settings: OperatorSettings) -> Runtime:
@@ -58,7 +62,13 @@ class Runtime:
     def reconcile(self, namespace: str, name: str, *, wait: bool) -> Outcome | None:
         """Reconcile one fleet in its turn; wait=False folds into a pass already running."""
         key = (namespace, name)
-        outcome = self.turns.run(key, lambda: self.reconciler.reconcile(namespace, name), wait=wait)
+        started = time.monotonic()
+        try:
+            outcome = self.turns.run(key, lambda: self.reconciler.reconcile(namespace, name), wait=wait)
+        except Exception:
+            self.metrics.observe_pass(None, time.monotonic() - started, failed=True)
+            raise
+        self.metrics.observe_pass(outcome, time.monotonic() - started)
         if outcome is not None and outcome.gone:
             self.turns.forget(key)
         return outcome

@@ -28,6 +28,10 @@ class OperatorSettings(BaseModel):
     """Engine image of fleets that name none in spec.engine.image."""
     resync_seconds: float = Field(default=60.0, ge=0)
     """Interval of the periodic pass over every fleet (0 turns it off)."""
+    pod_monitors: bool = False
+    """Give every fleet a PodMonitor for its engines (Prometheus Operator)."""
+    metrics_port: int = Field(default=9090, ge=0, le=65535)
+    """Port of the operator's own Prometheus /metrics (0 turns it off)."""
 
     @property
     def clusterwide(self) -> bool:
@@ -40,7 +44,7 @@ class OperatorSettings(BaseModel):
 
     def build_options(self) -> BuildOptions:
         """The part of the settings that shapes every fleet's children."""
-        return BuildOptions(engine_image=self.engine_image)
+        return BuildOptions(engine_image=self.engine_image, pod_monitors=self.pod_monitors)
 
     @classmethod
     def load(cls, argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> OperatorSettings:
@@ -57,6 +61,10 @@ class OperatorSettings(BaseModel):
         parser.add_argument("--resync-seconds", metavar="S", type=float,
                             help="interval of the periodic pass over every fleet, 0 = off (60); "
                             "env DEEPSEEK_OPERATOR_RESYNC_SECONDS")
+        parser.add_argument("--pod-monitors", action="store_true",
+                            help="a PodMonitor per fleet (Prometheus Operator); env DEEPSEEK_OPERATOR_POD_MONITORS")
+        parser.add_argument("--metrics-port", metavar="PORT", type=int,
+                            help="port of the operator's /metrics, 0 = off (9090); env DEEPSEEK_OPERATOR_METRICS_PORT")
         parser.add_argument("--engine-image", metavar="IMAGE",
                             help="engine image of fleets without spec.engine.image; env DEEPSEEK_OPERATOR_ENGINE_IMAGE")
         args = parser.parse_args(list(argv))
@@ -66,11 +74,18 @@ class OperatorSettings(BaseModel):
         return cls(
             namespaces=namespaces,
             liveness_endpoint=None if liveness == "off" else liveness,
-            verbose=args.verbose or environ.get(f"{ENV_PREFIX}VERBOSE", "").lower() in ("1", "true", "yes"),
+            verbose=args.verbose or _true(environ.get(f"{ENV_PREFIX}VERBOSE")),
+            pod_monitors=args.pod_monitors or _true(environ.get(f"{ENV_PREFIX}POD_MONITORS")),
+            metrics_port=_first(args.metrics_port, environ.get(f"{ENV_PREFIX}METRICS_PORT"),
+                                cls.model_fields["metrics_port"].default),
             engine_image=args.engine_image or environ.get(f"{ENV_PREFIX}ENGINE_IMAGE") or DEFAULT_ENGINE_IMAGE,
             resync_seconds=_first(args.resync_seconds, environ.get(f"{ENV_PREFIX}RESYNC_SECONDS"),
                                   cls.model_fields["resync_seconds"].default),
         )
+
+
+def _true(value: str | None) -> bool:
+    return (value or "").lower() in ("1", "true", "yes")
 
 
 def _first(*values: object) -> object:

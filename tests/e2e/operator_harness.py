@@ -49,6 +49,10 @@ RESOURCES = {
     "networking.k8s.io/v1/networkpolicies": dict(kind="NetworkPolicy"),
     "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", subresources={"status"}),
 }
+# Kinds that other projects' CRDs add: declared only by tests that install those CRDs.
+OPTIONAL_RESOURCES = {
+    "monitoring.coreos.com/v1/podmonitors": dict(kind="PodMonitor"),
+}
 CLUSTER_RESOURCES = {  # present on every real cluster; Kopf waits for them in discovery
     "apiextensions.k8s.io/v1/customresourcedefinitions": dict(kind="CustomResourceDefinition"),
     "v1/namespaces": dict(kind="Namespace"),
@@ -321,10 +325,10 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def emulated_cluster(tmp_path: Path, monkeypatch: Any) -> AsyncIterator[Cluster]:
+async def emulated_cluster(tmp_path: Path, monkeypatch: Any, *, optional: tuple[str, ...] = ()) -> AsyncIterator[Cluster]:
     """An emulated API server that every Kubernetes client of this process (Kopf's too) talks to."""
     async with Emulator() as emulator, kmock.Server(emulator) as server:
-        declare_resources(emulator)
+        declare_resources(emulator, optional=optional)
         kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", str(server.url)))
         monkeypatch.setenv("KUBECONFIG", kubeconfig)
         # The client library reads $KUBECONFIG once, at import; Kopf's login goes through it.
@@ -358,7 +362,10 @@ def write_kubeconfig(path: Path, url: str) -> Path:
     return path
 
 
-def declare_resources(emulator: Emulator) -> None:
+def declare_resources(emulator: Emulator, *, optional: tuple[str, ...] = ()) -> None:
+    """Declare the built-in kinds, and those of OPTIONAL_RESOURCES named in optional (their CRDs)."""
+    for key in optional:
+        emulator.resources[key] = kmock.ResourceInfo(namespaced=True, verbs=VERBS, **OPTIONAL_RESOURCES[key])
     for key, info in RESOURCES.items():
         emulator.resources[key] = kmock.ResourceInfo(namespaced=True, verbs=VERBS, **info)
     for key, info in CLUSTER_RESOURCES.items():
@@ -374,7 +381,11 @@ class RunningOperator:
     """
 
     def __init__(self, settings: OperatorSettings | None = None) -> None:
-        self.settings = settings  # None: the operator reads them from the environment, as under `kopf run`
+        # No metrics port unless a test asks: several operators start and stop in one test run.
+        settings = settings or OperatorSettings()
+        if "metrics_port" not in settings.model_fields_set:
+            settings = settings.model_copy(update={"metrics_port": 0})
+        self.settings = settings
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None

@@ -28,6 +28,8 @@ KUBE_VERSION = "1.33.0"
 SCENARIOS = {
     "defaults": {},
     "namespaced": {"watchNamespaces": ["team-a", "team-b"]},
+    "monitoring": {"monitoring": {"podMonitors": True, "serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}},
+                   "metrics": {"port": 9191}},
     "overrides": {
         "image": {"repository": "registry.example.com/platform/deepseek-operator", "tag": "0.1.0-rc1",
                   "digest": "sha256:" + "ab" * 32, "pullPolicy": "Always"},
@@ -110,6 +112,8 @@ def test_every_rendered_object_is_valid_for_kubernetes_1_33(scenario: str) -> No
     docs = render(SCENARIOS[scenario])
     assert {"CustomResourceDefinition", "Deployment"} <= {d["kind"] for d in docs}
     for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a Prometheus Operator kind: no schema offline (test_service_monitor checks it)
         kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
 
 
@@ -151,6 +155,9 @@ def test_the_operator_reads_the_settings_the_chart_sets(scenario: str) -> None:
     chart_default = yaml.safe_load((CHART / "values.yaml").read_text())["engineImage"]
     assert settings.engine_image == values.get("engineImage", chart_default)
     assert settings.resync_seconds == values.get("resyncSeconds", 60)
+    assert settings.pod_monitors == values.get("monitoring", {}).get("podMonitors", False)
+    (metrics,) = [p for p in operator["ports"] if p["name"] == "metrics"]
+    assert settings.metrics_port == metrics["containerPort"] == values.get("metrics", {}).get("port", 9090)
     if values.get("liveness", {}).get("enabled", True):
         port = operator["livenessProbe"]["httpGet"]["port"]
         (declared,) = [p for p in operator["ports"] if p["name"] == port]
@@ -175,6 +182,17 @@ def test_overrides_reach_the_pod() -> None:
     assert the(docs, "Deployment")["metadata"]["name"] == "dsf-operator"
     (binding,) = by_kind(docs, "RoleBinding")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "platform-operator", "namespace": RELEASE_NAMESPACE}]
+
+
+def test_service_monitor_only_when_asked_and_it_finds_the_operator() -> None:
+    assert not [d for d in render({}) if d["kind"] in ("ServiceMonitor", "Service")]
+    docs = render(SCENARIOS["monitoring"])
+    monitor, service, deployment = the(docs, "ServiceMonitor"), the(docs, "Service"), the(docs, "Deployment")
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == service["spec"]["ports"][0]["name"] == "metrics" and endpoint["path"] == "/metrics"
 
 
 def test_default_image_is_the_app_version() -> None:

@@ -225,3 +225,20 @@ def test_replicas_left_out_when_someone_else_owns_them() -> None:
     deployment, _, _ = engine(parent(), replicas=None)
     assert "replicas" not in deployment["spec"]
     assert build_kv_deployment(parent(), auth_hash="x")["spec"]["replicas"] == 1
+
+
+def test_pod_monitor_only_when_the_operator_is_set_to_make_them() -> None:
+    from dataclasses import replace
+
+    from fleet.options import BuildOptions
+
+    assert not [c for c in build_children(parent(), kv_password="p", replicas=1) if c["kind"] == "PodMonitor"]
+    asked = replace(parent(), options=BuildOptions(pod_monitors=True))
+    (monitor,) = [c for c in build_children(asked, kv_password="p", replicas=1) if c["kind"] == "PodMonitor"]
+    (engine,) = [c for c in build_children(asked, kv_password="p", replicas=1)
+                 if c["kind"] == "Deployment" and c["metadata"]["name"] == "v3"]
+    pod = engine["spec"]["template"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] in [p["name"] for p in pod["spec"]["containers"][0]["ports"]]
+    assert endpoint["path"] == "/metrics" and monitor["metadata"]["labels"][names.PARENT_LABEL] == "v3"

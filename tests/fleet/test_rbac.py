@@ -34,7 +34,8 @@ def test_least_privilege() -> None:
     assert not any("*" in r["verbs"] or "*" in r["resources"] for r in rules())
     # delete only where a spec change can leave a child unwanted (the reconcile prunes it)
     deletable = {(g, res) for r in rules() if "delete" in r["verbs"] for g in r["apiGroups"] for res in r["resources"]}
-    assert deletable == {("apps", "deployments"), ("", "services"), ("", "secrets"), ("networking.k8s.io", "networkpolicies")}
+    assert deletable == {("apps", "deployments"), ("", "services"), ("", "secrets"), ("networking.k8s.io", "networkpolicies"),
+                         ("monitoring.coreos.com", "podmonitors")}
     assert not allowed("", "secrets", "list") and not allowed("", "secrets", "watch")
 
 

@@ -37,10 +37,10 @@ class FleetScaler:
 
     def __init__(self, namespace: str, name: str, *, kube: Kube, metrics: MetricsClient, post_event: EventSink,
                  logger: logging.Logger, clock: Callable[[], float] = time.monotonic,
-                 now: Callable[[], str] = utc_now) -> None:
+                 now: Callable[[], str] = utc_now, on_decision: Callable[[Decision], None] | None = None) -> None:
         self.namespace, self.name = namespace, name
         self.kube, self.metrics, self.post_event, self.logger = kube, metrics, post_event, logger
-        self.clock, self.now = clock, now
+        self.clock, self.now, self.on_decision = clock, now, on_decision
         self.decider: Decider | None = None
         self._interval = FALLBACK_INTERVAL_SECONDS
         self._wake = asyncio.Event()
@@ -96,6 +96,8 @@ class FleetScaler:
         ready = [pod for pod in pods if pod.ready]
         loads = await self.metrics.read(ready, timeout=min(SCRAPE_TIMEOUT_SECONDS, 0.8 * policy.poll_interval))
         decision = self.decider.decide(self.clock(), current, Observation(loads))
+        if self.on_decision is not None:
+            self.on_decision(decision)
         if decision.scaled:
             decision = await asyncio.to_thread(self._scale, body, pods, loads, decision)
         await asyncio.to_thread(self._report, body, decision)

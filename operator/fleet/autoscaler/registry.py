@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from fleet.autoscaler.decision import Decision
 from fleet.autoscaler.fleet_scaler import FleetScaler
 from fleet.autoscaler.metrics_client import MetricsClient
 from fleet.autoscaler.report import holds_autoscaler_state
@@ -42,6 +43,7 @@ class Autoscalers:
         self.kube, self.post_event = kube, post_event
         self.metrics = metrics or MetricsClient()
         self._scalers: dict[Key, tuple[FleetScaler, asyncio.Task[None]]] = {}
+        self.on_decision: Callable[[Decision], None] | None = None  # metrics, if anyone counts
         self._generations: dict[Key, int | None] = {}
 
     def observe(self, body: Mapping[str, Any]) -> None:
@@ -78,7 +80,8 @@ class Autoscalers:
         await self.metrics.close()
 
     def _start(self, key: Key) -> None:
-        scaler = FleetScaler(*key, kube=self.kube, metrics=self.metrics, post_event=self.post_event, logger=LOGGER)
+        scaler = FleetScaler(*key, kube=self.kube, metrics=self.metrics, post_event=self.post_event, logger=LOGGER,
+                             on_decision=self.on_decision)
         task = asyncio.get_running_loop().create_task(scaler.run(), name=f"autoscaler {key[0]}/{key[1]}")
         self._scalers[key] = (scaler, task)
         task.add_done_callback(lambda done: self._finished(key, done))

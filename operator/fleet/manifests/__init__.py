@@ -13,6 +13,7 @@ from fleet.manifests.kv_directory import (
     build_kv_service,
     password_hash,
 )
+from fleet.manifests.monitoring import build_pod_monitor
 from fleet.manifests.services import build_engine_service, build_peers_service
 from fleet.parent import Parent
 
@@ -42,4 +43,6 @@ def build_children(parent: Parent, *, kv_password: str | None, replicas: int | N
         build_disruption_budget(parent),
         build_engine_deployment(parent, replicas=replicas, kv_auth_hash=auth_hash, secrets_hash=secrets_hash),
     ]
+    if parent.options.pod_monitors:
+        children.append(build_pod_monitor(parent))
     return children
