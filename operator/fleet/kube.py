@@ -12,6 +12,7 @@ from kubernetes.client.exceptions import ApiException
 from fleet import names
 
 MERGE_PATCH = "application/merge-patch+json"
+REQUEST_TIMEOUT_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ CHILD_KINDS = (
 # Kinds that CRDs of other projects add: used only where a fleet or a setting asks for them, never
 # watched (Kopf would wait for a CRD that may not be installed); the resync repairs their drift.
 OPTIONAL_KINDS = (
+    Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets", CUSTOM, "", CUSTOM_VERBS),
     Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors", CUSTOM, "", CUSTOM_VERBS),
 )
 CHILD_KINDS = CHILD_KINDS + OPTIONAL_KINDS
@@ -80,7 +82,9 @@ class CRDMissing(Exception):
 class Kube:
     """Blocking API access (the reconcile runs in Kopf's sync-handler threads)."""
 
-    def __init__(self, api_client: client.ApiClient) -> None:
+    def __init__(self, api_client: client.ApiClient, *, timeout: float = REQUEST_TIMEOUT_SECONDS) -> None:
+        # Raw JSON, and no call may hang a reconcile (or the operator's shutdown) for ever.
+        self._raw: dict[str, Any] = {"_preload_content": False, "_request_timeout": timeout}
         self._client = api_client
         self._custom = client.CustomObjectsApi(api_client)
         self._core = client.CoreV1Api(api_client)
@@ -95,7 +99,7 @@ class Kube:
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """The object, or None if it does not exist."""
         try:
-            response = self._method(api_version, kind, "read")(name, namespace, _preload_content=False)
+            response = self._method(api_version, kind, "read")(name, namespace, **self._raw)
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -107,7 +111,7 @@ class Kube:
         meta = manifest["metadata"]
         create = self._method(manifest["apiVersion"], manifest["kind"], "create")
         try:
-            return json.loads(create(meta["namespace"], manifest, _preload_content=False).data)
+            return json.loads(create(meta["namespace"], manifest, **self._raw).data)
         except ApiException as exc:
             self._raise_if_unserved(exc, manifest["apiVersion"], manifest["kind"])
             raise
@@ -115,13 +119,13 @@ class Kube:
     def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         """Apply a JSON merge patch."""
         method = self._method(api_version, kind, "patch")
-        return json.loads(method(name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False).data)
+        return json.loads(method(name, namespace, patch, _content_type=MERGE_PATCH, **self._raw).data)
 
     def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
         """Objects of a kind matching a label selector (CRDMissing if the kind is not served)."""
         try:
             response = self._method(api_version, kind, "list")(namespace, label_selector=selector,
-                                                               _preload_content=False)
+                                                               **self._raw)
         except ApiException as exc:
             self._raise_if_unserved(exc, api_version, kind)
             raise
@@ -139,7 +143,7 @@ class Kube:
         options = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid),
                                           propagation_policy="Background")
         try:
-            self._method(api_version, kind, "delete")(name, namespace, body=options, _preload_content=False)
+            self._method(api_version, kind, "delete")(name, namespace, body=options, **self._raw)
         except ApiException as exc:
             if exc.status in (404, 409):  # gone, or replaced by an object of the same name
                 return False
@@ -148,14 +152,14 @@ class Kube:
 
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         """Pods matching a label selector."""
-        response = self._core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
+        response = self._core.list_namespaced_pod(namespace, label_selector=selector, **self._raw)
         return json.loads(response.data).get("items", [])
 
     def patch_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
         """Merge-patch a pod; None if it is already gone."""
         try:
             response = self._core.patch_namespaced_pod(
-                name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False
+                name, namespace, patch, _content_type=MERGE_PATCH, **self._raw
             )
         except ApiException as exc:
             if exc.status == 404:
@@ -167,7 +171,7 @@ class Kube:
         """A DeepSeekDeployment, or None if it is gone."""
         try:
             response = self._custom.get_namespaced_custom_object(
-                names.GROUP, names.VERSION, namespace, names.PLURAL, name, _preload_content=False
+                names.GROUP, names.VERSION, namespace, names.PLURAL, name, **self._raw
             )
         except ApiException as exc:
             if exc.status == 404:
@@ -179,7 +183,7 @@ class Kube:
         """Merge-patch a DeepSeekDeployment's status subresource."""
         response = self._custom.patch_namespaced_custom_object_status(
             names.GROUP, names.VERSION, namespace, names.PLURAL, name, patch,
-            _content_type=MERGE_PATCH, _preload_content=False,
+            _content_type=MERGE_PATCH, **self._raw,
         )
         return json.loads(response.data)
 

@@ -20,6 +20,8 @@ SECRETS_HASH = f"{GROUP}/secrets-hash"  # pod-template annotation: a change to a
 
 HTTP_PORT = 8000
 KV_TRANSFER_PORT = 8100
+DIST_INIT_PORT = 29500  # the leader's torch.distributed rendezvous, for replicas over several nodes
+WORKER_LABEL = f"{GROUP}/worker-of"  # on the non-leader pods of a multi-node replica
 REDIS_PORT = 6379
 
 
@@ -56,6 +58,11 @@ def children_selector(parent: str) -> dict[str, str]:
 def engine_selector(parent: str) -> dict[str, str]:
     """Labels that select exactly the engine pods of one fleet (Deployment selectors are immutable)."""
     return {PARENT_LABEL: parent}
+
+
+def worker_selector(parent: str) -> dict[str, str]:
+    """Labels of the worker pods of a fleet's multi-node replicas (kept off the engine selector)."""
+    return {WORKER_LABEL: parent}
 
 
 def kv_selector(parent: str) -> dict[str, str]:

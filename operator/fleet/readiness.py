@@ -21,6 +21,7 @@ class Observed:
     pods: list[dict[str, Any]] = field(default_factory=list)
     kv_problem: str | None = None  # why the directory cannot work, found while reading its Secret
     blocked: list[str] = field(default_factory=list)  # children we could not create or update
+    missing_crds: list[str] = field(default_factory=list)  # children whose kind the cluster does not serve
 
 
 def desired_replicas(parent: Parent, engine: dict[str, Any] | None) -> int:
@@ -125,12 +126,16 @@ def _deployment_condition(deployment: dict[str, Any] | None, type_: str) -> dict
 def _progressing(parent: Parent, observed: Observed) -> dict:
     engine = observed.engine
     if engine is None:
-        return condition("Progressing", True, "Creating", "Creating the engine Deployment.")
+        return condition("Progressing", True, "Creating", "Creating the engines' workload.")
     want = desired_replicas(parent, engine)
     status = engine.get("status", {})
-    stale = status.get("observedGeneration", 0) < engine.get("metadata", {}).get("generation", 0)
+    if engine.get("kind") == "LeaderWorkerSet":
+        # A LeaderWorkerSet reports groups, without observedGeneration or availableReplicas.
+        stale, available = False, status.get("readyReplicas", 0)
+    else:
+        stale = status.get("observedGeneration", 0) < engine.get("metadata", {}).get("generation", 0)
+        available = status.get("availableReplicas", 0)
     updated = status.get("updatedReplicas", 0)
-    available = status.get("availableReplicas", 0)
     total = status.get("replicas", 0)
     if stale or updated < want or available < want or total > want:
         return condition(
@@ -141,6 +146,8 @@ def _progressing(parent: Parent, observed: Observed) -> dict:
 
 
 def _degraded(observed: Observed) -> dict:
+    if observed.missing_crds:
+        return condition("Degraded", True, "CRDNotInstalled", "; ".join(observed.missing_crds))
     if observed.blocked:
         return condition("Degraded", True, "ChildBlocked", "; ".join(observed.blocked))
     failure = _deployment_condition(observed.engine, "ReplicaFailure")

@@ -18,6 +18,7 @@ from fleet import drift, names
 from fleet.kube import PRUNED_KINDS, CRDMissing, Kube
 from fleet.manifests import build_children
 from fleet.manifests.kv_directory import new_password, read_password
+from fleet.manifests.multinode import engine_workload
 from fleet.options import BuildOptions
 from fleet.parent import Parent
 from fleet.readiness import Observed, status_fields
@@ -126,6 +127,7 @@ class _Pass:
         self.parent = parent
         self.outcome = Outcome()
         self.blocked: list[str] = []
+        self.missing_crds: list[str] = []
         self.live: dict[tuple[str, str], dict[str, Any] | None] = {}
 
     def _get(self, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
@@ -136,18 +138,20 @@ class _Pass:
 
     def run(self) -> Outcome:
         parent = self.parent
-        engine = self._get("apps/v1", "Deployment", names.engine_name(parent.name))
+        workload = engine_workload(parent)
+        engine = self._get(*workload, names.engine_name(parent.name))
         password, kv_problem = self._kv_password()
         children = build_children(parent, kv_password=password, replicas=self._replicas(engine),
                                   secrets_hash=self._secrets_hash())
         applied = {(c["kind"], c["metadata"]["name"]): self._apply(c) for c in children}
         self._prune(set(applied))
         observed = Observed(
-            engine=applied.get(("Deployment", names.engine_name(parent.name))),
+            engine=applied.get((workload[1], names.engine_name(parent.name))),
             redis=applied.get(("Deployment", names.kv_name(parent.name))),
             pods=self._pods() if parent.spec.network.rdma.enabled else [],
             kv_problem=kv_problem,
             blocked=self.blocked,
+            missing_crds=self.missing_crds,
         )
         old_degraded = _find(self.body.get("status", {}).get("conditions", []), "Degraded")
         counts, fresh = status_fields(parent, observed)
@@ -243,7 +247,7 @@ class _Pass:
             self._did(f"{'Adopted' if controller is None else 'Updated'} {kind} {name}")
             return result
         except CRDMissing as exc:
-            self.blocked.append(f"{kind} {name} cannot be created: {exc}; {INSTALL_HINTS.get(kind, '')}".rstrip("; "))
+            self.missing_crds.append(f"{kind} {name} cannot be created: {exc}; {INSTALL_HINTS.get(kind, '')}")
             return live
         except ApiException as exc:
             if exc.status not in (400, 403, 422):

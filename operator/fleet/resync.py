@@ -55,20 +55,28 @@ class Resync:
             self._task = None
 
     async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            await self.run_once()
+        while await self.run_once(delay=self.interval):
+            pass
 
-    async def run_once(self) -> None:
-        """One pass over every known fleet, one at a time (they share the API server with the events)."""
+    async def run_once(self, *, delay: float = 0.0) -> bool:
+        """One pass over every known fleet, one at a time (they share the API server with the events).
+
+        False once the operator is stopping (its thread pool no longer takes work)."""
+        await asyncio.sleep(delay)
         for key in self.fleets():
             try:
                 await asyncio.to_thread(self.reconcile, *key)
+            except RuntimeError as exc:
+                if "shutdown" in str(exc):
+                    return False
+                LOGGER.exception(f"Resync of {key[0]}/{key[1]} failed")
+                self._failed(key, type(exc).__name__)
             except ApiException as exc:
                 self._failed(key, f"{exc.status} {exc.reason}")
             except Exception as exc:  # the loop must outlive any one bad pass
                 LOGGER.exception(f"Resync of {key[0]}/{key[1]} failed")
                 self._failed(key, type(exc).__name__)
+        return True
 
     def _failed(self, key: Key, why: str) -> None:
         message = f"The periodic resync of {names.KIND} {key[1]} failed: {why}; it is retried in {self.interval:g}s."

@@ -293,8 +293,11 @@ class DeepSeekDeploymentSpec(ApiModel):
     """The checkpoint to serve."""
     engine: EngineSpec = EngineSpec()
     """The engine container."""
-    gpus_per_replica: int = 8
-    """GPUs in each replica's pod (tensor/expert parallel inside the pod)."""
+    gpus_per_replica: int = Field(default=8, ge=1, le=512)
+    """GPUs of each replica (tensor/expert parallel over them); one pod unless gpusPerNode is smaller."""
+    gpus_per_node: int | None = Field(default=None, ge=1)
+    """GPUs of each pod when a replica needs more than a node has: the replica becomes
+    gpusPerReplica / gpusPerNode pods on as many nodes (a LeaderWorkerSet group)."""
     gpu_resource_name: str = Field(default="nvidia.com/gpu", pattern=RESOURCE_NAME)
     """Device-plugin resource name of the GPUs."""
     replicas: int = Field(default=1, ge=0)
@@ -314,9 +317,16 @@ class DeepSeekDeploymentSpec(ApiModel):
 
     CEL_RULES: ClassVar = (
         CelRule(
-            cel="self.gpusPerReplica in [1, 2, 4, 8]",
+            cel="has(self.gpusPerNode) || self.gpusPerReplica in [1, 2, 4, 8]",
             message="gpusPerReplica must be 1, 2, 4 or 8",
-            check=lambda s: s.gpus_per_replica in (1, 2, 4, 8),
+            check=lambda s: s.gpus_per_node is not None or s.gpus_per_replica in (1, 2, 4, 8),
+        ),
+        CelRule(
+            cel="!has(self.gpusPerNode) || (self.gpusPerNode in [1, 2, 4, 8]"
+            " && self.gpusPerReplica % self.gpusPerNode == 0)",
+            message="gpusPerNode must be 1, 2, 4 or 8 and divide gpusPerReplica",
+            check=lambda s: s.gpus_per_node is None
+            or (s.gpus_per_node in (1, 2, 4, 8) and s.gpus_per_replica % s.gpus_per_node == 0),
         ),
         CelRule(
             cel="!has(self.engine.tensorParallelSize) || self.gpusPerReplica % self.engine.tensorParallelSize == 0",

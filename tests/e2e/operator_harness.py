@@ -6,7 +6,8 @@ and can lose events between a watch's snapshot and its subscription. `Emulator` 
 also filters lists by label selector, honours resourceVersion preconditions (409), names
 generateName objects and keeps spec and status apart for resources with a status subresource.
 It also parses `/api/v1/namespaces` (kmock 0.8 cannot), so Kopf can resolve namespace patterns,
-and can fail chosen requests with a 500 (`fail_next`).
+answers 404 for kinds it was not told about (kmock stores them), as a cluster without their CRD
+does, and can fail chosen requests with a 500 (`fail_next`).
 
 Still not emulated (covered by unit tests of the logic behind them instead): garbage collection
 (`collect_garbage()` below is an explicit, test-driven stand-in), admission (schema validation,
@@ -21,7 +22,9 @@ import contextlib
 import copy
 import datetime
 import json
+import sys
 import threading
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -52,6 +55,7 @@ RESOURCES = {
 # Kinds that other projects' CRDs add: declared only by tests that install those CRDs.
 OPTIONAL_RESOURCES = {
     "monitoring.coreos.com/v1/podmonitors": dict(kind="PodMonitor"),
+    "leaderworkerset.x-k8s.io/v1/leaderworkersets": dict(kind="LeaderWorkerSet", subresources={"status", "scale"}),
 }
 CLUSTER_RESOURCES = {  # present on every real cluster; Kopf waits for them in discovery
     "apiextensions.k8s.io/v1/customresourcedefinitions": dict(kind="CustomResourceDefinition"),
@@ -140,6 +144,9 @@ class Emulator(kmock.KubernetesEmulator):
         if self._failures.get(key):
             self._failures[key] -= 1
             raise kmock.KubernetesError(status=500, reason="InternalError", message="injected by the test")
+        resource = request.resource
+        if resource is not None and resource.plural and not any(d == resource for d in self._get_resources()):
+            raise kmock.KubernetesResourceNotFoundError()  # a kind no CRD added: 404, as a real server answers
         if request.resource is not None and isinstance(request.data, dict) and request.action == kmock.action.CREATE:
             self._stamp_new(request.data)
         elif request.resource is not None and request.action == kmock.action.UPDATE and request.name is not None:
@@ -411,8 +418,12 @@ class RunningOperator:
     async def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 15)
-            assert not self._thread.is_alive(), "the operator did not stop"
+            await asyncio.to_thread(self._thread.join, 40)  # a hung request times out after 30 s
+            if self._thread.is_alive():
+                frames = sys._current_frames()
+                stacks = "".join("".join(traceback.format_stack(frames[t.ident])) for t in threading.enumerate()
+                                 if t.ident in frames and t is not threading.current_thread())
+                raise AssertionError(f"the operator did not stop; its threads:\n{stacks[-6000:]}")
         if self.error is not None:
             raise self.error
 

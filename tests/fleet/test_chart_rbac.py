@@ -164,6 +164,17 @@ async def drive_every_path(cluster: Cluster, metrics_port: int) -> None:
     for api_version, plural, name in children + unwatched:
         await eventually(lambda: labelled(cluster, api_version, plural, name), what=f"repaired {plural}/{name}")
 
+    # A multi-node fleet runs as a LeaderWorkerSet (created, repaired); back on one node, it is pruned.
+    await cluster.create(fleet("e", gpusPerReplica=16, gpusPerNode=8))
+    await eventually(lambda: cluster.get("leaderworkerset.x-k8s.io/v1", "leaderworkersets", "e"), what="the LWS")
+    await cluster.patch("leaderworkerset.x-k8s.io/v1", "leaderworkersets", "e",
+                        {"metadata": {"labels": {"app.kubernetes.io/part-of": None}}})
+    lws = ("leaderworkerset.x-k8s.io/v1", "leaderworkersets", "e")
+    await eventually(lambda: labelled(cluster, *lws), what="the LWS repaired by the resync")
+    await cluster.patch(names.API_VERSION, names.PLURAL, "e", {"spec": {"gpusPerReplica": 8, "gpusPerNode": None}})
+    await eventually(lambda: cluster.get("leaderworkerset.x-k8s.io/v1", "leaderworkersets", "e") is None,
+                     what="the LWS pruned")
+
     # A switch to an external directory prunes the managed Redis: a delete of each prunable kind.
     await cluster.patch(names.API_VERSION, names.PLURAL, "a", {"spec": {"kvCache": {"directory": {
         "managed": None, **external}}}})
@@ -173,7 +184,7 @@ async def drive_every_path(cluster: Cluster, metrics_port: int) -> None:
 
 
 async def test_rendered_rbac_covers_every_call_and_nothing_more(cluster: Cluster, metrics_port: int) -> None:
-    operator = RunningOperator(OperatorSettings(metrics_port=0, pod_monitors=True))
+    operator = RunningOperator(OperatorSettings(metrics_port=0, pod_monitors=True, resync_seconds=1))
     await operator.start()
     try:
         await drive_every_path(cluster, metrics_port)

@@ -61,7 +61,7 @@ def test_rules_subresources_and_columns() -> None:
     }
     assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "Replicas", "Queue", "Endpoint", "Image", "Age"]
     rules = [rule["rule"] for _, node in _walk(_root()) for rule in node.get("x-kubernetes-validations", [])]
-    assert "self.gpusPerReplica in [1, 2, 4, 8]" in rules
+    assert "has(self.gpusPerNode) || self.gpusPerReplica in [1, 2, 4, 8]" in rules
     assert "!has(self.maxReplicas) || self.minReplicas <= self.maxReplicas" in rules
     assert "(has(self.managed) && self.managed) != has(self.url)" in rules
     spec = _root()["properties"]["spec"]["properties"]

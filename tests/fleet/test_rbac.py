@@ -35,7 +35,7 @@ def test_least_privilege() -> None:
     # delete only where a spec change can leave a child unwanted (the reconcile prunes it)
     deletable = {(g, res) for r in rules() if "delete" in r["verbs"] for g in r["apiGroups"] for res in r["resources"]}
     assert deletable == {("apps", "deployments"), ("", "services"), ("", "secrets"), ("networking.k8s.io", "networkpolicies"),
-                         ("monitoring.coreos.com", "podmonitors")}
+                         ("monitoring.coreos.com", "podmonitors"), ("leaderworkerset.x-k8s.io", "leaderworkersets")}
     assert not allowed("", "secrets", "list") and not allowed("", "secrets", "watch")
 
 

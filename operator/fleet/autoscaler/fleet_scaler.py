@@ -20,6 +20,7 @@ from fleet.autoscaler.pods import DELETION_COST, EnginePod, active
 from fleet.autoscaler.policy import Policy
 from fleet.autoscaler.report import disabled_patch, scaling_condition, status_patch
 from fleet.kube import Kube
+from fleet.manifests.multinode import engine_workload
 from fleet.reconcile import EventSink, utc_now
 from fleet.validation import InvalidSpec, validate
 
@@ -43,6 +44,7 @@ class FleetScaler:
         self.clock, self.now, self.on_decision = clock, now, on_decision
         self.decider: Decider | None = None
         self._interval = FALLBACK_INTERVAL_SECONDS
+        self._workload = ("apps/v1", "Deployment")  # or a LeaderWorkerSet, once the spec is read
         self._wake = asyncio.Event()
 
     def wake(self) -> None:
@@ -85,6 +87,7 @@ class FleetScaler:
             await asyncio.to_thread(self._report_disabled, body)
             return None
         policy = Policy.from_spec(scaling)
+        self._workload = engine_workload(parent)
         engine, pods = await asyncio.to_thread(self._read_engine)
         if engine is None:
             return policy.poll_interval  # the reconcile creates it
@@ -104,7 +107,7 @@ class FleetScaler:
         return policy.poll_interval
 
     def _read_engine(self) -> tuple[dict[str, Any] | None, list[EnginePod]]:
-        engine = self.kube.get("apps/v1", "Deployment", self.namespace, names.engine_name(self.name))
+        engine = self.kube.get(*self._workload, self.namespace, names.engine_name(self.name))
         if engine is None:
             return None, []
         selector = names.selector_string(names.engine_selector(self.name))
@@ -115,7 +118,7 @@ class FleetScaler:
         if decision.replicas < decision.current:
             self._mark_idlest(pods, loads, decision.replicas)
         try:
-            self.kube.patch("apps/v1", "Deployment", self.namespace, names.engine_name(self.name),
+            self.kube.patch(*self._workload, self.namespace, names.engine_name(self.name),
                             {"spec": {"replicas": decision.replicas}})
         except ApiException as exc:
             message = (f"Could not set the engine Deployment to {decision.replicas} replicas: "

@@ -14,6 +14,7 @@ from fleet.manifests.kv_directory import (
     password_hash,
 )
 from fleet.manifests.monitoring import build_pod_monitor
+from fleet.manifests.multinode import build_leader_worker_set, is_multinode
 from fleet.manifests.services import build_engine_service, build_peers_service
 from fleet.parent import Parent
 
@@ -41,7 +42,8 @@ def build_children(parent: Parent, *, kv_password: str | None, replicas: int | N
         build_engine_service(parent),
         build_peers_service(parent),
         build_disruption_budget(parent),
-        build_engine_deployment(parent, replicas=replicas, kv_auth_hash=auth_hash, secrets_hash=secrets_hash),
+        (build_leader_worker_set if is_multinode(parent) else build_engine_deployment)(
+            parent, replicas=replicas, kv_auth_hash=auth_hash, secrets_hash=secrets_hash),
     ]
     if parent.options.pod_monitors:
         children.append(build_pod_monitor(parent))

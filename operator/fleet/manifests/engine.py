@@ -23,7 +23,18 @@ MEMORY_PER_GPU_GI = 16  # host memory per GPU process: CUDA context, pinned buff
 MANAGED_FLAGS = (
     "--model", "--served-model-name", "--port", "--tensor-parallel-size", "--max-model-len", "--replica-id",
     "--advertise-host", "--kv-directory", "--kv-transport", "--kv-transfer-port", "--api-key-file",
+    "--nnodes", "--node-rank", "--dist-init-addr",
 )
+
+
+def gpus_per_pod(parent: Parent) -> int:
+    """GPUs of one engine pod: a node's share when a replica spans several nodes."""
+    return parent.spec.gpus_per_node or parent.spec.gpus_per_replica
+
+
+def nodes_per_replica(parent: Parent) -> int:
+    """Pods (one per node) that make up one replica."""
+    return parent.spec.gpus_per_replica // gpus_per_pod(parent)
 
 
 def tensor_parallel_size(parent: Parent) -> int:
@@ -31,8 +42,11 @@ def tensor_parallel_size(parent: Parent) -> int:
     return parent.spec.engine.tensor_parallel_size or parent.spec.gpus_per_replica
 
 
-def engine_args(parent: Parent, model_path: str) -> list[str]:
-    """`deepseek-engine` arguments; $(VAR) references are expanded by the kubelet from the env."""
+def engine_args(parent: Parent, model_path: str, *, multinode: bool = False) -> list[str]:
+    """`deepseek-engine` arguments; $(VAR) references are expanded by the kubelet from the env.
+
+    multinode: a pod of a replica over several nodes; the LeaderWorkerSet controller puts
+    LWS_WORKER_INDEX (0 on the leader) and LWS_LEADER_ADDRESS in every container's env."""
     spec = parent.spec
     args = [
         "serve",
@@ -43,6 +57,12 @@ def engine_args(parent: Parent, model_path: str) -> list[str]:
     ]
     if spec.engine.max_model_len is not None:
         args += ["--max-model-len", str(spec.engine.max_model_len)]
+    if multinode:
+        args += [
+            "--nnodes", str(nodes_per_replica(parent)),
+            "--node-rank", "$(LWS_WORKER_INDEX)",
+            "--dist-init-addr", f"$(LWS_LEADER_ADDRESS):{names.DIST_INIT_PORT}",
+        ]
     args += [
         "--replica-id", "$(POD_NAME)",
         "--advertise-host", "$(POD_IP)",
@@ -71,7 +91,7 @@ def default_requests(parent: Parent) -> dict[str, str]:
     the limit. So a pod is Burstable at least, never BestEffort (first to go under node pressure).
     """
     spec, resources = parent.spec, parent.spec.template.resources
-    gpus = spec.gpus_per_replica
+    gpus = gpus_per_pod(parent)
     shm_bytes = int(parse_quantity(spec.template.shared_memory_size))
     wanted = {"cpu": str(CPU_PER_GPU * gpus), "memory": _bytes_text(shm_bytes + MEMORY_PER_GPU_GI * gpus * 2**30)}
     return {k: v for k, v in wanted.items() if k not in resources.requests and k not in resources.limits}
@@ -84,7 +104,7 @@ def _bytes_text(size: int) -> str:
 
 def _resources(parent: Parent) -> dict[str, Any]:
     spec = parent.spec
-    devices = {spec.gpu_resource_name: spec.gpus_per_replica, **rdma.device_resources(spec.network.rdma)}
+    devices = {spec.gpu_resource_name: gpus_per_pod(parent), **rdma.device_resources(spec.network.rdma)}
     devices_text = {name: str(count) for name, count in devices.items()}
     return {
         "requests": {**default_requests(parent), **spec.template.resources.requests, **devices_text},
@@ -132,7 +152,7 @@ def _probes(parent: Parent) -> dict[str, Any]:
     }
 
 
-def _container(parent: Parent, model_path: str) -> dict[str, Any]:
+def _container(parent: Parent, model_path: str, role: str | None = None) -> dict[str, Any]:
     spec = parent.spec
     mounts = [
         {"name": VOLUME, "mountPath": MODEL_DIR, "readOnly": True},
@@ -145,15 +165,17 @@ def _container(parent: Parent, model_path: str) -> dict[str, Any]:
         "name": "engine",
         "image": parent.engine_image,
         "command": ["deepseek-engine"],
-        "args": engine_args(parent, model_path),
+        "args": engine_args(parent, model_path, multinode=role is not None),
         "env": _env(parent),
         "ports": [
             {"name": "http", "containerPort": names.HTTP_PORT, "protocol": "TCP"},
             {"name": "kv-transfer", "containerPort": names.KV_TRANSFER_PORT, "protocol": "TCP"},
+            *([{"name": "dist-init", "containerPort": names.DIST_INIT_PORT, "protocol": "TCP"}] if role else []),
         ],
         "resources": _resources(parent),
         "volumeMounts": mounts,
-        **_probes(parent),
+        # A worker's engine ranks serve no HTTP: no probes (the group restarts with its leader).
+        **({} if role == "worker" else _probes(parent)),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}},
     }
     if spec.engine.image_pull_policy:
@@ -177,13 +199,17 @@ def _volumes(parent: Parent, model_volume: dict[str, Any]) -> list[dict[str, Any
     return volumes + [dict(v) for v in spec.template.volumes]
 
 
-def build_engine_deployment(parent: Parent, *, replicas: int | None, kv_auth_hash: str | None,
-                            secrets_hash: str | None = None) -> dict[str, Any]:
-    """The engine Deployment; replicas=None leaves the count to whoever owns it (the autoscaler)."""
+def engine_pod_template(parent: Parent, *, kv_auth_hash: str | None, secrets_hash: str | None,
+                        role: str | None = None) -> dict[str, Any]:
+    """The engine pod template. role: None for a one-pod replica; "leader" or "worker" for the pods
+    of a replica spread over several nodes (multinode.py), whose workers stay outside the engine
+    selector (they serve no HTTP: Services, the PodDisruptionBudget and the autoscaler see leaders)."""
     spec = parent.spec
     source = model_source(spec.model, spec.engine, parent.engine_image)
     template = spec.template
     labels = names.common_labels(parent.name, "engine", "deepseek-engine")
+    if role == "worker":
+        labels = {k: v for k, v in labels.items() if k != names.PARENT_LABEL} | names.worker_selector(parent.name)
     annotations = {
         **template.annotations,
         **rdma.pod_annotations(spec.network.rdma),
@@ -202,7 +228,7 @@ def build_engine_deployment(parent: Parent, *, replicas: int | None, kv_auth_has
         "terminationGracePeriodSeconds": PRESTOP_SECONDS + spec.engine.drain_seconds + 5,
         "securityContext": security.pod_security_context(spec),
         "affinity": _affinity(parent),
-        "containers": [_container(parent, source.path), *(dict(c) for c in template.sidecars)],
+        "containers": [_container(parent, source.path, role), *(dict(c) for c in template.sidecars)],
         "volumes": _volumes(parent, source.volume),
     }
     if source.init_containers:
@@ -226,6 +252,14 @@ def build_engine_deployment(parent: Parent, *, replicas: int | None, kv_auth_has
         pod_spec["topologySpreadConstraints"] = [dict(c) for c in template.topology_spread_constraints]
     if spec.engine.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.engine.image_pull_secrets]
+    return {"metadata": {"labels": {**template.labels, **labels}, "annotations": annotations}, "spec": pod_spec}
+
+
+def build_engine_deployment(parent: Parent, *, replicas: int | None, kv_auth_hash: str | None,
+                            secrets_hash: str | None = None) -> dict[str, Any]:
+    """The engine Deployment; replicas=None leaves the count to whoever owns it (the autoscaler)."""
+    spec = parent.spec
+    labels = names.common_labels(parent.name, "engine", "deepseek-engine")
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": names.engine_selector(parent.name)},
         "strategy": {
@@ -234,7 +268,7 @@ def build_engine_deployment(parent: Parent, *, replicas: int | None, kv_auth_has
         },
         # Loading hundreds of GB must not read as a stuck rollout.
         "progressDeadlineSeconds": spec.engine.startup_timeout_seconds + 600,
-        "template": {"metadata": {"labels": {**template.labels, **labels}, "annotations": annotations}, "spec": pod_spec},
+        "template": engine_pod_template(parent, kv_auth_hash=kv_auth_hash, secrets_hash=secrets_hash),
     }
     if replicas is not None:
         deployment_spec = {"replicas": replicas, **deployment_spec}
