@@ -123,3 +123,50 @@ def _ready(port: int) -> bool:
     except httpx.TransportError:
         return False
 
+
+
+def test_a_rendered_multi_node_replica_serves_across_its_pods(tmp_path: Path) -> None:
+    """gpusPerNode below gpusPerReplica: the operator renders a LeaderWorkerSet; its leader's and worker's
+    commands, with the env the LWS controller adds (LWS_WORKER_INDEX, LWS_LEADER_ADDRESS), form one
+    replica of 4 ranks over 2 "nodes" here and answer through the leader."""
+    (doc,) = yaml.safe_load_all((EXAMPLES[0].parent / "two-replicas-managed-redis.yaml").read_text())
+    doc["spec"].update(gpusPerReplica=4, gpusPerNode=2)
+    doc["spec"]["engine"].pop("tensorParallelSize", None)
+    parent = validate({**doc, "metadata": {**doc["metadata"], "namespace": "ns"}})
+    (lws,) = [c for c in build_children(parent, kv_password=PASSWORD, replicas=1) if c["kind"] == "LeaderWorkerSet"]
+    group = lws["spec"]["leaderWorkerTemplate"]
+    templates = [group.get("leaderTemplate") or group["workerTemplate"], group["workerTemplate"]]
+    redis = RedisServer(tmp_path, port=free_port(), password=PASSWORD).start()
+    port, dist_port = free_port(), free_port()
+    procs = []
+    try:
+        for index, template in enumerate(templates):
+            (container,) = [c for c in template["spec"]["containers"] if "serve" in (c.get("args") or [])]
+            env = kubelet_env(container, {"POD_NAME": f"v3-0-{index}", "POD_IP": "127.0.0.1",
+                                          "DEEPSEEK_KV_DIRECTORY_PASSWORD": PASSWORD})
+            env.update(LWS_WORKER_INDEX=str(index), LWS_LEADER_ADDRESS="127.0.0.1")
+            args = localize(container["args"], env, redis.port, tmp_path / "no-key", port)
+            at = args.index("--dist-init-addr") + 1
+            assert args[at] == "127.0.0.1:29500" and args[args.index("--node-rank") + 1] == str(index)
+            args[at] = f"127.0.0.1:{dist_port}"  # a free port where a pod has its own network
+            log = open(tmp_path / f"pod-{index}.log", "w")
+            procs.append(subprocess.Popen(container["command"] + args, env={**os.environ, **env}, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + 240
+        while not _ready(port):
+            assert all(p.poll() is None for p in procs), (tmp_path / "pod-0.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "not ready in time"
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        reply = client.chat.completions.create(model=parent.spec.model.name, max_tokens=6,
+                                               messages=[{"role": "user", "content": "Hello!"}])
+        assert reply.choices[0].message.content
+        assert "4 ranks ready (tensor parallel, 2 node(s))" in (tmp_path / "pod-0.log").read_text()
+        assert "starting ranks 2..3" in (tmp_path / "pod-1.log").read_text()
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGTERM)
+        assert procs[0].wait(60) == 0
+        for p in procs[1:]:
+            p.wait(60)
+        redis.stop()
