@@ -61,6 +61,7 @@ CHILD_KINDS = (
 OPTIONAL_KINDS = (
     Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets", CUSTOM, "", CUSTOM_VERBS),
     Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors", CUSTOM, "", CUSTOM_VERBS),
+    Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools", CUSTOM, "", CUSTOM_VERBS),
 )
 CHILD_KINDS = CHILD_KINDS + OPTIONAL_KINDS
 KINDS = {(k.api_version, k.kind): k for k in CHILD_KINDS}

@@ -25,3 +25,5 @@ class BuildOptions:
     """Engine image of fleets whose spec.engine.image is unset."""
     pod_monitors: bool = False
     """Give every fleet a PodMonitor (needs the Prometheus Operator's CRDs)."""
+    inference_pools: bool = False
+    """Give every fleet an InferencePool (needs the Gateway API Inference Extension's CRDs)."""

@@ -30,6 +30,8 @@ class OperatorSettings(BaseModel):
     """Interval of the periodic pass over every fleet (0 turns it off)."""
     pod_monitors: bool = False
     """Give every fleet a PodMonitor for its engines (Prometheus Operator)."""
+    inference_pools: bool = False
+    """Give every fleet an InferencePool (Gateway API Inference Extension) beside its Service."""
     metrics_port: int = Field(default=9090, ge=0, le=65535)
     """Port of the operator's own Prometheus /metrics (0 turns it off)."""
 
@@ -44,7 +46,8 @@ class OperatorSettings(BaseModel):
 
     def build_options(self) -> BuildOptions:
         """The part of the settings that shapes every fleet's children."""
-        return BuildOptions(engine_image=self.engine_image, pod_monitors=self.pod_monitors)
+        return BuildOptions(engine_image=self.engine_image, pod_monitors=self.pod_monitors,
+                            inference_pools=self.inference_pools)
 
     @classmethod
     def load(cls, argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> OperatorSettings:
@@ -63,6 +66,8 @@ class OperatorSettings(BaseModel):
                             "env DEEPSEEK_OPERATOR_RESYNC_SECONDS")
         parser.add_argument("--pod-monitors", action="store_true",
                             help="a PodMonitor per fleet (Prometheus Operator); env DEEPSEEK_OPERATOR_POD_MONITORS")
+        parser.add_argument("--inference-pools", action="store_true",
+                            help="an InferencePool per fleet; env DEEPSEEK_OPERATOR_INFERENCE_POOLS")
         parser.add_argument("--metrics-port", metavar="PORT", type=int,
                             help="port of the operator's /metrics, 0 = off (9090); env DEEPSEEK_OPERATOR_METRICS_PORT")
         parser.add_argument("--engine-image", metavar="IMAGE",
@@ -76,6 +81,7 @@ class OperatorSettings(BaseModel):
             liveness_endpoint=None if liveness == "off" else liveness,
             verbose=args.verbose or _true(environ.get(f"{ENV_PREFIX}VERBOSE")),
             pod_monitors=args.pod_monitors or _true(environ.get(f"{ENV_PREFIX}POD_MONITORS")),
+            inference_pools=args.inference_pools or _true(environ.get(f"{ENV_PREFIX}INFERENCE_POOLS")),
             metrics_port=_first(args.metrics_port, environ.get(f"{ENV_PREFIX}METRICS_PORT"),
                                 cls.model_fields["metrics_port"].default),
             engine_image=args.engine_image or environ.get(f"{ENV_PREFIX}ENGINE_IMAGE") or DEFAULT_ENGINE_IMAGE,

@@ -55,6 +55,7 @@ RESOURCES = {
 # Kinds that other projects' CRDs add: declared only by tests that install those CRDs.
 OPTIONAL_RESOURCES = {
     "monitoring.coreos.com/v1/podmonitors": dict(kind="PodMonitor"),
+    "inference.networking.k8s.io/v1/inferencepools": dict(kind="InferencePool"),
     "leaderworkerset.x-k8s.io/v1/leaderworkersets": dict(kind="LeaderWorkerSet", subresources={"status", "scale"}),
 }
 CLUSTER_RESOURCES = {  # present on every real cluster; Kopf waits for them in discovery

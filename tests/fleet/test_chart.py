@@ -29,7 +29,7 @@ SCENARIOS = {
     "defaults": {},
     "namespaced": {"watchNamespaces": ["team-a", "team-b"]},
     "monitoring": {"monitoring": {"podMonitors": True, "serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}},
-                   "metrics": {"port": 9191}},
+                   "metrics": {"port": 9191}, "routing": {"inferencePools": True}},
     "overrides": {
         "image": {"repository": "registry.example.com/platform/deepseek-operator", "tag": "0.1.0-rc1",
                   "digest": "sha256:" + "ab" * 32, "pullPolicy": "Always"},
@@ -156,6 +156,7 @@ def test_the_operator_reads_the_settings_the_chart_sets(scenario: str) -> None:
     assert settings.engine_image == values.get("engineImage", chart_default)
     assert settings.resync_seconds == values.get("resyncSeconds", 60)
     assert settings.pod_monitors == values.get("monitoring", {}).get("podMonitors", False)
+    assert settings.inference_pools == values.get("routing", {}).get("inferencePools", False)
     (metrics,) = [p for p in operator["ports"] if p["name"] == "metrics"]
     assert settings.metrics_port == metrics["containerPort"] == values.get("metrics", {}).get("port", 9090)
     if values.get("liveness", {}).get("enabled", True):

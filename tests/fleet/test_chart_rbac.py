@@ -45,7 +45,8 @@ ADMISSION_ONLY = {(names.GROUP, f"{names.PLURAL}/finalizers", "update")}
 # by fleet.rbac although no call uses it, and tolerated here because it widens nothing.
 NO_WIDER_THAN_GET = {(names.GROUP, f"{names.PLURAL}/status", "get")}
 # Pruned only once the operator runs with the setting that made them turned off (a restart).
-DELETED_AFTER_A_SETTING_CHANGE = {("monitoring.coreos.com", "podmonitors", "delete")}
+DELETED_AFTER_A_SETTING_CHANGE = {("monitoring.coreos.com", "podmonitors", "delete"),
+                                  ("inference.networking.k8s.io", "inferencepools", "delete")}
 # Paths every authenticated client may read (the system:discovery ClusterRole): not RBAC rules of ours.
 DISCOVERY_PREFIXES = ("/api", "/apis", "/version", "/openapi")
 VERB_OF_METHOD = {"GET": "get", "POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
@@ -136,7 +137,8 @@ async def drive_every_path(cluster: Cluster, metrics_port: int) -> None:
                 ("policy/v1", "poddisruptionbudgets", "a"), ("apps/v1", "deployments", "a-kv"),
                 ("v1", "services", "a-kv"), ("networking.k8s.io/v1", "networkpolicies", "a-kv"),
                 ("v1", "secrets", "a-kv-auth")]
-    unwatched = [children[-1], ("monitoring.coreos.com/v1", "podmonitors", "a")]  # repaired by the next pass
+    unwatched = [children[-1], ("monitoring.coreos.com/v1", "podmonitors", "a"),  # repaired by the next pass
+                 ("inference.networking.k8s.io/v1", "inferencepools", "a")]
     for api_version, plural, name in children + unwatched:
         await eventually(lambda: cluster.get(api_version, plural, name), what=f"{plural}/{name}")
 
@@ -184,7 +186,8 @@ async def drive_every_path(cluster: Cluster, metrics_port: int) -> None:
 
 
 async def test_rendered_rbac_covers_every_call_and_nothing_more(cluster: Cluster, metrics_port: int) -> None:
-    operator = RunningOperator(OperatorSettings(metrics_port=0, pod_monitors=True, resync_seconds=1))
+    operator = RunningOperator(OperatorSettings(metrics_port=0, pod_monitors=True, inference_pools=True,
+                                                resync_seconds=1))
     await operator.start()
     try:
         await drive_every_path(cluster, metrics_port)

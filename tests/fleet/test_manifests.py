@@ -242,3 +242,17 @@ def test_pod_monitor_only_when_the_operator_is_set_to_make_them() -> None:
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["port"] in [p["name"] for p in pod["spec"]["containers"][0]["ports"]]
     assert endpoint["path"] == "/metrics" and monitor["metadata"]["labels"][names.PARENT_LABEL] == "v3"
+
+
+def test_inference_pool_only_when_asked_beside_the_service() -> None:
+    from dataclasses import replace
+
+    from fleet.options import BuildOptions
+
+    assert not [c for c in build_children(parent(), kv_password="p", replicas=1) if c["kind"] == "InferencePool"]
+    children = build_children(replace(parent(), options=BuildOptions(inference_pools=True)), kv_password="p", replicas=1)
+    (pool,) = [c for c in children if c["kind"] == "InferencePool"]
+    (service,) = [c for c in children if c["kind"] == "Service" and c["metadata"]["name"] == "v3"]
+    assert pool["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]  # the same serving pods
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    assert pool["spec"]["endpointPickerRef"]["name"] == "v3-epp"

@@ -35,7 +35,8 @@ def test_least_privilege() -> None:
     # delete only where a spec change can leave a child unwanted (the reconcile prunes it)
     deletable = {(g, res) for r in rules() if "delete" in r["verbs"] for g in r["apiGroups"] for res in r["resources"]}
     assert deletable == {("apps", "deployments"), ("", "services"), ("", "secrets"), ("networking.k8s.io", "networkpolicies"),
-                         ("monitoring.coreos.com", "podmonitors"), ("leaderworkerset.x-k8s.io", "leaderworkersets")}
+                         ("monitoring.coreos.com", "podmonitors"), ("leaderworkerset.x-k8s.io", "leaderworkersets"),
+                         ("inference.networking.k8s.io", "inferencepools")}
     assert not allowed("", "secrets", "list") and not allowed("", "secrets", "watch")
 
 

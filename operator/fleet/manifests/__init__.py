@@ -15,6 +15,7 @@ from fleet.manifests.kv_directory import (
 )
 from fleet.manifests.monitoring import build_pod_monitor
 from fleet.manifests.multinode import build_leader_worker_set, is_multinode
+from fleet.manifests.routing import build_inference_pool
 from fleet.manifests.services import build_engine_service, build_peers_service
 from fleet.parent import Parent
 
@@ -47,4 +48,6 @@ def build_children(parent: Parent, *, kv_password: str | None, replicas: int | N
     ]
     if parent.options.pod_monitors:
         children.append(build_pod_monitor(parent))
+    if parent.options.inference_pools:
+        children.append(build_inference_pool(parent))
     return children
