@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleet import names
+from fleet.manifests.services import engine_metadata
 from fleet.parent import Parent
 
 
@@ -13,11 +14,7 @@ def build_disruption_budget(parent: Parent) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": {
-            "name": names.engine_name(parent.name),
-            "namespace": parent.namespace,
-            "labels": names.common_labels(parent.name, "engine", "deepseek-engine"),
-        },
+        "metadata": engine_metadata(parent),
         "spec": {
             "maxUnavailable": parent.spec.disruption_budget.max_unavailable,
             "selector": {"matchLabels": names.engine_selector(parent.name)},

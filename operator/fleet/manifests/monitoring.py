@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleet import names
+from fleet.manifests.services import engine_metadata
 from fleet.parent import Parent
 
 SCRAPE_INTERVAL = "15s"
@@ -15,11 +16,7 @@ def build_pod_monitor(parent: Parent) -> dict[str, Any]:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
-        "metadata": {
-            "name": names.engine_name(parent.name),
-            "namespace": parent.namespace,
-            "labels": names.common_labels(parent.name, "engine", "deepseek-engine"),
-        },
+        "metadata": engine_metadata(parent),
         "spec": {
             "selector": {"matchLabels": names.engine_selector(parent.name)},
             "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": SCRAPE_INTERVAL}],

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleet import names
+from fleet.manifests.services import engine_metadata
 from fleet.parent import Parent
 
 API_VERSION = "inference.networking.k8s.io/v1"
@@ -26,11 +27,7 @@ def build_inference_pool(parent: Parent) -> dict[str, Any]:
     return {
         "apiVersion": API_VERSION,
         "kind": "InferencePool",
-        "metadata": {
-            "name": names.engine_name(parent.name),
-            "namespace": parent.namespace,
-            "labels": names.common_labels(parent.name, "engine", "deepseek-engine"),
-        },
+        "metadata": engine_metadata(parent),
         "spec": {
             "selector": {"matchLabels": names.engine_selector(parent.name)},
             "targetPorts": [{"number": names.HTTP_PORT}],

@@ -8,16 +8,21 @@ from fleet import names
 from fleet.parent import Parent
 
 
+def engine_metadata(parent: Parent) -> dict[str, Any]:
+    """Metadata of the children named after the fleet that front its engines (Service, budget, monitors)."""
+    return {
+        "name": names.engine_name(parent.name),
+        "namespace": parent.namespace,
+        "labels": names.common_labels(parent.name, "engine", "deepseek-engine"),
+    }
+
+
 def build_engine_service(parent: Parent) -> dict[str, Any]:
     """ClusterIP Service: the fleet's OpenAI-compatible endpoint."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {
-            "name": names.engine_name(parent.name),
-            "namespace": parent.namespace,
-            "labels": names.common_labels(parent.name, "engine", "deepseek-engine"),
-        },
+        "metadata": engine_metadata(parent),
         "spec": {
             "type": "ClusterIP",
             "selector": names.engine_selector(parent.name),
