@@ -63,12 +63,20 @@ class MultiprocExecutor(InProcessExecutor):
         if self.procs:  # a node's own ranks; those of other nodes fail the next collective when they go
             threading.Thread(target=_watch_ranks, args=(self.procs, self._state), name="rank-watch",
                              daemon=True).start()
-        device = rank_device(config, 0)
-        par, self.control = init_process_groups(config, 0, init_method, device)
+        try:
+            device = rank_device(config, 0)
+            par, self.control = init_process_groups(config, 0, init_method, device)
+            self.driver = Worker(config, model_config, path, max_model_len, par, device, self.control)
+            self.num_blocks = self.driver.init_cache()
+        except BaseException:
+            # rank 0 failed to start (out of memory, a bad checkpoint): the other ranks may wait in a
+            # collective that will never come, so they are ended, not told
+            self._state["stopped"] = True
+            for proc in self.procs:
+                proc.kill()
+            raise
         # the ranks wait for plans: told to stop when this executor goes, or this process ends
         self._finalizer = weakref.finalize(self, _stop_ranks, self.control, self.procs, self._state)
-        self.driver = Worker(config, model_config, path, max_model_len, par, device, self.control)
-        self.num_blocks = self.driver.init_cache()
         logger.info("%d ranks ready (tensor parallel%s, %d node(s))", config.tensor_parallel_size,
                     " + expert parallel" if config.enable_expert_parallel else "", config.nnodes)
 
@@ -83,15 +91,23 @@ class MultiprocExecutor(InProcessExecutor):
 
 def _stop_ranks(control, procs: list, state: dict) -> None:
     state["stopped"] = True
-    try:
-        dist.broadcast_object_list([None], src=0, group=control)
-    except RuntimeError:
-        pass  # a rank is already gone
+
+    def tell() -> None:
+        try:
+            dist.broadcast_object_list([None], src=0, group=control)
+        except RuntimeError:
+            pass  # a rank is already gone
+
+    # a rank stuck in a collective (a step that failed part-way) never takes the message: bounded
+    telling = threading.Thread(target=tell, daemon=True)
+    telling.start()
+    telling.join(10)
     for proc in procs:
-        proc.join(10)
+        proc.join(10 if not telling.is_alive() else 0)
         if proc.is_alive():
             proc.kill()
-    dist.destroy_process_group()
+    if not telling.is_alive():
+        dist.destroy_process_group()
 
 
 def _watch_ranks(procs: list, state: dict) -> None:

@@ -91,12 +91,6 @@ def init_random_weights(model: DeepseekV3ForCausalLM, seed: int, std: float = 0.
             param.data.normal_(0.0, std, generator=gen)
 
 
-class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, path: Path | None, max_model_len: int):
-        """path=None: random weights (config.seed) instead of a checkpoint."""
-        self.config = config
-        self.model_config = model_config
-
 
 class BlockTables:
     """Every running sequence's block table, persistent on the device: [num_slots + 1, max_blocks] int32,
@@ -205,7 +199,11 @@ class ModelRunner:
             attn.kv_cache = None
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * c.gpu_memory_utilization - (total - free) - activations
+        # not in the profile: the decode graphs' pools and the sampler's [max_num_seqs, vocab] float32
+        # rows (logits, their softmax, the filtered copy): a reserve for both
+        sampler = 4 * c.max_num_seqs * self.model_config.vocab_size * 4
+        reserve = 0.01 * total + sampler
+        budget = total * c.gpu_memory_utilization - (total - free) - activations - reserve
         blocks = int(budget // self.block_bytes)
         logger.info("KV memory: %.1f GiB of %.1f GiB (gpu_memory_utilization %.2f; in use %.1f GiB, activation "
                     "peak %.2f GiB)", max(budget, 0) / 2**30, total / 2**30, c.gpu_memory_utilization,

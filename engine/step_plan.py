@@ -54,7 +54,10 @@ class PlanBuilder:
 
     def __init__(self, num_slots: int):
         self.free_slots = list(range(num_slots - 1, -1, -1))
-        self.held: dict[int, tuple[Sequence, int, int]] = {}  # id(seq) -> (seq, slot, table entries sent)
+        # id(seq) -> (seq, slot, the table list whose entries were sent, how many): BlockManager.release
+        # gives a sequence a new list, so a sequence preempted and admitted again between two plans is
+        # seen as a new table even when no plan saw it leave
+        self.held: dict[int, tuple[Sequence, int, list[int], int]] = {}
         self._replicate: list[int] = []
 
     def replicate(self, block_ids: list[int]) -> None:
@@ -70,7 +73,7 @@ class PlanBuilder:
             slot, sent = self._slot(seq)
             if len(seq.block_table) > sent:
                 deltas.append((slot, sent, seq.block_table[sent:]))
-                self.held[id(seq)] = (seq, slot, len(seq.block_table))
+                self.held[id(seq)] = (seq, slot, seq.block_table, len(seq.block_table))
             start = seq.num_computed_tokens
             slots.append(slot)
             computed.append(start)
@@ -85,20 +88,22 @@ class PlanBuilder:
                         deltas, replicate, collect_logits=any(seq.collect_logits for seq, _ in items))
 
     def _slot(self, seq: Sequence) -> tuple[int, int]:
+        """-> (its slot, table entries already sent: 0 for a new slot or a new table, which resets it)."""
         entry = self.held.get(id(seq))
         if entry is not None:
-            return entry[1], entry[2]
+            _, slot, table, sent = entry
+            return slot, sent if table is seq.block_table else 0
         if not self.free_slots:
             raise RuntimeError("no free block-table slot: more sequences run than the tables hold")
         slot = self.free_slots.pop()
-        self.held[id(seq)] = (seq, slot, 0)
+        self.held[id(seq)] = (seq, slot, seq.block_table, 0)
         return slot, 0
 
     def _release_idle(self) -> None:
         """Slots of sequences that stopped running (finished, aborted, preempted) return to the free list;
         a preempted sequence gets a new slot, its table sent again, when it runs again. The step in flight
         that may still read a released row was queued before the next plan's deltas rewrite it."""
-        for key, (seq, slot, _) in list(self.held.items()):
+        for key, (seq, slot, _, _) in list(self.held.items()):
             if seq.status is not SequenceStatus.RUNNING or not seq.block_table:
                 del self.held[key]
                 self.free_slots.append(slot)

@@ -13,6 +13,7 @@ handshake happens; a replica with a secret and one without cannot talk, and the 
 
 import hashlib
 import hmac
+import json
 import os
 import socket
 import time
@@ -37,13 +38,13 @@ class PeerAuth:
     def _mac(self, *parts: bytes) -> bytes:
         return hmac.new(self.secret, b"".join(parts), hashlib.sha256).digest()
 
-    def connect(self, sock: socket.socket) -> None:
-        """Client side, on a fresh connection (the socket's own timeout bounds each read)."""
+    def connect(self, sock: socket.socket, timeout: float = 5.0) -> None:
+        """Client side, on a fresh connection; the server has `timeout` seconds in all to answer."""
         if not self.enabled:
             return
         mine = os.urandom(NONCE_BYTES)
         sock.sendall(AUTH_MAGIC + mine)
-        reply = _recv(sock, NONCE_BYTES + MAC_BYTES, None)
+        reply = _recv(sock, NONCE_BYTES + MAC_BYTES, time.monotonic() + timeout)
         theirs, mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
         if not hmac.compare_digest(mac, self._mac(b"server", mine, theirs)):
             raise AuthError("the peer does not hold this fleet's KV secret")
@@ -64,11 +65,14 @@ class PeerAuth:
             raise AuthError("the peer does not hold this fleet's KV secret")
 
     def sign(self, *fields: str) -> str:
-        """A hex MAC over the fields (empty without a secret)."""
-        return self._mac("\n".join(fields).encode()).hex() if self.enabled else ""
+        """A hex MAC over the fields, JSON-encoded so no two field lists read alike (empty without a secret)."""
+        return self._mac(json.dumps(list(fields)).encode()).hex() if self.enabled else ""
 
     def verify(self, signature: str, *fields: str) -> bool:
-        return not self.enabled or hmac.compare_digest(signature, self.sign(*fields))
+        """Constant-time, on bytes: a forged signature of any characters is just wrong, never an error."""
+        if not self.enabled:
+            return True
+        return hmac.compare_digest(signature.encode("utf-8", "replace"), self.sign(*fields).encode())
 
 
 def _recv(sock: socket.socket, n: int, deadline: float | None) -> bytes:

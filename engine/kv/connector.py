@@ -177,7 +177,12 @@ class KVConnector:
 
     def _pull(self, wanted: list[bytes]) -> PulledBlocks | None:
         forged = self.directory.num_forged
-        peer = self.directory.lookup(wanted)
+        try:
+            peer = self.directory.lookup(wanted)
+        except Exception:  # a record no well-behaved replica wrote: recompute, never crash
+            logger.warning("KV directory lookup failed unexpectedly; recomputing", exc_info=True)
+            self.stats.fallback("protocol")
+            return None
         if peer is None:
             if self.directory.num_forged > forged:
                 self.stats.fallback("unsigned_entry")
@@ -209,7 +214,14 @@ class KVConnector:
 
     def install(self, pending: PendingPull, token_ids: list[list[int]]) -> list[int]:
         """Engine loop: write pulled blocks into the cache; returns their (pinned) block ids."""
-        pulled = pending.future.result() if pending.future.done() and not pending.future.cancelled() else None
+        future = pending.future
+        if not future.done() or future.cancelled():
+            return []
+        if future.exception() is not None:  # _pull catches what it expects; anything else recomputes too
+            logger.warning("KV pull failed unexpectedly; recomputing", exc_info=future.exception())
+            self.stats.fallback("protocol")
+            return []
+        pulled = future.result()
         if pulled is None:
             return []
         try:

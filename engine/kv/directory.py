@@ -123,13 +123,17 @@ class KVDirectory:
             return None
         if not res:
             return None
-        rid, addr, transport, n, incarnation, sig = (v.decode() if isinstance(v, bytes) else v for v in res)
+        # whatever a Redis writer put there: fields of any type, any bytes
+        rid, addr, transport, n, incarnation, sig = (
+            (v.decode(errors="replace") if isinstance(v, bytes) else v) for v in (list(res) + [None] * 6)[:6])
         transport = transport or "tcp"
-        if not self.auth.verify(sig or "", rid, incarnation, addr, transport):
+        fields = (rid, incarnation, addr, transport)
+        if (not all(isinstance(f, str) for f in fields) or not isinstance(n, int)
+                or not self.auth.verify(sig if isinstance(sig, str) else "", *fields)):
             self.num_forged += 1
             logger.warning("KV directory: replica %r's record is not signed with this fleet's secret; ignored", rid)
             return None
-        return PeerPrefix(rid, addr, transport, int(n))
+        return PeerPrefix(rid, addr, transport, n)
 
     # -- background thread ---------------------------------------------------------------------------
     def _run(self) -> None:

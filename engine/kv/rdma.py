@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv.auth import AuthError, PeerAuth
-from engine.kv.transfer import BlockLayout, ConnectionServer, PulledBlocks, TcpTransport, TransferError
+from engine.kv.transfer import MAX_HASHES, BlockLayout, ConnectionServer, PulledBlocks, TcpTransport, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +196,8 @@ class Lessor:
     def _lease(self, req: dict) -> dict:
         if req.get("model") != self.model_key:
             return {"num_blocks": 0, "error": "model mismatch"}
+        if not isinstance(req.get("hashes"), list) or len(req["hashes"]) > MAX_HASHES:
+            return {"num_blocks": 0, "error": f"a lease names at most {MAX_HASHES} blocks"}
         try:
             held = self.cache.lookup([bytes.fromhex(h) for h in req["hashes"]])
             if not held:

@@ -39,6 +39,7 @@ MAX_HASHES = 1 << 16
 _MAX_HEADER = 4 << 20
 HANDSHAKE_SECONDS = 5.0  # the handshake and a request's header arrive within this, however they trickle
 MAX_CONNECTIONS = 64  # connections served at once; more are closed at once
+MIN_PULL_RATE = 20e6  # bytes/s: a pull slower than this (plus the timeout) is abandoned and recomputed
 
 # Defaults, measured on loopback (docs/perf.md): frames large enough that per-frame work (a GPU gather
 # and its sync, the Python between syscalls) stays small, small enough to stay in cache between gather,
@@ -134,15 +135,14 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None = N
     trickle in (each read waits only for what is left of it)."""
     got = 0
     while got < len(view):
-        flags = socket.MSG_WAITALL  # a whole frame in one call (the kernel's SO_RCVTIMEO still bounds it)
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TransferError("the peer is too slow")
-            _set_recv_timeout(sock, left)
-            flags = 0
-        try:
-            n = sock.recv_into(view[got:], 0, flags)
+            # the kernel spends this budget across the whole call, however the bytes trickle in
+            _set_recv_timeout(sock, max(left, 1e-3))  # a zero timeval would mean "wait forever"
+        try:  # MSG_WAITALL: a whole frame in one call (the kernel's SO_RCVTIMEO still bounds it)
+            n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
         except BlockingIOError as e:
             raise TransferError("timed out waiting for the peer") from e
         if n == 0:
@@ -428,11 +428,14 @@ class TcpTransport:
                      abort: threading.Event) -> int:
         """Receives blocks[0], blocks[1], ... into their places; returns how many the peer sent."""
         try:
+            block_bytes = self.layout.num_bytes if self.layout is not None else self._block_bytes or (1 << 20)
+            # a peer that trickles (a tarpit) parks this pull worker no longer than this
+            deadline = time.monotonic() + self.timeout + len(blocks) * block_bytes / MIN_PULL_RATE
             with socket.create_connection(addr, timeout=self.timeout) as sock:
-                self.auth.connect(sock)
+                self.auth.connect(sock, self.timeout)
                 _tune(sock, self.socket_buffer_bytes, self.timeout)
                 _send_json(sock, {"model": self.model_key, "hashes": [hashes[i].hex() for i in blocks]}, MAGIC)
-                header = _recv_json(sock)
+                header = _recv_json(sock, deadline)
                 if "error" in header:
                     raise TransferError(f"peer refused: {header['error']}")
                 layout = BlockLayout.from_header(header)
@@ -440,15 +443,15 @@ class TcpTransport:
                     raise TransferError(f"peer's blocks are {layout}, this replica's {self.layout}")
                 raw, block_bytes = landing.claim(layout), layout.num_bytes
                 got = 0
-                while (n := _LEN.unpack(_recv_exact(sock, 4))[0]) > 0:
+                while (n := _LEN.unpack(_recv_exact(sock, 4, deadline))[0]) > 0:
                     if got + n > len(blocks):
                         raise TransferError("peer sent more blocks than asked for")
                     if abort.is_set():
                         raise _Aborted("another stripe failed")
-                    sums = list(struct.unpack(f">{n}Q", _recv_exact(sock, 8 * n)))
+                    sums = list(struct.unpack(f">{n}Q", _recv_exact(sock, 8 * n, deadline)))
                     at = (blocks.start + got) * block_bytes
                     frame = raw[at : at + n * block_bytes]
-                    _recv_into(sock, frame)
+                    _recv_into(sock, frame, deadline)
                     if _checksums(frame, block_bytes) != sums:
                         raise TransferError(f"checksum mismatch in blocks from {addr[0]}:{addr[1]}")
                     got += n

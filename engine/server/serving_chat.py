@@ -37,7 +37,7 @@ class ChatServing(Serving):
         if request.top_logprobs is not None and not request.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
         n = request.n or 1
-        self.check_choices(n)
+        self.check_choices(n)  # before templating a long history
         size = sum(len(m.content) if isinstance(m.content, str) else sum(len(getattr(part, "text", "")) for part in m.content)
                    for m in request.messages)
         prompt = await self.off_the_loop(self.render, request, size=size)

@@ -101,6 +101,19 @@ def test_plans_send_a_table_once_then_only_new_blocks():
     assert plan.table_deltas == [(plan.slots[0], 0, [7, 8, 1, 2])]
 
 
+def test_a_sequence_preempted_and_admitted_again_between_plans_sends_its_new_table():
+    """Preempted with every running sequence (no plan built: the batch was empty), then admitted again
+    with other blocks: the planner sees a new table (BlockManager.release gives it a new list) and
+    resends it whole, instead of keeping the old row on the device."""
+    planner = PlanBuilder(num_slots=2)
+    a = _running("a", 40, [3, 4, 5])
+    first = planner.build(ScheduledBatch(decodes=[a]))
+    a.block_table = []  # what BlockManager.release does
+    a.block_table += [3, 4, 9]  # admitted again, before any plan saw it waiting
+    plan = planner.build(ScheduledBatch(decodes=[a]))
+    assert plan.table_deltas == [(plan.slots[0], 0, [3, 4, 9])] and plan.slots == first.slots
+
+
 def test_a_decode_plan_does_not_grow_with_context_length():
     """What crosses to the workers for a decode step of 64 sequences is the same at 4k and 128k tokens of
     context (the tables live on the device; a step sends at most a block per sequence)."""

@@ -99,6 +99,18 @@ def test_a_forged_directory_record_is_ignored(tmp_path):
             redis.client().hset("dsf:m:block:" + h.hex(), "evil", "x")
         peer = b.lookup(hashes)
         assert peer is None or peer.addr == "10.0.0.1:8100"
+        # records no replica writes: a non-ASCII signature, a missing address, bytes that are no UTF-8
+        r = redis.client()
+        r.delete("dsf:m:replica:evil")
+        for broken in ({"sig": "sé€"}, {"addr": None}, {"addr": b"\xff\xfe"}):
+            key = "dsf:m:replica:a"
+            if broken.get("addr", 0) is None:
+                r.hdel(key, "addr")
+            else:
+                r.hset(key, mapping=broken)
+            assert b.lookup(hashes) is None  # ignored, never an exception
+            a._registered = False
+            assert a._beat()
     finally:
         redis.stop()
 
@@ -147,8 +159,9 @@ def test_oversized_and_trickled_requests_are_dropped(serve, monkeypatch):  # noq
         dropped = True
     assert dropped or slow.recv(1) == b""
     assert time.monotonic() - t0 < 3
-    too_many = TcpTransport(MODEL, 2.0)
-    assert too_many.pull(f"127.0.0.1:{server.port}", peer.hashes[:2]).data.shape[0] == 2  # still serving
+    assert TcpTransport(MODEL, 2.0).pull(f"127.0.0.1:{server.port}", peer.hashes[:2]).data.shape[0] == 2  # serving
+    with pytest.raises(TransferError, match="at most"):  # more hashes than any prompt has blocks
+        TcpTransport(MODEL, 2.0).pull(f"127.0.0.1:{server.port}", [bytes(16)] * (transfer.MAX_HASHES + 1))
 
 
 def test_connections_beyond_the_cap_are_closed(serve):  # noqa: F811
@@ -164,7 +177,7 @@ def test_connections_beyond_the_cap_are_closed(serve):  # noqa: F811
     assert TcpTransport(MODEL, 2.0).pull(f"127.0.0.1:{server.port}", peer.hashes[:2]).data.shape[0] == 2
 
 
-def test_the_redis_password_stays_out_of_the_log(tmp_path, caplog):
+def test_urls_are_redacted():  # the server's log itself: tests/e2e/test_kv_fleet.py
     assert redact_url("redis://:hunter2@kv.ns.svc:6379/0") == "redis://:***@kv.ns.svc:6379/0"
     assert redact_url("redis://app:hunter2@kv:6379") == "redis://app:***@kv:6379"
     assert redact_url("unix:///run/redis.sock") == "unix:///run/redis.sock"
@@ -176,3 +189,27 @@ def test_a_short_or_missing_secret_file_is_an_error(tmp_path):
         read_secret(str(tmp_path / "s"))
     (tmp_path / "s").write_text(SECRET.decode() + "\n")
     assert read_secret(str(tmp_path / "s")) == SECRET
+
+
+def test_a_tarpit_peer_is_abandoned_in_bounded_time():
+    """A peer that answers one byte at a time: the pull gives up after its deadline (timeout plus the
+    bytes at a minimum rate), so the request recomputes instead of waiting on it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def tarpit():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(1 << 16)
+            try:
+                for byte in struct.pack(">I", 100) + b"{" * 100:
+                    conn.sendall(bytes([byte]))
+                    time.sleep(0.3)
+            except OSError:
+                pass
+
+    threading.Thread(target=tarpit, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(TransferError):
+        TcpTransport(MODEL, 1.0, layout=LAYOUT).pull(f"127.0.0.1:{listener.getsockname()[1]}", Peer().hashes[:2])
+    assert time.monotonic() - t0 < 3
+    listener.close()
