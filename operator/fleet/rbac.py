@@ -11,11 +11,12 @@ from fleet import names
 from fleet.kube import CHILD_KINDS, POD_VERBS
 
 
-def rules(*, namespace_globs: bool = False) -> list[dict[str, Any]]:
+def rules(*, namespace_globs: bool = False, leader_election: bool = False) -> list[dict[str, Any]]:
     """PolicyRules for a ClusterRole (cluster-wide) or a Role per watched namespace.
 
     namespace_globs: the operator watches namespace patterns (`-n 'llm-*'`), which Kopf resolves by
     listing and watching namespaces; those rules only work in a ClusterRole.
+    leader_election: replicas elect a leader with a Lease (`--leader-election NS/NAME`).
     """
     out: list[dict[str, Any]] = [
         # Kopf watches fleets and keeps its bookkeeping in their annotations; no delete: the
@@ -35,15 +36,20 @@ def rules(*, namespace_globs: bool = False) -> list[dict[str, Any]]:
     ]
     if namespace_globs:
         out.append({"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]})
+    if leader_election:
+        out.append({"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "patch"]})
     return out
 
 
-def cluster_role(name: str = names.MANAGER, *, namespace_globs: bool = False) -> dict[str, Any]:
+def cluster_role(name: str = names.MANAGER, *, namespace_globs: bool = False,
+                 leader_election: bool = False) -> dict[str, Any]:
     """A ClusterRole holding the rules."""
     return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": name},
-            "rules": rules(namespace_globs=namespace_globs)}
+            "rules": rules(namespace_globs=namespace_globs, leader_election=leader_election)}
 
 
 if __name__ == "__main__":
     # `--namespace-globs`: the ClusterRole for an operator started with namespace patterns.
-    print(yaml.safe_dump(cluster_role(namespace_globs="--namespace-globs" in sys.argv), sort_keys=False), end="")
+    # `--leader-election`: with the Lease rules for several replicas.
+    role = cluster_role(namespace_globs="--namespace-globs" in sys.argv, leader_election="--leader-election" in sys.argv)
+    print(yaml.safe_dump(role, sort_keys=False), end="")

@@ -32,6 +32,8 @@ class OperatorSettings(BaseModel):
     """Give every fleet a PodMonitor for its engines (Prometheus Operator)."""
     inference_pools: bool = False
     """Give every fleet an InferencePool (Gateway API Inference Extension) beside its Service."""
+    leader_election: str | None = None
+    """`namespace/name` of the Lease that replicas of the operator elect a leader with; None: run alone."""
     metrics_port: int = Field(default=9090, ge=0, le=65535)
     """Port of the operator's own Prometheus /metrics (0 turns it off)."""
 
@@ -68,6 +70,8 @@ class OperatorSettings(BaseModel):
                             help="a PodMonitor per fleet (Prometheus Operator); env DEEPSEEK_OPERATOR_POD_MONITORS")
         parser.add_argument("--inference-pools", action="store_true",
                             help="an InferencePool per fleet; env DEEPSEEK_OPERATOR_INFERENCE_POOLS")
+        parser.add_argument("--leader-election", metavar="NS/NAME",
+                            help="elect one active replica with this Lease; env DEEPSEEK_OPERATOR_LEADER_ELECTION")
         parser.add_argument("--metrics-port", metavar="PORT", type=int,
                             help="port of the operator's /metrics, 0 = off (9090); env DEEPSEEK_OPERATOR_METRICS_PORT")
         parser.add_argument("--engine-image", metavar="IMAGE",
@@ -82,6 +86,7 @@ class OperatorSettings(BaseModel):
             verbose=args.verbose or _true(environ.get(f"{ENV_PREFIX}VERBOSE")),
             pod_monitors=args.pod_monitors or _true(environ.get(f"{ENV_PREFIX}POD_MONITORS")),
             inference_pools=args.inference_pools or _true(environ.get(f"{ENV_PREFIX}INFERENCE_POOLS")),
+            leader_election=args.leader_election or environ.get(f"{ENV_PREFIX}LEADER_ELECTION") or None,
             metrics_port=_first(args.metrics_port, environ.get(f"{ENV_PREFIX}METRICS_PORT"),
                                 cls.model_fields["metrics_port"].default),
             engine_image=args.engine_image or environ.get(f"{ENV_PREFIX}ENGINE_IMAGE") or DEFAULT_ENGINE_IMAGE,

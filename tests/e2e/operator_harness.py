@@ -49,6 +49,7 @@ RESOURCES = {
     "v1/secrets": dict(kind="Secret"),
     "v1/pods": dict(kind="Pod", subresources={"status"}),
     "v1/events": dict(kind="Event"),
+    "coordination.k8s.io/v1/leases": dict(kind="Lease"),
     "networking.k8s.io/v1/networkpolicies": dict(kind="NetworkPolicy"),
     "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", subresources={"status"}),
 }

@@ -55,3 +55,12 @@ def test_resync_interval() -> None:
     assert OperatorSettings.load([], environ={}).resync_seconds == 60
     assert OperatorSettings.load([], environ={"DEEPSEEK_OPERATOR_RESYNC_SECONDS": "0"}).resync_seconds == 0
     assert OperatorSettings.load(["--resync-seconds", "5"], environ={}).resync_seconds == 5
+
+
+def test_leader_election_setting_and_its_rules() -> None:
+    from fleet.rbac import rules
+
+    assert OperatorSettings.load([], environ={}).leader_election is None
+    assert OperatorSettings.load(["--leader-election", "ops/lease"], environ={}).leader_election == "ops/lease"
+    leases = {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "patch"]}
+    assert leases in rules(leader_election=True) and leases not in rules()
