@@ -17,13 +17,13 @@ from engine.server.disconnect import until_disconnected
 from engine.server.errors import ContextLengthExceeded, InternalError, InvalidRequest, ModelNotFound
 from engine.server.protocol import PromptTokensDetails, Usage
 from engine.server.request_stream import RequestStream
+from engine.tokenizer import LONG_TEXT_CHARS
 
 T = TypeVar("T")
 
 # OpenAI reports tokens outside the sampling set (top-p/top-k cut) as -9999.0; JSON has no -inf.
 MIN_LOGPROB = -9999.0
 MAX_CHOICES = 256  # prompts x n per request: more is refused before anything is tokenized
-OFFLOAD_CHARS = 16 << 10  # text longer than this is templated / tokenized in a thread
 
 
 class Serving:
@@ -32,7 +32,7 @@ class Serving:
     async def off_the_loop(self, fn: Callable, *args, size: int = 0) -> Any:
         """fn(*args), in a thread when its input is large (a long prompt's template or tokenization would
         hold every other stream's event loop for milliseconds); inline when small (a thread hop costs more)."""
-        if size > OFFLOAD_CHARS:
+        if size > LONG_TEXT_CHARS:  # the size from which the tokenizer releases the GIL too
             return await asyncio.to_thread(fn, *args)
         return fn(*args)
 
