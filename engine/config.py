@@ -1,12 +1,14 @@
 """Frozen configuration: the model's shape (read once from a HF config.json) and the engine's settings."""
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV4ForCausalLM")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -86,7 +88,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "ModelConfig":
+    def from_hf(cls, hf: dict) -> "ModelConfig | DeepseekV4Config":
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -94,35 +96,14 @@ class ModelConfig:
                 f"unsupported model architecture {archs or hf.get('model_type')!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if arch == "DeepseekV4ForCausalLM":
+            return DeepseekV4Config.from_hf(hf)
         is_v3 = arch == "DeepseekV3ForCausalLM"
         # DeepSeek publishes `rope_scaling` + `rope_theta`; transformers 5 writes `rope_parameters`.
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        scaling = None
-        if rope_type == "yarn":
-            scaling = RopeScaling(
-                factor=float(rope["factor"]),
-                original_max_position_embeddings=int(
-                    rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 4096))
-                ),
-                beta_fast=float(rope.get("beta_fast") or 32.0),
-                beta_slow=float(rope.get("beta_slow") or 1.0),
-                mscale=float(rope.get("mscale") or 0.0),
-                mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
-                attention_factor=rope.get("attention_factor"),
-                truncate=bool(rope.get("truncate", True)),
-            )
-        elif rope_type not in ("default", None):
-            raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, yarn")
-        quant = None
-        qc = hf.get("quantization_config")
-        if qc:
-            if qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3":
-                raise ValueError(f"unsupported quantization_config {qc!r}; supported: fp8 e4m3 block-scaled")
-            quant = QuantConfig(weight_block_size=tuple(qc.get("weight_block_size", (128, 128))))
-        eos = hf.get("eos_token_id", 1)
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        rope_theta, scaling = _rope(rope, hf)
+        quant = _quant(hf)
+        eos_ids = _eos_ids(hf)
         n_routed = hf.get("n_routed_experts")
         return cls(
             architecture=arch,
@@ -161,7 +142,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: str | os.PathLike) -> "ModelConfig":
+    def from_dir(cls, path: str | os.PathLike) -> "ModelConfig | DeepseekV4Config":
         cfg = Path(path) / "config.json"
         if not cfg.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path}")
@@ -170,6 +151,192 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"{cfg} is not valid JSON: {e}") from e
         return cls.from_hf(hf)
+
+
+def _rope(rope: dict, hf: dict) -> tuple[float, "RopeScaling | None"]:
+    """(theta, YaRN scaling or None) from one rope dict (`rope_scaling` or `rope_parameters` style)."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if rope_type in ("default", None):
+        return theta, None
+    if rope_type != "yarn":
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, yarn")
+    return theta, RopeScaling(
+        factor=float(rope["factor"]),
+        original_max_position_embeddings=int(
+            rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 4096))
+        ),
+        beta_fast=float(rope.get("beta_fast") or 32.0),
+        beta_slow=float(rope.get("beta_slow") or 1.0),
+        mscale=float(rope.get("mscale") or 0.0),
+        mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+        attention_factor=rope.get("attention_factor"),
+        truncate=bool(rope.get("truncate", True)),
+    )
+
+
+def _quant(hf: dict) -> "QuantConfig | None":
+    qc = hf.get("quantization_config")
+    if not qc:
+        return None
+    if qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"unsupported quantization_config {qc!r}; supported: fp8 e4m3 block-scaled")
+    return QuantConfig(weight_block_size=tuple(qc.get("weight_block_size", (128, 128))))
+
+
+def _eos_ids(hf: dict) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id", 1)
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+
+# transformers 5 names V4's attention kinds; DeepSeek's config.json lists a compression ratio per layer
+V4_LAYER_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+@dataclass(frozen=True)
+class DeepseekV4Config:
+    """The DeepSeek-V4 shape: hybrid compressed attention, mHC residual streams, hash-routed first layers.
+
+    `compress_ratios[i]` is layer i's compression: 0 = sliding window only, 4 = CSA (overlapping
+    windows, read through the sparse indexer), 128 = HCA (dense over every entry); tiny test models
+    use other ratios, the kind follows from whether the layer has an indexer (`csa_ratio`)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    scoring_func: str
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    swiglu_limit: float
+    compress_ratios: tuple[int, ...]
+    csa_ratio: int  # the ratio of layers with an indexer (compressed sparse attention)
+    hash_layers: tuple[bool, ...]  # per layer: experts chosen by token id (tid2eid)
+    sliding_window: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rms_norm_eps: float
+    rope_theta: float  # sliding-window-only layers
+    compress_rope_theta: float  # compressed layers (their window keys too), with compress_rope_scaling
+    compress_rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    num_nextn_predict_layers: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+    quant: QuantConfig | None = None  # FP8 blocks of the dense linears (the experts: expert_dtype)
+    expert_dtype: str | None = None  # "fp4": MXFP4 routed experts
+
+    def layer_kind(self, layer: int) -> str:
+        r = self.compress_ratios[layer]
+        return "window" if r == 0 else ("csa" if r == self.csa_ratio else "hca")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "DeepseekV4Config":
+        n = hf["num_hidden_layers"]
+        if hf.get("layer_types"):  # transformers 5
+            rates = dict(hf.get("compress_rates") or {})
+            ratio = {t: rates.get(t, r) for t, r in V4_LAYER_TYPES.items()}
+            unknown = [t for t in hf["layer_types"] if t not in ratio]
+            if unknown:
+                raise ValueError(f"unknown DeepSeek-V4 layer types {unknown}; known: {', '.join(ratio)}")
+            ratios = [ratio[t] for t in hf["layer_types"]]
+            csa = ratio["compressed_sparse_attention"]
+        else:  # DeepSeek's config.json
+            ratios = list(hf.get("compress_ratios") or [])
+            csa = int(hf.get("compress_rate_csa", 4))
+        ratios = tuple(int(r) for r in ratios[:n])
+        if len(ratios) != n:
+            raise ValueError(f"DeepSeek-V4 config lists {len(ratios)} compression ratios for {n} layers")
+        if hf.get("mlp_layer_types"):
+            hashed = tuple(t == "hash_moe" for t in hf["mlp_layer_types"][:n])
+        else:
+            k = int(hf.get("num_hash_layers", 3))
+            hashed = tuple(i < k for i in range(n))
+        rp = hf.get("rope_parameters") or {}
+        if isinstance(rp.get("main"), dict):  # transformers 5: one dict per rope kind
+            main_theta, _ = _rope(rp["main"], hf)
+            compress_theta, compress_scaling = _rope(rp.get("compress") or {}, hf)
+        else:
+            main_theta = float(hf.get("rope_theta", 10000.0))
+            yarn = dict(hf.get("rope_scaling") or rp)
+            yarn["rope_theta"] = hf.get("compress_rope_theta", 160000.0)
+            compress_theta, compress_scaling = _rope(yarn, hf)
+        if compress_scaling is not None and compress_scaling.attention_factor is None:
+            # V4 does not scale cos/sin by YaRN's mscale
+            compress_scaling = dataclasses.replace(compress_scaling, attention_factor=1.0)
+        head_dim = hf.get("head_dim", 512)
+        if "qk_rope_head_dim" in hf:
+            rope_dim = int(hf["qk_rope_head_dim"])
+        else:
+            rope_dim = int(head_dim * float(hf.get("partial_rotary_factor") or 64 / 512))
+        qc = hf.get("quantization_config") or {}
+        return cls(
+            architecture="DeepseekV4ForCausalLM",
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_hidden_layers=n,
+            num_attention_heads=hf["num_attention_heads"],
+            head_dim=head_dim,
+            qk_rope_head_dim=rope_dim,
+            q_lora_rank=hf["q_lora_rank"],
+            o_groups=hf.get("o_groups", 8),
+            o_lora_rank=hf.get("o_lora_rank", 1024),
+            moe_intermediate_size=hf["moe_intermediate_size"],
+            n_routed_experts=hf["n_routed_experts"],
+            n_shared_experts=hf.get("n_shared_experts", 1),
+            num_experts_per_tok=hf["num_experts_per_tok"],
+            scoring_func=hf.get("scoring_func", "sqrtsoftplus"),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.5)),
+            swiglu_limit=float(hf.get("swiglu_limit", 10.0)),
+            compress_ratios=ratios,
+            csa_ratio=csa,
+            hash_layers=hashed,
+            sliding_window=hf.get("sliding_window", 128),
+            hc_mult=hf.get("hc_mult", 4),
+            hc_sinkhorn_iters=hf.get("hc_sinkhorn_iters", 20),
+            hc_eps=float(hf.get("hc_eps", 1e-6)),
+            index_n_heads=hf.get("index_n_heads", 64),
+            index_head_dim=hf.get("index_head_dim", 128),
+            index_topk=hf.get("index_topk", 512),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=main_theta,
+            compress_rope_theta=compress_theta,
+            compress_rope_scaling=compress_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 1048576),
+            num_nextn_predict_layers=hf.get("num_nextn_predict_layers", 0),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=_eos_ids(hf),
+            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
+            quant=_quant(hf) if qc else None,
+            expert_dtype=hf.get("expert_dtype") or qc.get("expert_dtype"),
+        )
+
+
+def required_block_size(model_config: "ModelConfig | DeepseekV4Config", block_size: int) -> int:
+    """The KV page size a model needs: V4's pages hold whole compression windows (its compressed
+    caches have block_size / ratio rows per page), so the least multiple of every ratio."""
+    for ratio in getattr(model_config, "compress_ratios", ()):
+        if ratio:
+            block_size = math.lcm(block_size, ratio)
+    return block_size
 
 
 def model_fingerprint(path: Path, dtype: str, block_size: int) -> str:

@@ -25,13 +25,15 @@ class KVCacheSpec:
     dtype: torch.dtype
     compress_ratio: int = 1  # raw tokens per row
     window: int | None = None  # rows beyond this many tokens back may be evicted (sliding window)
-    has_block_state: bool = False  # the block carries state beyond its rows (a compressor's open window)
+    has_block_state: bool = False  # one row per block: state beyond the rows (a compressor's open window)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown KV cache kind {self.kind!r}; known: {', '.join(KINDS)}")
 
     def rows_per_block(self, block_size: int) -> int:
+        if self.has_block_state:
+            return 1  # the state at the block's end (or at its last token written, while it fills)
         if block_size % self.compress_ratio:
             raise ValueError(f"block_size {block_size} is not a multiple of the {self.kind} cache's "
                              f"compression ratio {self.compress_ratio}")

@@ -8,6 +8,7 @@ a stop string) was already given a row in the next one; that row's token is drop
 known ahead and cost nothing.
 """
 
+import dataclasses
 import logging
 import random
 import time
@@ -18,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig, model_fingerprint, resolve_model_path
+from engine.config import EngineConfig, ModelConfig, model_fingerprint, required_block_size, resolve_model_path
 from engine.copies import to_device
 from engine.executor import create_executor
 from engine.model_runner import ModelRunner
@@ -85,6 +86,11 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         self.model_path = path
         self.model_config = ModelConfig.from_dir(path)
+        block_size = required_block_size(self.model_config, config.block_size)
+        if block_size != config.block_size:
+            logger.info("KV pages of %d tokens (a multiple of every compression ratio of %s) instead of %d",
+                        block_size, self.model_config.architecture, config.block_size)
+            config = self.config = dataclasses.replace(config, block_size=block_size)
         self.tokenizer = Tokenizer(path)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.executor = create_executor(config, self.model_config, path, self.max_model_len)

@@ -10,7 +10,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
-from engine.layers.fp8 import dequantize_fp8_block
+from engine.layers.fp8 import dequantize_fp8_block, dequantize_mxfp4
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ class CheckpointError(ValueError):
 
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-           "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
            "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
@@ -116,26 +116,39 @@ def load_weights(model: nn.Module, path: Path, num_hidden_layers: int, block_siz
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read tensor {name} from {file.name}: {e}") from e
 
-    names = [n for n in files if not n.endswith("weight_scale_inv")]
+    def scale_of(name: str) -> str | None:
+        """A quantized tensor's scales: `<name>_scale_inv` (V3) or `<module>.scale` (V4)."""
+        for candidate in (name + "_scale_inv", name.removesuffix("weight") + "scale"):
+            if candidate != name and candidate in files:
+                return candidate
+        return None
+
+    M = type(model)
+    rename = getattr(M, "checkpoint_name", lambda n: n)
+    companions = {n for n in files if n.endswith("weight_scale_inv")
+                  or (n.endswith(".scale") and n.removesuffix("scale") + "weight" in files)}
+    names = [n for n in files if n not in companions]
     for name in tqdm(names, desc="Loading weights", unit="tensor", disable=not show_progress):
-        m = _LAYER.match(name)
-        if m and int(m.group(1)) >= num_hidden_layers:
+        ours = rename(name)
+        m = _LAYER.match(ours) if ours is not None else None
+        if ours is None or (m and int(m.group(1)) >= num_hidden_layers):
             skipped_mtp += 1  # the multi-token-prediction layer: not used for plain decoding
             continue
-        target, shard_id = _param_name(name, type(model))
-        if _EXPERT.match(name) and target in params and not _experts_of(model, target).owns(shard_id[0]):
+        target, shard_id = _param_name(ours, M)
+        pattern = getattr(M, "expert_pattern", _EXPERT)
+        if pattern.match(ours) and target in params and not _experts_of(model, target).owns(shard_id[0]):
             continue  # expert parallel: another rank's expert, never read
         tensor = read(name)
         param = params.get(target)
         if param is None:
             raise CheckpointError(f"unexpected tensor {name} in checkpoint: the model has no parameter {target}")
         if tensor.dtype == torch.float8_e4m3fn:
-            scale_name = name + "_scale_inv"
-            if scale_name not in files:
-                raise CheckpointError(f"FP8 tensor {name} has no {scale_name}")
+            scale_name = scale_of(name)
+            if scale_name is None:
+                raise CheckpointError(f"FP8 tensor {name} has no {name}_scale_inv")
             scale = read(scale_name)
             if param.dtype == torch.float8_e4m3fn:  # the model keeps the blocks for its FP8 kernels
-                scale_target, _ = _param_name(scale_name, type(model))
+                scale_target, _ = _param_name(rename(scale_name), M)
                 if scale_target not in params:
                     raise CheckpointError(f"the model has no parameter {scale_target} for {scale_name}")
                 _load_into(params[scale_target], scale, shard_id, scale_name)
@@ -144,6 +157,14 @@ def load_weights(model: nn.Module, path: Path, num_hidden_layers: int, block_siz
                 tensor = dequantize_fp8_block(tensor.read(), scale.read(), block_size or (128, 128))
         elif param.dtype == torch.float8_e4m3fn:
             raise CheckpointError(f"tensor {name} is {tensor.dtype}, but the FP8 model expects float8_e4m3fn blocks")
+        elif tensor.dtype in (torch.int8, torch.uint8) and param.dtype.is_floating_point:
+            scale_name = scale_of(name)
+            if scale_name is None:
+                raise CheckpointError(f"packed FP4 tensor {name} has no scales ({name.removesuffix('weight')}scale)")
+            try:
+                tensor = dequantize_mxfp4(tensor.read(), read(scale_name).read())
+            except ValueError as e:
+                raise CheckpointError(f"tensor {name}: {e}") from e
         _load_into(param, tensor, shard_id, name)
         loaded.add(f"{target}#{shard_id}")
 
@@ -170,7 +191,7 @@ def _load_into(param: nn.Parameter, tensor: torch.Tensor, shard_id: object, name
 
 def _param_name(name: str, M: type) -> tuple[str, object]:
     """Checkpoint tensor name -> (model parameter name, shard id for its weight_loader)."""
-    if m := _EXPERT.match(name):
+    if m := getattr(M, "expert_pattern", _EXPERT).match(name):
         param, which = M.expert_params[m.group(3)]
         return f"{m.group(1)}.{param}{m.group(4) or ''}", (int(m.group(2)), which)
     for ckpt, (ours, shard) in M.stacked_params.items():

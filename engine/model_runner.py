@@ -19,6 +19,7 @@ from engine.kv_pool import KVPool, block_bytes
 from engine.layers.attention import AttentionMetadata
 from engine.layers.fp8 import quantize_fp8_block
 from engine.loader import load_weights
+from engine.models import model_class
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.parallel import SINGLE, ParallelContext
 from engine.step_plan import StepPlan, StepResult
@@ -85,8 +86,10 @@ def init_random_weights(model: DeepseekV3ForCausalLM, seed: int, std: float = 0.
                 s.copy_(si)
         elif name.endswith("norm.weight"):
             param.data.fill_(1.0)
-        elif name.endswith("e_score_correction_bias"):
+        elif name.endswith(("e_score_correction_bias", "gate.bias")):
             param.data.zero_()
+        elif name.endswith("tid2eid"):  # hash routing: a random expert table
+            param.data.random_(0, model.config.n_routed_experts, generator=gen)
         else:
             param.data.normal_(0.0, std, generator=gen)
 
@@ -133,14 +136,15 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         torch.manual_seed(config.seed)
+        M = model_class(model_config.architecture)
         # FP8 checkpoints keep their blocks only for the FP8 kernels; the reference path dequantizes at load
-        keep_fp8 = self.backend == "triton" and model_config.quant is not None
+        keep_fp8 = self.backend == "triton" and model_config.quant is not None and getattr(M, "fp8_kernels", True)
         built = model_config if keep_fp8 else dataclasses.replace(model_config, quant=None)
         default_dtype = torch.get_default_dtype()
         try:
             torch.set_default_dtype(self.dtype)
             with torch.device(self.device):
-                self.model = DeepseekV3ForCausalLM(built, max_position=max_model_len, par=par)
+                self.model = M(built, max_position=max_model_len, par=par)
         finally:
             torch.set_default_dtype(default_dtype)
         # the router's weights and bias stay in float32, as the checkpoints keep them
@@ -158,7 +162,7 @@ class ModelRunner:
             enable_kernels(self.model)
         self.kv_specs = self.model.kv_cache_specs(self.dtype)
         self.use_cuda_graphs = (self.backend == "triton" and self.device.type == "cuda"
-                                and not config.extra.get("enforce_eager", False))
+                                and getattr(M, "cuda_graphs", True) and not config.extra.get("enforce_eager", False))
         self.kv_pool: KVPool | None = None
         self.tables: BlockTables | None = None
         self.graphs: DecodeGraphs | None = None
@@ -262,7 +266,8 @@ class ModelRunner:
                 # every row lands in the scratch block (the scratch slot's table)
                 plan = StepPlan([scratch], [prefix], [n], 1, [0] * n, [n - 1])
                 self._run_eager(plan)  # what the graphs do not take
-        if self.backend == "triton":  # every slice count the decode attention may take
+        if self.backend == "triton" and isinstance(self.model, DeepseekV3ForCausalLM):
+            # every slice count the decode attention may take
             attn = self.model.attention_layers()[0]
             cache, dev = attn.kv_cache, attn.kv_cache.device
             q = torch.zeros(1, attn.num_heads, attn.kv_lora_rank, dtype=cache.dtype, device=dev)

@@ -83,8 +83,10 @@ class FusedExperts(nn.Module):
     use_kernels = False
 
     def __init__(self, num_experts: int, hidden: int, inter: int, quant: QuantConfig | None = None,
-                 par: ParallelContext = SINGLE):
+                 par: ParallelContext = SINGLE, swiglu_limit: float | None = None):
         super().__init__()
+        # V4 clamps the pre-activations: silu(min(gate, l)) * clamp(up, -l, l); the kernels do not (yet)
+        self.swiglu_limit = swiglu_limit
         self.num_total_experts = num_experts
         num_experts = divide(num_experts, par.ep_size, "n_routed_experts")
         self.expert_offset = par.ep_rank * num_experts  # global id of this rank's first expert
@@ -161,7 +163,7 @@ class FusedExperts(nn.Module):
             held = (local >= 0) & (local < self.num_experts)
             topk_ids = torch.where(held, local, torch.zeros_like(local))
             topk_weights = topk_weights * held
-        if self.use_kernels:
+        if self.use_kernels and self.swiglu_limit is None:
             from engine.kernels.fused_moe import fused_experts
             from engine.kernels.moe_gemv import moe_gemv
 
@@ -186,6 +188,8 @@ class FusedExperts(nn.Module):
                 continue
             tok = token_of[start : start + n]
             gate, up = F.linear(qdq(x[tok]), w13[e]).to(x.dtype).chunk(2, dim=-1)
+            if self.swiglu_limit is not None:
+                gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
             y = F.linear(qdq(F.silu(gate) * up), w2[e]).to(x.dtype)
             out.index_add_(0, tok, y * weight_of[start : start + n, None].to(x.dtype))
             start += n

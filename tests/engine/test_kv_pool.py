@@ -19,14 +19,15 @@ def test_specs_lay_out_every_kind_in_raw_token_coordinates():
     specs = [KVCacheSpec("latent", 0, 576, torch.bfloat16),
              KVCacheSpec("window", 0, 512, torch.bfloat16, window=128),
              KVCacheSpec("compressed", 0, 512, torch.bfloat16, compress_ratio=4),
-             KVCacheSpec("compressor_state", 0, 1024, torch.float32, compress_ratio=64, has_block_state=True)]
+             KVCacheSpec("compressor_state", 0, 1024, torch.float32, has_block_state=True)]
     pool = KVPool(specs, num_blocks=10, block_size=64, device=torch.device("cpu"))
-    # one extra block: the scratch block; a 4x compressed kind holds 64 / 4 rows of a 64-token block
+    # one extra block: the scratch block; a 4x compressed kind holds 64 / 4 rows of a 64-token block, a
+    # block state one row
     assert [tuple(c.shape) for c in pool.caches] == [(11, 64, 576), (11, 64, 512), (11, 16, 512), (11, 1, 1024)]
     assert pool.scratch_block == 10
     assert pool.block_bytes == 64 * 576 * 2 + 64 * 512 * 2 + 16 * 512 * 2 + 1024 * 4
     with pytest.raises(ValueError, match="multiple of"):
-        KVPool(specs, 4, block_size=48, device=torch.device("cpu"))  # 48 tokens are not whole 64-token rows
+        KVPool(specs, 4, block_size=50, device=torch.device("cpu"))  # 50 tokens are not whole 4-token rows
     with pytest.raises(ValueError, match="unknown KV cache kind"):
         KVCacheSpec("values", 0, 8, torch.float32)
 

@@ -1,0 +1,418 @@
+"""DeepSeek-V4: hybrid compressed attention (sliding window + CSA / HCA), mHC residual streams, MoE with
+sqrt-softplus routing and hash-routed first layers.
+
+Module and parameter names are DeepSeek's (layers.N.attn.wq_a, layers.N.hc_attn_fn, ffn.experts.E.w1,
+embed, head); `checkpoint_name` maps the transformers 5 spellings of a saved checkpoint onto them.
+Shapes below for V4 Flash: hidden 4096, 64 heads of 512 (the last 64 rotary), q LoRA 1024, 8 output
+groups of LoRA 1024, 4 residual streams, 256 experts top-6 of width 2048 plus one shared.
+"""
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import DeepseekV4Config
+from engine.kv_pool import KVCacheSpec, KVPool
+from engine.layers.attention import AttentionMetadata, write_kv_cache
+from engine.layers.compressed_attention import (
+    WindowPooler,
+    attend,
+    entry_slots,
+    indexer_topk,
+    pooled,
+    rows_of,
+    token_slots,
+    window_mask,
+)
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    Linear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from engine.layers.moe import FusedExperts
+from engine.layers.rotary import rope_inv_freq
+from engine.loader import materialize
+from engine.parallel import SINGLE, ParallelContext, divide
+
+
+def _fp32(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """V4 keeps norm weights in float32 and applies them in float32, casting once at the end."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        return (self.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class Rope(nn.Module):
+    """Interleaved pairs (2i, 2i + 1) on the last `dim` features, rotated in float32; V4 does not scale
+    cos/sin by YaRN's mscale. inverse=True rotates by -theta (the attention output's rope part)."""
+
+    def __init__(self, dim: int, max_position: int, theta: float, scaling):
+        super().__init__()
+        inv_freq, _ = rope_inv_freq(dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)  # [max_position, dim // 2]
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """x: [N, ..., D], positions: [N]."""
+        cos, sin = self.cos_cache[positions], self.sin_cache[positions]
+        if inverse:
+            sin = -sin
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+        cos, sin = cos.view(shape), sin.view(shape)
+        rope = x[..., -self.dim:].float()
+        x1, x2 = rope[..., 0::2], rope[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        return torch.cat([x[..., : -self.dim], rotated.to(x.dtype)], dim=-1)
+
+
+class Compressor(nn.Module):
+    """Pools each closed window of `ratio` tokens into one entry: per channel a softmax over the window's
+    slots of wgate(x) + ape (position in the window) weighting wkv(x), then `norm` and RoPE at the window's
+    first position. With overlap (CSA) wkv/wgate give 2 * dim: entry w pools series A of window w-1
+    with series B of window w."""
+
+    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float, rotary: Rope):
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.dim, self.ratio = dim, ratio
+        self.wkv = Linear(hidden, width)
+        self.wgate = Linear(hidden, width)
+        self.ape = _fp32(ratio, width)
+        self.norm = RMSNorm(dim, eps)
+        self.pooler = WindowPooler(dim, ratio, overlap)
+        object.__setattr__(self, "rotary", rotary)  # shared with the layer, not a submodule of each
+
+    @property
+    def state_width(self) -> int:
+        return self.pooler.state_width
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor,
+                state: torch.Tensor, offset: int) -> None:
+        """Write the entries this step closes into `cache` and each touched block's open state into
+        state[:, 0, offset : offset + state_width]."""
+        bs, width = meta.block_size, self.state_width
+        c = self.wkv(x).float()
+        g = self.wgate(x).float() + self.ape[positions % self.ratio]
+        flat = cache.view(-1, self.dim)
+        for row in rows_of(meta):
+            n = row.num_cached
+            held = state[row.table[(n - 1) // bs], 0, offset: offset + width] if n else None
+            acc, first, states = self.pooler.run(c[row.start: row.end], g[row.start: row.end], n, held, bs)
+            if acc.shape[0]:
+                entries = self.norm(pooled(acc))
+                at = (first + torch.arange(acc.shape[0], device=x.device)) * self.ratio
+                entries = self.rotary(entries, at)
+                flat.index_copy_(0, entry_slots(row.table, first, acc.shape[0], self.ratio, bs), entries.to(flat.dtype))
+            for block, row_state in states:
+                state[row.table[block], 0, offset: offset + width] = row_state
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of CSA layers: its own compressor at index_head_dim (the keys), queries
+    from the q LoRA, per-head weights from the layer input."""
+
+    def __init__(self, cfg: DeepseekV4Config, rotary: Rope):
+        super().__init__()
+        self.num_heads, self.head_dim, self.top_k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
+        self.compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, cfg.csa_ratio, True, cfg.rms_norm_eps, rotary)
+        object.__setattr__(self, "rotary", rotary)
+
+    def queries(self, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (queries [T, h, c] after RoPE, head weights [T, h] float32)."""
+        q = self.rotary(self.wq_b(qr).view(qr.shape[0], self.num_heads, self.head_dim), positions)
+        return q, self.weights_proj(x).float() * self.num_heads**-0.5
+
+
+class Attention(nn.Module):
+    """Shared-KV multi-query attention (one K = V head of head_dim) over the window and the compressed
+    entries, a learned sink per head, and the grouped low-rank output projection."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int, ropes: dict[str, Rope], par: ParallelContext = SINGLE):
+        super().__init__()
+        self.layer, self.kind = layer, cfg.layer_kind(layer)
+        self.ratio = cfg.compress_ratios[layer]
+        self.num_heads = divide(cfg.num_attention_heads, par.tp_size, "num_attention_heads")
+        self.groups = divide(cfg.o_groups, par.tp_size, "o_groups")
+        self.head_dim, self.window, self.eps = cfg.head_dim, cfg.sliding_window, cfg.rms_norm_eps
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, cfg.num_attention_heads * cfg.head_dim, par=par)
+        self.wkv = Linear(cfg.hidden_size, cfg.head_dim)
+        self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)  # the kv norm
+        # block-diagonal: group j maps its heads' outputs [heads/g * head_dim] to o_lora_rank
+        self.wo_a = ColumnParallelLinear(cfg.num_attention_heads * cfg.head_dim // cfg.o_groups,
+                                         cfg.o_groups * cfg.o_lora_rank, par=par)
+        self.wo_b = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, par=par)
+        self.attn_sink = _fp32(self.num_heads)
+        rank, heads = par.tp_rank, self.num_heads
+        self.attn_sink.weight_loader = lambda p, t, _: p.data.copy_(materialize(t.narrow(0, rank * heads, heads)))
+        rotary = ropes["main" if self.kind == "window" else "compress"]
+        object.__setattr__(self, "rotary", rotary)
+        self.compressor = (Compressor(cfg.hidden_size, cfg.head_dim, self.ratio, self.kind == "csa", cfg.rms_norm_eps,
+                                      rotary) if self.kind != "window" else None)
+        self.indexer = Indexer(cfg, rotary) if self.kind == "csa" else None
+        self.window_cache: torch.Tensor | None = None  # bound by the model runner
+        self.compressed_cache: torch.Tensor | None = None
+        self.indexer_cache: torch.Tensor | None = None
+        self.state_cache: torch.Tensor | None = None
+
+    def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
+        specs = [KVCacheSpec("window", self.layer, self.head_dim, dtype, window=self.window)]
+        if self.compressor is not None:
+            specs.append(KVCacheSpec("compressed", self.layer, self.head_dim, dtype, compress_ratio=self.ratio))
+            state = self.compressor.state_width
+            if self.indexer is not None:
+                specs.append(KVCacheSpec("indexer_keys", self.layer, self.indexer.head_dim, dtype,
+                                         compress_ratio=self.ratio))
+                state += self.indexer.compressor.state_width
+            specs.append(KVCacheSpec("compressor_state", self.layer, state, torch.float32, has_block_state=True))
+        return specs
+
+    def bind(self, pool: KVPool) -> None:
+        self.window_cache = pool.cache(self.layer, "window")
+        if self.compressor is not None:
+            self.compressed_cache = pool.cache(self.layer, "compressed")
+            self.state_cache = pool.cache(self.layer, "compressor_state")
+        if self.indexer is not None:
+            self.indexer_cache = pool.cache(self.layer, "indexer_keys")
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens, dim = x.shape[0], self.head_dim
+        qr = self.q_norm(self.wq_a(x))
+        q = unweighted_rms_norm(self.wq_b(qr).view(num_tokens, self.num_heads, dim), self.eps)
+        q = self.rotary(q, positions)
+        kv = self.rotary(self.norm(self.wkv(x)), positions)  # [T, head_dim]
+        write_kv_cache(self.window_cache, kv, meta.slot_mapping)
+        if self.compressor is not None:
+            self.compressor(x, positions, meta, self.compressed_cache, self.state_cache, 0)
+        if self.indexer is not None:
+            self.indexer.compressor(x, positions, meta, self.indexer_cache, self.state_cache,
+                                    self.compressor.state_width)
+            iq, iw = self.indexer.queries(qr, x, positions)
+        bs = meta.block_size
+        out = torch.empty_like(q)
+        window = self.window_cache.view(-1, dim)
+        for row in rows_of(meta):
+            t = positions[row.start: row.end]
+            first = max(0, row.num_cached - self.window + 1)
+            keys = [window[token_slots(row.table, first, row.context_len, bs)]]
+            allowed = [window_mask(t, torch.arange(first, row.context_len, device=x.device), self.window)]
+            entries = row.context_len // self.ratio if self.ratio else 0
+            if entries:
+                slots = entry_slots(row.table, 0, entries, self.ratio, bs)
+                keys.append(self.compressed_cache.view(-1, dim)[slots])
+                visible = torch.arange(entries, device=x.device)[None, :] < ((t + 1) // self.ratio)[:, None]
+                if self.indexer is not None:
+                    ikeys = self.indexer_cache.view(-1, self.indexer.head_dim)[slots]
+                    visible = indexer_topk(iq[row.start: row.end], iw[row.start: row.end], ikeys, visible,
+                                           self.indexer.top_k, self.indexer.head_dim**-0.5)
+                allowed.append(visible)
+            out[row.start: row.end] = attend(q[row.start: row.end], torch.cat(keys), torch.cat(allowed, 1),
+                                             self.attn_sink, dim**-0.5)
+        out = self.rotary(out, positions, inverse=True)  # K = V carried RoPE into the output
+        grouped = out.view(num_tokens, self.groups, -1).transpose(0, 1)  # [g, T, heads/g * head_dim]
+        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, heads/g * head_dim]
+        o = torch.bmm(grouped, w.transpose(1, 2).to(grouped.dtype)).transpose(0, 1).flatten(1)
+        return self.wo_b(o)
+
+
+class Expert(nn.Module):
+    """SwiGLU with clamped pre-activations (the shared expert): w2(silu(min(w1 x, l)) * clamp(w3 x, -l, l))."""
+
+    def __init__(self, hidden: int, inter: int, limit: float, par: ParallelContext = SINGLE):
+        super().__init__()
+        self.limit = limit
+        self.w1 = ColumnParallelLinear(hidden, inter, par=par)
+        self.w3 = ColumnParallelLinear(hidden, inter, par=par)
+        self.w2 = RowParallelLinear(inter, hidden, par=par, reduce_results=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x).clamp(max=self.limit)
+        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
+        return self.w2(F.silu(gate) * up)
+
+
+class Gate(nn.Module):
+    """Scores s = sqrt(softplus(W x)) in float32; experts: top-k of s + bias, or (hash layers) a fixed
+    table by token id; weights s[picked], normalized, times routed_scaling_factor."""
+
+    def __init__(self, cfg: DeepseekV4Config, hashed: bool):
+        super().__init__()
+        self.top_k, self.scale, self.hashed = cfg.num_experts_per_tok, cfg.routed_scaling_factor, hashed
+        self.scoring_func = cfg.scoring_func
+        self.weight = _fp32(cfg.n_routed_experts, cfg.hidden_size)
+        if hashed:
+            self.tid2eid = nn.Parameter(torch.empty(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long),
+                                        requires_grad=False)
+        else:
+            self.bias = _fp32(cfg.n_routed_experts)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight)
+        if self.scoring_func == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        elif self.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(dim=-1)
+        if self.hashed:
+            ids = self.tid2eid[input_ids]
+        else:
+            ids = (scores + self.bias).topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, ids
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer: int, par: ParallelContext = SINGLE):
+        super().__init__()
+        self.par = par
+        self.gate = Gate(cfg, cfg.hash_layers[layer])
+        self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, None, par,
+                                    swiglu_limit=cfg.swiglu_limit)
+        self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                     cfg.swiglu_limit, par)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        return self.par.all_reduce(self.experts(x, weights, ids) + self.shared_experts(x))
+
+
+def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int,
+               iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC at one site: streams [T, n, hidden] -> (pre [T, n], post [T, n], comb [T, n, n]).
+
+    comb is projected onto the doubly stochastic matrices by Sinkhorn-Knopp (iters normalizations)."""
+    flat = unweighted_rms_norm(streams.flatten(1).float(), norm_eps)
+    mix = F.linear(flat, fn)  # [T, (2 + n) * n]
+    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+class Block(nn.Module):
+    """One layer over the residual streams [T, hc_mult, hidden]: at each site (attention, then MoE) the
+    streams collapse by `pre` into the sublayer's input; its output y spreads back by `post` and the
+    streams mix by `comb`: stream_k = post_k * y + sum_j comb[j, k] * stream_j."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int, ropes: dict[str, Rope], par: ParallelContext = SINGLE):
+        super().__init__()
+        n = cfg.hc_mult
+        self.hc = (n, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer, ropes, par)
+        self.ffn = MoE(cfg, layer, par)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", _fp32((2 + n) * n, n * cfg.hidden_size))
+            setattr(self, f"hc_{site}_base", _fp32((2 + n) * n))
+            setattr(self, f"hc_{site}_scale", _fp32(3))
+
+    def _site(self, h: torch.Tensor, site: str, sublayer) -> torch.Tensor:
+        fn, base, scale = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
+        pre, post, comb = hc_weights(h, fn, base, scale, *self.hc)
+        y = sublayer((pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype))
+        return post.to(h.dtype).unsqueeze(-1) * y.unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb.to(h.dtype), h)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, input_ids: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = self._site(h, "attn", lambda x: self.attn(positions, self.attn_norm(x), meta))
+        return self._site(h, "ffn", lambda x: self.ffn(self.ffn_norm(x), input_ids))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    # the routed experts' checkpoint tensors (ffn.experts.E.w1/w3/w2) -> FusedExperts' stacks
+    expert_pattern = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight()$")
+    expert_params = {"w1": ("w13", "w1"), "w3": ("w13", "w3"), "w2": ("w2", "w2")}
+    stacked_params: dict = {}
+    # the reference path for now: its per-sequence loops read host lists (no CUDA graphs), and FP8 / FP4
+    # weights are dequantized at load
+    cuda_graphs = False
+    fp8_kernels = False
+
+    def __init__(self, cfg: DeepseekV4Config, max_position: int, par: ParallelContext = SINGLE):
+        super().__init__()
+        self.config, self.par = cfg, par
+        rope_dim = cfg.qk_rope_head_dim
+        self.ropes = nn.ModuleDict({
+            "main": Rope(rope_dim, max_position, cfg.rope_theta, None),
+            "compress": Rope(rope_dim, max_position, cfg.compress_rope_theta, cfg.compress_rope_scaling),
+        })
+        if par.tp_size == 1:
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed.weight.requires_grad_(False)
+            self.head = Linear(cfg.hidden_size, cfg.vocab_size)
+        else:
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, par)
+            self.head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, par)
+        self.layers = nn.ModuleList(Block(cfg, i, self.ropes, par) for i in range(cfg.num_hidden_layers))
+        n = cfg.hc_mult
+        self.hc_head_fn = _fp32(n, n * cfg.hidden_size)
+        self.hc_head_base = _fp32(n)
+        self.hc_head_scale = _fp32(1)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """A checkpoint tensor's name as this model spells it; None for tensors it does not use (the
+        MTP block `mtp.*`: speculative decoding loads it apart)."""
+        name = name.removeprefix("model.")
+        if name.startswith("mtp."):
+            return None
+        name = re.sub(r"^embed_tokens\.", "embed.", name)
+        name = re.sub(r"^lm_head\.", "head.", name)
+        return re.sub(r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1", name)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden] (after the streams' collapse and norm)."""
+        x = self.embed(input_ids)
+        h = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, hc_mult, hidden]
+        for layer in self.layers:
+            h = layer(positions, h, input_ids, meta)
+        flat = unweighted_rms_norm(h.flatten(1).float(), self.config.rms_norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_head_fn) * self.hc_head_scale + self.hc_head_base) + self.config.hc_eps
+        return self.norm((pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.attn for layer in self.layers]
+
+    def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
+        """Per layer: the window (every token, K = V), and in compressed layers the entries, the indexer's
+        keys (CSA) and the compressors' open state (float32, a row per block)."""
+        return [spec for attn in self.attention_layers() for spec in attn.kv_cache_specs(dtype)]
+
+    def bind_kv_caches(self, pool: KVPool) -> None:
+        for attn in self.attention_layers():
+            attn.bind(pool)

@@ -1,0 +1,131 @@
+"""DeepSeek-V4 against HF transformers 5.24's DeepseekV4ForCausalLM on tiny random checkpoints (float32, CPU).
+
+The tiny model (hf_oracle_v4.BASE) has a sliding-window-only layer, an HCA layer pooling 8 tokens and
+two CSA layers pooling overlapping windows of 4 through the indexer (top-3), the first layer
+hash-routed; prompts of 40-100 tokens span many windows of each. HF runs one unpadded sequence at a
+time (V4 changes with left padding by design).
+"""
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.config import ModelConfig, required_block_size
+from tests.engine import test_hf_parity
+from tests.engine.hf_oracle import hf_greedy, hf_logits, prompts, save_hf_checkpoint
+from tests.engine.hf_oracle_v4 import VOCAB, build_v4_model, quantize_v4_checkpoint
+
+NEW_TOKENS = test_hf_parity.NEW_TOKENS
+GREEDY = test_hf_parity.GREEDY
+
+
+def check_parity(hf, path, batch, **engine_args):
+    """Prompt logits within 1e-4, 32 identical greedy tokens (tests/engine/test_hf_parity.py)."""
+    return test_hf_parity.check_parity(hf, path, batch, show_progress=False, **engine_args)
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    hf = build_v4_model(seed=1)
+    return hf, save_hf_checkpoint(hf, tmp_path_factory.mktemp("v4") / "ckpt")
+
+
+def test_config_reads_both_spellings(v4):
+    _, path = v4
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.compress_ratios == (0, 8, 4, 4) and cfg.csa_ratio == 4
+    assert [cfg.layer_kind(i) for i in range(4)] == ["window", "hca", "csa", "csa"]
+    assert cfg.hash_layers == (True, False, False, False)
+    assert cfg.compress_rope_scaling.attention_factor == 1.0  # V4 does not scale cos/sin
+    # DeepSeek's own config.json: a ratio per layer, the hash layers by count, flat YaRN
+    published = ModelConfig.from_hf({
+        "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 129280, "hidden_size": 4096,
+        "num_hidden_layers": 4, "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64,
+        "q_lora_rank": 1024, "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 6,
+        "compress_ratios": [0, 0, 4, 128], "num_hash_layers": 3, "compress_rope_theta": 160000,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32, "beta_slow": 1},
+    })
+    assert [published.layer_kind(i) for i in range(4)] == ["window", "window", "csa", "hca"]
+    assert published.hash_layers == (True, True, True, False)
+    assert published.compress_rope_theta == 160000 and published.compress_rope_scaling.factor == 16
+    assert required_block_size(published, 16) == 128  # a page holds whole windows of every kind
+
+
+def test_prompts_longer_than_many_windows_match_hf(v4):
+    hf, path = v4
+    check_parity(hf, path, prompts(0, [5, 17, 40, 70, 100], VOCAB))
+
+
+@pytest.mark.parametrize("budget", [5, 7])
+def test_chunked_prefill_across_window_boundaries_matches_hf(v4, budget):
+    hf, path = v4
+    # chunks of 5 or 7 tokens start and end inside CSA (4) and HCA (8) windows: each resumes the open
+    # pooling state its block carries
+    check_parity(hf, path, prompts(1, [45, 30, 61], VOCAB), max_num_batched_tokens=budget, block_size=8)
+
+
+def test_preemption_matches_hf(v4):
+    hf, path = v4
+    batch = prompts(2, [40, 36, 44, 30], VOCAB)
+    # 20 blocks of 8 tokens hold ~2 of these sequences at full length: the rest get preempted
+    llm = check_parity(hf, path, batch, num_kv_blocks=20, block_size=8, enable_prefix_caching=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_a_cached_prefix_resumes_the_compressors_state(v4):
+    """Turn 2 over turn 1's cached blocks equals a fresh prefill: the prefix ends where a CSA window's
+    series A (the next entry's first half) is open in the last cached block's state row."""
+    hf, path = v4
+    llm = LLM(str(path), dtype="float32", device="cpu", show_progress=False, block_size=8)
+    turn1 = prompts(3, [43], VOCAB)[0]
+    first = llm.generate([turn1], GREEDY)[0]
+    turn2 = turn1 + first.token_ids + prompts(4, [13], VOCAB)[0]
+    again = llm.generate([turn2], GREEDY)[0]
+    assert again.num_cached_tokens >= 64  # whole blocks of turn 1 (8 tokens each)
+    assert again.token_ids == hf_greedy(hf, turn2, NEW_TOKENS)
+    ours = llm.score([turn2])[0]  # scored over the cached prefix too
+    assert (ours - hf_logits(hf, turn2)).abs().max().item() <= 1e-4
+
+
+def test_fp8_blocks_and_mxfp4_experts_match_hf_on_dequantized_weights(tmp_path):
+    hf = build_v4_model(seed=5)
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    quantize_v4_checkpoint(hf, path, (16, 16))  # the oracle runs the same values, dequantized
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes["model.layers.1.attn.wq_b.weight"] == "F8_E4M3"
+    assert dtypes["model.layers.1.attn.wq_b.scale"] == "F8_E8M0"
+    assert dtypes["model.layers.1.ffn.experts.0.w1.weight"] == "I8"
+    check_parity(hf, path, prompts(5, [33, 60], VOCAB))
+
+
+def test_sharded_checkpoint_matches_hf(tmp_path):
+    hf = build_v4_model(seed=6)
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt", max_shard_size="60KB")
+    assert len(list(path.glob("*.safetensors"))) > 3
+    check_parity(hf, path, prompts(6, [25, 50], VOCAB))
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2,
+                                                                          enable_expert_parallel=True)],
+                         ids=["tp2", "tp2+ep"])
+def test_two_ranks_match_hf(v4, parallel):
+    hf, path = v4
+    check_parity(hf, path, prompts(7, [38, 20, 57], VOCAB), max_num_batched_tokens=16, **parallel)
+
+
+def test_random_weights_run(tmp_path):
+    """No checkpoint (benchmarks): random weights, a random hash table."""
+    hf = build_v4_model(seed=8)
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+
+    runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=8),
+                         ModelConfig.from_dir(path), None, 128)
+    tid2eid = runner.model.layers[0].ffn.gate.tid2eid
+    assert tid2eid.min() >= 0 and tid2eid.max() < 4 and tid2eid.unique().numel() > 1
+    assert torch.isfinite(runner.model.hc_head_fn).all()
