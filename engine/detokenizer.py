@@ -26,8 +26,18 @@ class IncrementalDetokenizer:
         prefix = decode(self.ids[self.prefix_offset : self.read_offset])
         full = decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self.text += delta
-            return delta
+            return self._emit(full[len(prefix) :])
         return ""
+
+    def flush(self) -> str:
+        """At the end of the output: what is still held back (a character left partial decodes as U+FFFD)."""
+        if self.read_offset == len(self.ids):
+            return ""
+        decode = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
+        return self._emit(decode(self.ids[self.prefix_offset :])[len(prefix) :])
+
+    def _emit(self, delta: str) -> str:
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta

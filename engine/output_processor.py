@@ -47,6 +47,7 @@ class OutputProcessor:
             state.logprobs.append(logprobs)
         num_out = len(seq.output_token_ids)
         if num_out > p.min_tokens and ((not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids):
+            state.text += state.detokenizer.flush()  # the stop token itself is not text
             return "stop"
         delta = state.detokenizer.add(token)
         if delta:
@@ -54,6 +55,7 @@ class OutputProcessor:
             if p.stop and num_out > p.min_tokens and self._trim_at_stop_string(state, p, len(delta)):
                 return "stop"
         if (p.max_tokens is not None and num_out >= p.max_tokens) or seq.num_tokens >= max_model_len:
+            state.text += state.detokenizer.flush()
             return "length"
         return None
 

@@ -69,3 +69,14 @@ def test_incremental_detokenization_never_emits_half_a_character(ours, text):
     deltas = [detok.add(t) for t in ids]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == ours.decode(ids) == text
+
+
+def test_an_output_cut_inside_a_character_still_ends_with_all_its_tokens(ours):
+    """max_tokens may end an output inside a multi-byte character: the last delta is what the held
+    bytes decode to (U+FFFD), not nothing, so the text covers every token, as a full decode does."""
+    ids = ours.encode("🦙🦙 emoji 𝔘𝔫𝔦", add_bos=False)  # several tokens per character
+    for cut in range(1, len(ids) + 1):
+        detok = IncrementalDetokenizer(ours, prompt_ids=[0])
+        text = "".join(detok.add(t) for t in ids[:cut]) + detok.flush()
+        assert text == ours.decode(ids[:cut])
+        assert detok.flush() == ""
