@@ -6,6 +6,7 @@ that the blocks were not reused meanwhile); pulls run on a small pool and are in
 loop. Every failure on the pull path ends in recomputation, never in an error for the request.
 """
 
+import itertools
 import logging
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -105,7 +106,15 @@ class KVConnector:
         self.transfer_rate = RateEstimate(prior=1e9)  # bytes/s
         self.prefill_rate = RateEstimate(prior=5e3)  # tokens/s
         self.block_bytes = sum(c[0].numel() * c.element_size() for c in kv_caches)
-        layout = BlockLayout((len(kv_caches), *kv_caches[0].shape[1:]), kv_caches[0].dtype)
+        # V3: one latent cache per layer, alike: a block is [layers, block_size, dim] on the wire. Caches of
+        # several kinds (V4's window, entries, indexer keys, float32 state) travel as each block's bytes,
+        # cache after cache, over TCP (the RDMA reads address alike per-layer rows)
+        self.uniform = all(c.shape == kv_caches[0].shape and c.dtype == kv_caches[0].dtype for c in kv_caches)
+        if self.uniform:
+            layout = BlockLayout((len(kv_caches), *kv_caches[0].shape[1:]), kv_caches[0].dtype)
+        else:
+            layout = BlockLayout((self.block_bytes,), torch.uint8)
+        self.byte_rows = [c.view(c.shape[0], -1).view(torch.uint8) for c in kv_caches]  # [blocks, row bytes]
         self.auth = PeerAuth(config.secret)
         if not self.auth.enabled:
             logger.warning("KV transfer without a fleet secret (--kv-secret-file): any peer that reaches port %d "
@@ -113,7 +122,7 @@ class KVConnector:
         bind = config.transfer_host or config.advertise_host  # the pod IP, never every interface by default
         self.server = KVTransferServer(bind, config.transfer_port, model_key, layout, self._gather, auth=self.auth)
         served = ServedCache(kv_caches, block_manager.lookup_cached, self._served, config.advertise_host,
-                             self.server.port, bind, self.auth)
+                             self.server.port, bind, self.auth) if self.uniform else None
         self.transport, transport_name = select_transport(config.transport, model_key, config.timeout, self.stats,
                                                           served, streams=config.transfer_streams, auth=self.auth,
                                                           layout=layout)
@@ -159,8 +168,12 @@ class KVConnector:
         rows = out[: len(held)]
         # one block's rows of every layer, contiguous per block; on a GPU gathered there, then one copy
         staged = rows if device == rows.device else torch.empty(rows.shape, dtype=rows.dtype, device=device)
-        for layer, cache in enumerate(self.kv_caches):
-            torch.index_select(cache, 0, ids, out=staged[:, layer])
+        if self.uniform:
+            for layer, cache in enumerate(self.kv_caches):
+                torch.index_select(cache, 0, ids, out=staged[:, layer])
+        else:
+            for (start, end), cache in zip(self._byte_ranges(), self.byte_rows):
+                staged[:, start:end] = cache.index_select(0, ids)
         if staged is not rows:
             rows.copy_(staged)
         valid = self.bm.still_valid(held)
@@ -229,9 +242,15 @@ class KVConnector:
         finally:
             pulled.release()  # the transport reuses its buffer
 
+    def _byte_ranges(self) -> list[tuple[int, int]]:
+        """Where each cache's row lies in a block's bytes (caches of several kinds)."""
+        ends = list(itertools.accumulate(r.shape[1] for r in self.byte_rows))
+        return list(zip([0, *ends[:-1]], ends))
+
     def _install(self, pulled: PulledBlocks, hashes: list[bytes], token_ids: list[list[int]]) -> list[int]:
         k = pulled.data.shape[0]
-        if tuple(pulled.data.shape[1:]) != (len(self.kv_caches), *self.kv_caches[0].shape[1:]):
+        expected = ((len(self.kv_caches), *self.kv_caches[0].shape[1:]) if self.uniform else (self.block_bytes,))
+        if tuple(pulled.data.shape[1:]) != expected:
             self.stats.fallback("shape_mismatch")
             return []
         ids = self.bm.install(hashes[:k], token_ids[:k])
@@ -241,8 +260,12 @@ class KVConnector:
         dev = self.kv_caches[0].device
         index = torch.tensor(ids, device=dev)
         data = pulled.data.to(dev, non_blocking=True)
-        for layer, cache in enumerate(self.kv_caches):
-            cache.index_copy_(0, index, data[:, layer].to(cache.dtype))
+        if self.uniform:
+            for layer, cache in enumerate(self.kv_caches):
+                cache.index_copy_(0, index, data[:, layer].to(cache.dtype))
+        else:
+            for (start, end), cache in zip(self._byte_ranges(), self.byte_rows):
+                cache.index_copy_(0, index, data[:, start:end].contiguous())
         self.bm.announce(hashes[:k])
         return ids
 

@@ -129,3 +129,53 @@ def test_random_weights_run(tmp_path):
     tid2eid = runner.model.layers[0].ffn.gate.tid2eid
     assert tid2eid.min() >= 0 and tid2eid.max() < 4 and tid2eid.unique().numel() > 1
     assert torch.isfinite(runner.model.hc_head_fn).all()
+
+
+def test_a_prefix_pulled_from_another_replica_matches_hf(v4, redis_server):
+    """Turn 2 lands on replica b: every cache kind of turn 1's blocks (window rows, entries, indexer keys,
+    open pooling state) comes over TCP from replica a, and b continues exactly as HF does."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from tests.engine.test_kv_reuse import run, wait_published
+
+    hf, path = v4
+    args = dict(model=str(path), dtype="float32", device="cpu", block_size=8, kv_directory=redis_server.url,
+                kv_transfer_port=0, kv_pull_policy="always", kv_min_prefix_tokens=8, show_progress=False)
+    a = LLMEngine(EngineConfig(replica_id="a", **args))
+    b = LLMEngine(EngineConfig(replica_id="b", **args))
+    try:
+        turn1 = prompts(9, [51], VOCAB)[0]
+        run(a, "t1", turn1)
+        wait_published(a, redis_server, 6)
+        turn2 = turn1 + prompts(10, [9], VOCAB)[0]
+        second = run(b, "t2", turn2)
+        assert second.num_remote_cached_tokens == 48 and b.kv.stats.pulls == 1
+        assert second.token_ids == hf_greedy(hf, turn2, len(second.token_ids))
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_serve_a_v4_checkpoint_over_the_openai_api(v4, tmp_path):
+    """`deepseek-engine serve --model <V4 dir>`: the official client, streamed and not, greedy as HF."""
+    from openai import OpenAI
+
+    from engine.tokenizer import Tokenizer
+    from tests.engine.conftest_server import MODEL_NAME, ServerProcess
+
+    hf, path = v4
+    server = ServerProcess(path, tmp_path / "serve.log").wait_ready()
+    try:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        ids = prompts(11, [37], VOCAB)[0]
+        out = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=12, temperature=0.0,
+                                        extra_body={"ignore_eos": True})
+        text = out.choices[0].text
+        assert out.usage.completion_tokens == 12
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=MODEL_NAME, prompt=ids, max_tokens=12, temperature=0.0, stream=True,
+            extra_body={"ignore_eos": True}))
+        assert streamed == text
+        assert text == Tokenizer(path).decode(hf_greedy(hf, ids, 12))
+    finally:
+        server.stop()
