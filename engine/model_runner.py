@@ -285,6 +285,8 @@ class ModelRunner:
     def takes_graph(self, plan: StepPlan) -> bool:
         """Rank 0 decides, the plan carries it: a step of at most the largest graph's rows, unless it
         scores a prompt (every position's logits)."""
+        if not getattr(self.model, "graph_prefill_rows", True) and plan.num_prefills:
+            return False  # the model's graphs take decode rows only
         return self.graphs is not None and plan.num_tokens <= self.graphs.max_batch and not plan.collect_logits
 
     def _prepare(self, plan: StepPlan, inputs: torch.Tensor | None = None

@@ -16,7 +16,7 @@ from engine.kernels.moe_routing import align_by_expert
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # varies with the batch: one compiled variant
-def _moe_gemm_kernel(A, AS, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded, N, K, num_pairs, top_k,
+def _moe_gemm_kernel(A, AS, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded, N, K, num_pairs, top_k, limit,
                      stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
                      GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_BY_TOKEN: tl.constexpr, USE_FP8: tl.constexpr,
                      GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -55,8 +55,9 @@ def _moe_gemm_kernel(A, AS, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded
             a_ptr += BLOCK_K
             b_ptr += BLOCK_K
             up_ptr += BLOCK_K
-        if GATED:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if GATED:  # V4 clamps both pre-activations (limit inf: none)
+            acc = tl.minimum(acc, limit)
+            acc = acc / (1.0 + tl.exp(-acc)) * tl.maximum(tl.minimum(acc_up, limit), -limit)
         if MUL_WEIGHT:
             acc = acc * tl.load(Weights + ids, mask=mask_m, other=0.0)[:, None]
         c_ptr = C + ids[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
@@ -74,14 +75,15 @@ def _config(pairs_per_expert: float, on_gpu: bool, gated: bool, block_k: int | N
     return 128, 64 if gated else 128, block_k or 64, 8, 3
 
 
-def _launch(a, a_scale, w, w_scale, out, weights, align, num_pairs, top_k, gated, by_token, cfg, block):
+def _launch(a, a_scale, w, w_scale, out, weights, align, num_pairs, top_k, gated, by_token, cfg, block,
+            limit: float = float("inf")):
     sorted_ids, block_expert, num_padded = align
     bm, bn, bk, warps, stages = cfg
     n = w.shape[1] // 2 if gated else w.shape[1]
     fp8 = w_scale is not None
     grid = (sorted_ids.shape[0] // bm, triton.cdiv(n, bn))
     _moe_gemm_kernel[grid](a, a_scale if fp8 else a, w, w_scale if fp8 else w, out, weights, sorted_ids,
-                           block_expert, num_padded, n, w.shape[2], num_pairs, top_k, a.stride(0),
+                           block_expert, num_padded, n, w.shape[2], num_pairs, top_k, limit, a.stride(0),
                            a_scale.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
                            w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, out.stride(0),
                            GATED=gated, MUL_WEIGHT=not gated, A_BY_TOKEN=by_token, USE_FP8=fp8,
@@ -92,10 +94,11 @@ def _launch(a, a_scale, w, w_scale, out, weights, align, num_pairs, top_k, gated
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                  block: tuple[int, int] | None = None) -> torch.Tensor:
+                  block: tuple[int, int] | None = None, swiglu_limit: float | None = None) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; topk_weights [T, k] float32;
     topk_ids [T, k] int -> [T, H] = sum_k weight * w2_e(SiLU(gate_e x) * up_e x). FP8 weights need their
-    scales ([E, ceil(2I / bn), ceil(H / bk)] and [E, ceil(H / bn), ceil(I / bk)]) and block."""
+    scales ([E, ceil(2I / bn), ceil(H / bk)] and [E, ceil(H / bn), ceil(I / bk)]) and block.
+    `swiglu_limit` l: SiLU(min(gate, l)) * clamp(up, -l, l) (DeepSeek-V4)."""
     check_float("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] contiguous, got {tuple(x.shape)}")
     num_tokens, hidden = x.shape
@@ -129,21 +132,23 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     align = align_by_expert(topk_ids, num_experts, cfg13[0])
     inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     a, a_s = per_token_group_quant(x, block[1]) if fp8 else (x, None)
-    _launch(a, a_s, w13, w13_scale, inter_out, topk_weights, align, num_pairs, top_k, True, True, cfg13, block)
+    _launch(a, a_s, w13, w13_scale, inter_out, topk_weights, align, num_pairs, top_k, True, True, cfg13, block,
+            float("inf") if swiglu_limit is None else float(swiglu_limit))
     a, a_s = per_token_group_quant(inter_out, block[1]) if fp8 else (inter_out, None)
     pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _launch(a, a_s, w2, w2_scale, pair_out, topk_weights, align, num_pairs, top_k, False, False, cfg2, block)
     return pair_out.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
-def reference_fused_experts(x, w13, w2, topk_weights, topk_ids):
+def reference_fused_experts(x, w13, w2, topk_weights, topk_ids, swiglu_limit: float | None = None):
     """Loop over (token, k) in float32 with dequantized weights."""
+    lim = float("inf") if swiglu_limit is None else swiglu_limit
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     inter = w2.shape[2]
     for t in range(x.shape[0]):
         for k in range(topk_ids.shape[1]):
             e = int(topk_ids[t, k])
             h = w13[e].float() @ x[t].float()
-            y = w2[e].float() @ (torch.nn.functional.silu(h[:inter]) * h[inter:])
+            y = w2[e].float() @ (torch.nn.functional.silu(h[:inter].clamp(max=lim)) * h[inter:].clamp(-lim, lim))
             out[t] += topk_weights[t, k] * y
     return out.to(x.dtype)

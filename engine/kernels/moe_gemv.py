@@ -60,7 +60,7 @@ def _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn, stride_
 
 
 @triton.jit
-def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, stride_xm, stride_we, stride_wn,
+def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, limit, stride_xm, stride_we, stride_wn,
                stride_wse, stride_wsn, stride_sn, stride_ssn, stride_am,
                USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
                PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -96,8 +96,9 @@ def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, strid
             a = a * tl.load(gate_scales + k0 // GROUP_K + offs_g, mask=mask_g, other=0.0)[:, None]
         acc += g * a[None, :, :]
         acc_up += u * a_up[None, :, :]
-    gate = tl.sum(tl.sum(acc, axis=2), axis=1)
-    out = gate / (1.0 + tl.exp(-gate)) * tl.sum(tl.sum(acc_up, axis=2), axis=1)
+    gate = tl.minimum(tl.sum(tl.sum(acc, axis=2), axis=1), limit)  # V4 clamps both pre-activations
+    up = tl.maximum(tl.minimum(tl.sum(tl.sum(acc_up, axis=2), axis=1), limit), -limit)
+    out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(Act + pair * stride_am + offs_n, out.to(Act.dtype.element_ty), mask=mask_n)
 
 
@@ -138,10 +139,11 @@ def _sum_kernel(Partial, Out, N, slots, stride_pm, stride_om, BLOCK_N: tl.conste
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
              block: tuple[int, int] | None = None, shared: SharedExperts | None = None,
-             config: tuple[int, int, int] | None = None) -> torch.Tensor:
+             config: tuple[int, int, int] | None = None, swiglu_limit: float | None = None) -> torch.Tensor:
     """`fused_moe.fused_experts`'s contract, plus the shared experts' output when `shared` is given;
     meant for T * top_k up to a few dozen pairs. `config`: (BLOCK_N, K groups per step, num_warps); a
-    K group is 128 columns for bf16 weights and the scale block's width for FP8 ones."""
+    K group is 128 columns for bf16 weights and the scale block's width for FP8 ones. `swiglu_limit` l:
+    SiLU(min(gate, l)) * clamp(up, -l, l) (DeepSeek-V4)."""
     check_float("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] contiguous, got {tuple(x.shape)}")
     num_tokens, hidden = x.shape
@@ -188,6 +190,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
                   PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n, num_warps=warps)
     _up_kernel[(num_tokens * slots, triton.cdiv(inter, block_n))](
         x, w13, s13, sw13, ss13, act, ids, inter, hidden, top_k, slots, sw13.shape[0] // 2,
+        float("inf") if swiglu_limit is None else float(swiglu_limit),
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
         sw13.stride(0), ss13.stride(0) if fp8 else 0, act.stride(0), **common)
     _down_kernel[(num_tokens * slots, triton.cdiv(hidden, block_n))](

@@ -179,3 +179,73 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vis
     picks = scores.topk(min(top_k, keys.shape[0]), dim=-1).indices
     chosen = torch.zeros_like(visible).scatter_(1, picks, True)
     return chosen & visible
+
+
+# -- decode steps without host lists (one token per row, each row its own sequence) ------------------
+# Every shape is fixed by the batch and max_model_len, nothing is read back to the host: a CUDA graph
+# captures the step. Entries are gathered up to the most a sequence of max_model_len tokens has
+# (max_entries) and masked, so the work follows max_model_len, not each sequence's length.
+
+
+def empty_state(width: int, d: int, device: torch.device) -> torch.Tensor:
+    """A flat state row of empty accumulators: per [3, d] block max -inf, sums 0."""
+    row = torch.zeros(width, dtype=torch.float32, device=device).view(-1, 3, d)
+    row[:, 0] = NEG_INF
+    return row.flatten()
+
+
+def _one_slot(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """The accumulator of a single slot: [B, 3, d] = (g, 1, c)."""
+    return torch.stack([g, torch.ones_like(g), c], 1)
+
+
+def decode_pool(pooler: WindowPooler, c: torch.Tensor, g: torch.Tensor, t: torch.Tensor, held: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token per row into its open window: c, g [B, width], t [B] positions, held [B, state_width]
+    (the state before t) -> (the open entry's accumulator [B, 3, d], whether t closes its window [B],
+    the state after t [B, state_width]), as WindowPooler.run computes them for one token."""
+    d, m = pooler.d, pooler.ratio
+    b = c.shape[0]
+    cur_in = held[:, : 3 * d].view(b, 3, d)
+    closing = (t + 1) % m == 0
+    empty = empty_state(3 * d, d, c.device).view(1, 3, d).expand(b, 3, d)
+    if pooler.overlap:
+        nxt_in = held[:, 3 * d:].view(b, 3, d)
+        cur = merge(cur_in, _one_slot(g[:, d:], c[:, d:]))
+        a_total = merge(nxt_in, _one_slot(g[:, :d], c[:, :d]))
+        after = torch.where(closing[:, None, None, None], torch.stack([a_total, empty], 1), torch.stack([cur, a_total], 1))
+    else:
+        cur = merge(cur_in, _one_slot(g, c))
+        after = torch.where(closing[:, None, None], empty, cur)[:, None]
+    return cur, closing, after.flatten(1)
+
+
+def table_slots(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """tables [B, width] (int64), pos [B, n] raw-token positions -> flat token rows [B, n]."""
+    blk = tables.gather(1, (pos // block_size).clamp(max=tables.shape[1] - 1))
+    return blk * block_size + pos % block_size
+
+
+def table_entry_slots(tables: torch.Tensor, w: torch.Tensor, ratio: int, block_size: int) -> torch.Tensor:
+    """tables [B, width], w [B, n] entry indices -> flat rows [B, n] of a cache compressed `ratio` times."""
+    per_block = block_size // ratio
+    blk = tables.gather(1, (w * ratio // block_size).clamp(max=tables.shape[1] - 1))
+    return blk * per_block + w % per_block
+
+
+def decode_attend(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """q [B, H, D], keys [B, k, D] (K = V), allowed [B, k] -> [B, H, D]; the sink as in `attend`."""
+    logits = torch.einsum("bhd,bkd->bhk", q.float(), keys.float()) * scale
+    logits = logits.masked_fill(~allowed[:, None, :], NEG_INF)
+    sink = sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
+    probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("bhk,bkd->bhd", probs, keys.float()).to(q.dtype)
+
+
+def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                        top_k: int, scale: float) -> torch.Tensor:
+    """Batched `indexer_topk` over padded entries: q [B, h, c], weights [B, h], keys [B, n, c], visible
+    [B, n] -> the picked entries [B, min(top_k, n)] (picks of invisible entries are masked by the caller)."""
+    scores = (F.relu(torch.einsum("bhc,bnc->bhn", q.float(), keys.float())) * scale * weights.float()[..., None]).sum(1)
+    return scores.masked_fill(~visible, NEG_INF).topk(min(top_k, keys.shape[1]), dim=-1).indices

@@ -85,7 +85,7 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, inter: int, quant: QuantConfig | None = None,
                  par: ParallelContext = SINGLE, swiglu_limit: float | None = None):
         super().__init__()
-        # V4 clamps the pre-activations: silu(min(gate, l)) * clamp(up, -l, l); the kernels do not (yet)
+        # V4 clamps the pre-activations: silu(min(gate, l)) * clamp(up, -l, l)
         self.swiglu_limit = swiglu_limit
         self.num_total_experts = num_experts
         num_experts = divide(num_experts, par.ep_size, "n_routed_experts")
@@ -163,16 +163,18 @@ class FusedExperts(nn.Module):
             held = (local >= 0) & (local < self.num_experts)
             topk_ids = torch.where(held, local, torch.zeros_like(local))
             topk_weights = topk_weights * held
-        if self.use_kernels and self.swiglu_limit is None:
+        if self.use_kernels:
             from engine.kernels.fused_moe import fused_experts
             from engine.kernels.moe_gemv import moe_gemv
 
             scales = (self.w13_scale_inv, self.w2_scale_inv) if self.block is not None else (None, None)
             if self.takes_gemv(topk_ids):
-                return moe_gemv(x, self.w13, self.w2, topk_weights, topk_ids, *scales, block=self.block, shared=shared)
+                return moe_gemv(x, self.w13, self.w2, topk_weights, topk_ids, *scales, block=self.block, shared=shared,
+                                swiglu_limit=self.swiglu_limit)
             if shared is not None:
                 raise ValueError("shared experts fold into the GEMV path only")
-            return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, *scales, block=self.block)
+            return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, *scales, block=self.block,
+                                 swiglu_limit=self.swiglu_limit)
         w13, w2 = (self.w13, self.w2) if self.block is None else self.dequantized()
         # FP8 experts: activations go through FP8 per token group too, as in the kernels
         qdq = (lambda a: a) if self.block is None else (lambda a: quantize_activations_reference(a, self.block[1]))

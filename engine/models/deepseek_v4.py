@@ -19,10 +19,16 @@ from engine.layers.attention import AttentionMetadata, write_kv_cache
 from engine.layers.compressed_attention import (
     WindowPooler,
     attend,
+    decode_attend,
+    decode_indexer_topk,
+    decode_pool,
+    empty_state,
     entry_slots,
     indexer_topk,
     pooled,
     rows_of,
+    table_entry_slots,
+    table_slots,
     token_slots,
     window_mask,
 )
@@ -127,6 +133,26 @@ class Compressor(nn.Module):
                 state[row.table[block], 0, offset: offset + width] = row_state
 
 
+    def decode(self, x: torch.Tensor, t: torch.Tensor, tables: torch.Tensor, block_size: int, cache: torch.Tensor,
+               state: torch.Tensor, offset: int) -> None:
+        """`forward` for a decode step (a token per row), without host lists: an entry closed by a row's
+        token is written, the others go to the scratch block's rows."""
+        width, m = self.state_width, self.ratio
+        c = self.wkv(x).float()
+        g = self.wgate(x).float() + self.ape[t % m]
+        before = tables.gather(1, ((t - 1).clamp(min=0) // block_size)[:, None])
+        held = torch.where((t > 0)[:, None], state[before[:, 0], 0, offset: offset + width],
+                           empty_state(width, self.dim, x.device))
+        cur, closing, after = decode_pool(self.pooler, c, g, t, held)
+        entries = self.rotary(self.norm(pooled(cur)), t // m * m)
+        flat = cache.view(-1, self.dim)
+        scratch = (cache.shape[0] - 1) * cache.shape[1]  # the scratch block's first row
+        slots = torch.where(closing, table_entry_slots(tables, (t // m)[:, None], m, block_size)[:, 0], scratch)
+        flat.index_copy_(0, slots, entries.to(flat.dtype))
+        here = tables.gather(1, (t // block_size)[:, None])[:, 0]
+        state[here, 0, offset: offset + width] = after
+
+
 class Indexer(nn.Module):
     """The lightning indexer of CSA layers: its own compressor at index_head_dim (the keys), queries
     from the q LoRA, per-head weights from the layer input."""
@@ -149,9 +175,14 @@ class Attention(nn.Module):
     """Shared-KV multi-query attention (one K = V head of head_dim) over the window and the compressed
     entries, a learned sink per head, and the grouped low-rank output projection."""
 
-    def __init__(self, cfg: DeepseekV4Config, layer: int, ropes: dict[str, Rope], par: ParallelContext = SINGLE):
+    use_kernels = False  # decode steps without host lists (CUDA-graph safe); set by the model runner
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int, ropes: dict[str, Rope], par: ParallelContext = SINGLE,
+                 max_position: int = 0):
         super().__init__()
         self.layer, self.kind = layer, cfg.layer_kind(layer)
+        # the most entries a sequence may have: what a decode step gathers (and masks) per row
+        self.max_entries = max_position // cfg.compress_ratios[layer] if cfg.compress_ratios[layer] else 0
         self.ratio = cfg.compress_ratios[layer]
         self.num_heads = divide(cfg.num_attention_heads, par.tp_size, "num_attention_heads")
         self.groups = divide(cfg.o_groups, par.tp_size, "o_groups")
@@ -205,25 +236,43 @@ class Attention(nn.Module):
         q = self.rotary(q, positions)
         kv = self.rotary(self.norm(self.wkv(x)), positions)  # [T, head_dim]
         write_kv_cache(self.window_cache, kv, meta.slot_mapping)
-        if self.compressor is not None:
+        decode = self.use_kernels and not meta.num_prefills
+        if decode and self.compressor is not None:
+            tables = meta.block_tables.long()
+            self.compressor.decode(x, positions, tables, meta.block_size, self.compressed_cache, self.state_cache, 0)
+            if self.indexer is not None:
+                self.indexer.compressor.decode(x, positions, tables, meta.block_size, self.indexer_cache,
+                                               self.state_cache, self.compressor.state_width)
+        elif self.compressor is not None:
             self.compressor(x, positions, meta, self.compressed_cache, self.state_cache, 0)
+            if self.indexer is not None:
+                self.indexer.compressor(x, positions, meta, self.indexer_cache, self.state_cache,
+                                        self.compressor.state_width)
+        iq = iw = None
         if self.indexer is not None:
-            self.indexer.compressor(x, positions, meta, self.indexer_cache, self.state_cache,
-                                    self.compressor.state_width)
             iq, iw = self.indexer.queries(qr, x, positions)
-        bs = meta.block_size
+        out = (self._decode if decode else self._prefill)(positions, q, meta, iq, iw)
+        out = self.rotary(out, positions, inverse=True)  # K = V carried RoPE into the output
+        grouped = out.view(num_tokens, self.groups, -1).transpose(0, 1)  # [g, T, heads/g * head_dim]
+        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, heads/g * head_dim]
+        o = torch.bmm(grouped, w.transpose(1, 2).to(grouped.dtype)).transpose(0, 1).flatten(1)
+        return self.wo_b(o)
+
+    def _prefill(self, positions: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata, iq, iw) -> torch.Tensor:
+        """Row by row over the host's lists (any mix of prefill chunks and decodes)."""
+        dim, bs, dev = self.head_dim, meta.block_size, q.device
         out = torch.empty_like(q)
         window = self.window_cache.view(-1, dim)
         for row in rows_of(meta):
             t = positions[row.start: row.end]
             first = max(0, row.num_cached - self.window + 1)
             keys = [window[token_slots(row.table, first, row.context_len, bs)]]
-            allowed = [window_mask(t, torch.arange(first, row.context_len, device=x.device), self.window)]
+            allowed = [window_mask(t, torch.arange(first, row.context_len, device=dev), self.window)]
             entries = row.context_len // self.ratio if self.ratio else 0
             if entries:
                 slots = entry_slots(row.table, 0, entries, self.ratio, bs)
                 keys.append(self.compressed_cache.view(-1, dim)[slots])
-                visible = torch.arange(entries, device=x.device)[None, :] < ((t + 1) // self.ratio)[:, None]
+                visible = torch.arange(entries, device=dev)[None, :] < ((t + 1) // self.ratio)[:, None]
                 if self.indexer is not None:
                     ikeys = self.indexer_cache.view(-1, self.indexer.head_dim)[slots]
                     visible = indexer_topk(iq[row.start: row.end], iw[row.start: row.end], ikeys, visible,
@@ -231,11 +280,27 @@ class Attention(nn.Module):
                 allowed.append(visible)
             out[row.start: row.end] = attend(q[row.start: row.end], torch.cat(keys), torch.cat(allowed, 1),
                                              self.attn_sink, dim**-0.5)
-        out = self.rotary(out, positions, inverse=True)  # K = V carried RoPE into the output
-        grouped = out.view(num_tokens, self.groups, -1).transpose(0, 1)  # [g, T, heads/g * head_dim]
-        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, heads/g * head_dim]
-        o = torch.bmm(grouped, w.transpose(1, 2).to(grouped.dtype)).transpose(0, 1).flatten(1)
-        return self.wo_b(o)
+        return out
+
+    def _decode(self, t: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata, iq, iw) -> torch.Tensor:
+        """A token per row from device tensors only: the window's last `window` rows, and every entry up
+        to max_entries (HCA) or the indexer's top-k of them (CSA), masked by what each row may see."""
+        dim, bs, dev = self.head_dim, meta.block_size, q.device
+        tables = meta.block_tables.long()
+        pos = t[:, None] - self.window + 1 + torch.arange(self.window, device=dev)  # [B, window]
+        keys = [self.window_cache.view(-1, dim)[table_slots(tables, pos.clamp(min=0), bs)]]
+        allowed = [pos >= 0]
+        if self.compressor is not None:
+            w = torch.arange(self.max_entries, device=dev).expand(t.shape[0], -1)
+            slots = table_entry_slots(tables, w, self.ratio, bs)  # [B, max_entries]
+            visible = w < ((t + 1) // self.ratio)[:, None]
+            if self.indexer is not None:
+                ikeys = self.indexer_cache.view(-1, self.indexer.head_dim)[slots]
+                picks = decode_indexer_topk(iq, iw, ikeys, visible, self.indexer.top_k, self.indexer.head_dim**-0.5)
+                slots, visible = slots.gather(1, picks), visible.gather(1, picks)
+            keys.append(self.compressed_cache.view(-1, dim)[slots])
+            allowed.append(visible)
+        return decode_attend(q, torch.cat(keys, 1), torch.cat(allowed, 1), self.attn_sink, dim**-0.5)
 
 
 class Expert(nn.Module):
@@ -324,11 +389,12 @@ class Block(nn.Module):
     streams collapse by `pre` into the sublayer's input; its output y spreads back by `post` and the
     streams mix by `comb`: stream_k = post_k * y + sum_j comb[j, k] * stream_j."""
 
-    def __init__(self, cfg: DeepseekV4Config, layer: int, ropes: dict[str, Rope], par: ParallelContext = SINGLE):
+    def __init__(self, cfg: DeepseekV4Config, layer: int, ropes: dict[str, Rope], par: ParallelContext = SINGLE,
+                 max_position: int = 0):
         super().__init__()
         n = cfg.hc_mult
         self.hc = (n, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer, ropes, par)
+        self.attn = Attention(cfg, layer, ropes, par, max_position)
         self.ffn = MoE(cfg, layer, par)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -354,10 +420,10 @@ class DeepseekV4ForCausalLM(nn.Module):
     expert_pattern = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight()$")
     expert_params = {"w1": ("w13", "w1"), "w3": ("w13", "w3"), "w2": ("w2", "w2")}
     stacked_params: dict = {}
-    # the reference path for now: its per-sequence loops read host lists (no CUDA graphs), and FP8 / FP4
-    # weights are dequantized at load
-    cuda_graphs = False
-    fp8_kernels = False
+    # decode steps run as CUDA graphs (Attention.use_kernels: no host lists); steps with prefill chunks
+    # run eagerly, row by row: a chunk's tokens feed its compressors in order, never as rows of a graph
+    graph_prefill_rows = False
+    fp8_kernels = False  # FP8 / FP4 weights are dequantized at load
 
     def __init__(self, cfg: DeepseekV4Config, max_position: int, par: ParallelContext = SINGLE):
         super().__init__()
@@ -374,7 +440,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         else:
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, par)
             self.head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, par)
-        self.layers = nn.ModuleList(Block(cfg, i, self.ropes, par) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, self.ropes, par, max_position) for i in range(cfg.num_hidden_layers))
         n = cfg.hc_mult
         self.hc_head_fn = _fp32(n, n * cfg.hidden_size)
         self.hc_head_base = _fp32(n)

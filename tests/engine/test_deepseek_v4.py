@@ -179,3 +179,16 @@ def test_serve_a_v4_checkpoint_over_the_openai_api(v4, tmp_path):
         assert text == Tokenizer(path).decode(hf_greedy(hf, ids, 12))
     finally:
         server.stop()
+
+
+def test_decode_steps_without_host_lists_match_hf(v4):
+    """The decode path CUDA graphs capture (every shape fixed by the batch and max_model_len, entries
+    gathered up to max_entries and masked, a closing window's entry written by mask), on the CPU."""
+    hf, path = v4
+    llm = LLM(str(path), dtype="float32", device="cpu", show_progress=False, block_size=8, max_model_len=256)
+    for attn in llm.engine.runner.model.attention_layers():
+        attn.use_kernels = True
+    batch = prompts(12, [9, 41, 23, 66], VOCAB)
+    outs = llm.generate(batch, GREEDY)
+    for ids, out in zip(batch, outs):
+        assert out.token_ids == hf_greedy(hf, ids, NEW_TOKENS)

@@ -288,6 +288,24 @@ def test_fused_experts(dtype):
     assert rel_err(out, reference_fused_experts(x, w13, w2, weights, ids)) < (F32_TOL if dtype == torch.float32 else 2e-2)
 
 
+def test_both_moe_kernels_clamp_the_pre_activations():
+    """DeepSeek-V4's SwiGLU: SiLU(min(gate, l)) * clamp(up, -l, l); weights large enough that the
+    limit bites on most rows."""
+    from engine.kernels.moe_gemv import moe_gemv
+
+    g = torch.Generator().manual_seed(15)
+    t, hidden, inter, e, k = 3, 64, 32, 4, 2
+    x = torch.randn(t, hidden, generator=g).to(DEV)
+    w13 = torch.randn(e, 2 * inter, hidden, generator=g).to(DEV)
+    w2 = (0.1 * torch.randn(e, hidden, inter, generator=g)).to(DEV)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int().to(DEV)
+    weights = torch.rand(t, k, generator=g).to(DEV)
+    want = reference_fused_experts(x, w13, w2, weights, ids, swiglu_limit=2.0)
+    assert rel_err(want, reference_fused_experts(x, w13, w2, weights, ids)) > 0.1  # the limit matters here
+    assert rel_err(fused_experts(x, w13, w2, weights, ids, swiglu_limit=2.0), want) < F32_TOL
+    assert rel_err(moe_gemv(x, w13, w2, weights, ids, swiglu_limit=2.0), want) < F32_TOL
+
+
 def _fp8_experts(w: torch.Tensor, block):
     parts = [quantize_fp8_block(m.cpu().float(), block) for m in w]
     return torch.stack([p[0] for p in parts]).to(DEV), torch.stack([p[1] for p in parts]).to(DEV)
