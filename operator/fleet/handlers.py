@@ -9,7 +9,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from fleet import names
-from fleet.kube import WATCHED_KINDS
+from fleet.kube import WATCHED_KINDS, Stopped
 from fleet.runtime import Runtime, warn_about_fleet
 from fleet.settings import OperatorSettings
 
@@ -38,15 +38,22 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Any, **_
                 memo.runtime.metrics.serve(operator_settings.metrics_port)
             except OSError as exc:  # the fleets matter more than the operator's own metrics
                 logger.error(f"Cannot serve metrics on port {operator_settings.metrics_port}: {exc}")
+    memo.runtime.executor = settings.execution.executor  # passes run in Kopf's pool for sync handlers
 
 
 @kopf.on.resume(names.GROUP, names.VERSION, names.PLURAL)
 @kopf.on.create(names.GROUP, names.VERSION, names.PLURAL)
 @kopf.on.update(names.GROUP, names.VERSION, names.PLURAL)
-def reconcile_fleet(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    """A fleet appeared, changed or was found at startup: bring everything in line."""
+async def reconcile_fleet(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    """A fleet appeared, changed or was found at startup: bring everything in line.
+
+    Async around a pass in a thread, not a sync handler: Kopf cancels its handlers when it stops,
+    and only a coroutine hears that and can end the pass before its next API call."""
     try:
-        outcome = memo.runtime.reconcile(namespace, name, wait=True)
+        outcome = await memo.runtime.reconcile_in_thread(namespace, name, wait=True)
+    except Stopped as exc:
+        raise kopf.TemporaryError("The operator is stopping; its next start resumes.",
+                                  delay=RETRY_DELAY_SECONDS) from exc
     except ApiException as exc:
         raise kopf.TemporaryError(f"API error {exc.status}: {exc.reason}", delay=RETRY_DELAY_SECONDS) from exc
     if outcome is not None and outcome.invalid is not None:
@@ -78,8 +85,10 @@ async def track_fleets(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, *
 
 @kopf.on.cleanup()
 async def stop_autoscalers(memo: kopf.Memo, **_: Any) -> None:
-    """The operator is stopping: end the resync and every autoscaler loop, and close their connections."""
+    """The operator is stopping: no more API calls, end the resync and every autoscaler loop, and close
+    their connections."""
     if getattr(memo, "runtime", None) is not None:
+        memo.runtime.stopping.set()
         await memo.runtime.resync.stop()
         await memo.runtime.autoscalers.close()
 
@@ -91,13 +100,15 @@ def _owner(body: kopf.Body) -> dict[str, Any] | None:
     return None
 
 
-def child_changed(body: kopf.Body, namespace: str, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+async def child_changed(body: kopf.Body, namespace: str, memo: kopf.Memo, logger: Any, **_: Any) -> None:
     """A child changed or vanished: repair drift and refresh the parent's status."""
     owner = _owner(body)
     if owner is None:
         return
     try:
-        memo.runtime.reconcile(namespace, owner["name"], wait=False)
+        await memo.runtime.reconcile_in_thread(namespace, owner["name"], wait=False)
+    except Stopped:
+        return  # the operator is stopping; the next one's resume and resync come back to it
     except ApiException as exc:
         # No retry loop here: the next event, or the parent's own handlers, will come back to it.
         message = (f"Reconciling after a change to {body.get('kind')} {body.metadata.name} failed: "

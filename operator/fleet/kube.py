@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,17 +82,38 @@ class CRDMissing(Exception):
         self.kind = kind
 
 
-class Kube:
-    """Blocking API access (the reconcile runs in Kopf's sync-handler threads)."""
+class Stopped(Exception):
+    """The operator is stopping, or the pass was cancelled: no further API call is made."""
 
-    def __init__(self, api_client: client.ApiClient, *, timeout: float = REQUEST_TIMEOUT_SECONDS) -> None:
+
+class Kube:
+    """Blocking API access (passes and the autoscalers' reads run in worker threads).
+
+    `stop` is asked before every call: once it is true each call raises Stopped instead, so a pass
+    in a thread ends at its next call, not after all of them (the timeout bounds each one alone).
+    """
+
+    def __init__(self, api_client: client.ApiClient, *, timeout: float = REQUEST_TIMEOUT_SECONDS,
+                 stop: Callable[[], bool] = lambda: False) -> None:
         # Raw JSON, and no call may hang a reconcile (or the operator's shutdown) for ever.
         self._raw: dict[str, Any] = {"_preload_content": False, "_request_timeout": timeout}
         self._client = api_client
         self._custom = client.CustomObjectsApi(api_client)
         self._core = client.CoreV1Api(api_client)
+        self._stop = stop
+
+    def until(self, stop: Callable[[], bool]) -> Kube:
+        """The same client whose calls also stop once stop() is true (one pass's cancellation)."""
+        view = copy.copy(self)
+        view._stop = lambda: self._stop() or stop()
+        return view
+
+    def _check(self) -> None:
+        if self._stop():
+            raise Stopped("the operator is stopping, or this pass was cancelled")
 
     def _method(self, api_version: str, kind: str, verb: str):  # noqa: ANN202
+        self._check()
         spec = KINDS[(api_version, kind)]
         if spec.custom:
             return _CustomMethod(self._custom, spec, verb)
@@ -153,11 +176,13 @@ class Kube:
 
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         """Pods matching a label selector."""
+        self._check()
         response = self._core.list_namespaced_pod(namespace, label_selector=selector, **self._raw)
         return json.loads(response.data).get("items", [])
 
     def patch_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
         """Merge-patch a pod; None if it is already gone."""
+        self._check()
         try:
             response = self._core.patch_namespaced_pod(
                 name, namespace, patch, _content_type=MERGE_PATCH, **self._raw
@@ -170,6 +195,7 @@ class Kube:
 
     def get_parent(self, namespace: str, name: str) -> dict[str, Any] | None:
         """A DeepSeekDeployment, or None if it is gone."""
+        self._check()
         try:
             response = self._custom.get_namespaced_custom_object(
                 names.GROUP, names.VERSION, namespace, names.PLURAL, name, **self._raw
@@ -182,6 +208,7 @@ class Kube:
 
     def patch_parent_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         """Merge-patch a DeepSeekDeployment's status subresource."""
+        self._check()
         response = self._custom.patch_namespaced_custom_object_status(
             names.GROUP, names.VERSION, namespace, names.PLURAL, name, patch,
             _content_type=MERGE_PATCH, **self._raw,

@@ -63,31 +63,34 @@ class Reconciler:
         self.options = options
         self.unserved: dict[str, float] = {}  # optional kind -> when its CRD was last found missing
 
-    def reconcile(self, namespace: str, name: str) -> Outcome:
+    def reconcile(self, namespace: str, name: str, *, stop: Callable[[], bool] | None = None) -> Outcome:
         """One pass over the named DeepSeekDeployment, from a fresh read of it.
 
         A status write that loses a race with another writer (409) starts the pass over from a
-        fresh read; children already fixed are then found unchanged.
+        fresh read; children already fixed are then found unchanged. Once stop() is true the pass
+        ends before its next API call (Stopped): what it wrote so far is level state, which the
+        next pass, of this operator or of the next one, continues from.
         """
+        kube = self.kube if stop is None else self.kube.until(stop)
         for attempt in range(CONFLICT_RETRIES):
             try:
-                return self._reconcile_once(namespace, name)
+                return self._reconcile_once(kube, namespace, name)
             except ApiException as exc:
                 if exc.status != 409 or attempt == CONFLICT_RETRIES - 1:
                     raise
         raise AssertionError("unreachable")
 
-    def _reconcile_once(self, namespace: str, name: str) -> Outcome:
-        body = self.kube.get_parent(namespace, name)
+    def _reconcile_once(self, kube: Kube, namespace: str, name: str) -> Outcome:
+        body = kube.get_parent(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return Outcome(gone=True)  # the garbage collector removes the children through ownerReferences
         try:
             parent = validate(body, self.options)
         except InvalidSpec as exc:
-            return self._report_invalid(body, exc)
-        return _Pass(self, body, parent).run()
+            return self._report_invalid(kube, body, exc)
+        return _Pass(self, kube, body, parent).run()
 
-    def _report_invalid(self, body: dict[str, Any], exc: InvalidSpec) -> Outcome:
+    def _report_invalid(self, kube: Kube, body: dict[str, Any], exc: InvalidSpec) -> Outcome:
         message = f"Spec rejected, nothing was created or changed: {exc}"
         generation = body["metadata"].get("generation", 0)
         fresh = [
@@ -97,10 +100,11 @@ class Reconciler:
         old_ready = _find(body.get("status", {}).get("conditions", []), "Ready")
         if old_ready.get("reason") != "InvalidSpec" or old_ready.get("message") != message:
             self.post_event(body, "Warning", "InvalidSpec", str(exc))
-        written = self._write_status(body, {"observedGeneration": generation}, fresh, generation)
+        written = self._write_status(kube, body, {"observedGeneration": generation}, fresh, generation)
         return Outcome(invalid=exc, status_written=written)
 
-    def _write_status(self, body: dict[str, Any], counts: dict[str, Any], fresh: list[dict], generation: int) -> bool:
+    def _write_status(self, kube: Kube, body: dict[str, Any], counts: dict[str, Any], fresh: list[dict],
+                      generation: int) -> bool:
         current = body.get("status") or {}
         conditions = merge_conditions(current.get("conditions", []), fresh, now=self.now(), generation=generation)
         wanted = {**counts, "conditions": conditions}
@@ -109,7 +113,7 @@ class Reconciler:
         meta = body["metadata"]
         # resourceVersion makes the write fail (409) rather than overwrite another writer's conditions.
         patch = {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": wanted}
-        self.kube.patch_parent_status(meta["namespace"], meta["name"], patch)
+        kube.patch_parent_status(meta["namespace"], meta["name"], patch)
         old_ready, new_ready = _find(current.get("conditions", []), "Ready"), _find(conditions, "Ready")
         if old_ready.get("status") != new_ready.get("status") and new_ready.get("reason") != "InvalidSpec":
             kind = "Normal" if new_ready["status"] == "True" else "Warning"
@@ -120,8 +124,8 @@ class Reconciler:
 class _Pass:
     """State of one reconcile pass over one valid fleet."""
 
-    def __init__(self, owner: Reconciler, body: dict[str, Any], parent: Parent) -> None:
-        self.kube = owner.kube
+    def __init__(self, owner: Reconciler, kube: Kube, body: dict[str, Any], parent: Parent) -> None:
+        self.kube = kube
         self.owner = owner
         self.body = body
         self.parent = parent
@@ -158,7 +162,8 @@ class _Pass:
         new_degraded = _find(fresh, "Degraded")
         if new_degraded["status"] == "True" and new_degraded["message"] != old_degraded.get("message"):
             self.owner.post_event(self.body, "Warning", new_degraded["reason"], new_degraded["message"])
-        self.outcome.status_written = self.owner._write_status(self.body, counts, fresh, parent.generation)
+        self.outcome.status_written = self.owner._write_status(self.kube, self.body, counts, fresh,
+                                                               parent.generation)
         return self.outcome
 
     def _replicas(self, engine: dict[str, Any] | None) -> int | None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
 from fleet import names
+from fleet.kube import Stopped
 
 LOGGER = logging.getLogger("fleet.resync")
 Key = tuple[str, str]
@@ -26,7 +27,8 @@ FailureSink = Callable[[str, str, str | None, str], None]
 class Resync:
     """Knows the fleets from Kopf's events and reconciles each of them every `interval` seconds."""
 
-    def __init__(self, reconcile: Callable[[str, str], Any], report_failure: FailureSink, *, interval: float) -> None:
+    def __init__(self, reconcile: Callable[[str, str], Awaitable[Any]], report_failure: FailureSink, *,
+                 interval: float) -> None:
         self.reconcile, self.report_failure, self.interval = reconcile, report_failure, interval
         self._fleets: dict[Key, str | None] = {}  # key -> uid
         self._task: asyncio.Task[None] | None = None
@@ -49,6 +51,7 @@ class Resync:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="resync")
 
     async def stop(self) -> None:
+        """End the loop; a pass in progress ends before its next API call and is waited for."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -61,11 +64,13 @@ class Resync:
     async def run_once(self, *, delay: float = 0.0) -> bool:
         """One pass over every known fleet, one at a time (they share the API server with the events).
 
-        False once the operator is stopping (its thread pool no longer takes work)."""
+        False once the operator is stopping (Stopped, or its thread pool no longer takes work)."""
         await asyncio.sleep(delay)
         for key in self.fleets():
             try:
-                await asyncio.to_thread(self.reconcile, *key)
+                await self.reconcile(*key)
+            except Stopped:
+                return False
             except RuntimeError as exc:
                 if "shutdown" in str(exc):
                     return False

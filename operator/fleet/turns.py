@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 T = TypeVar("T")
+STOP_POLL_SECONDS = 0.1  # how often a caller waiting for its turn looks whether it should give up
 
 
 @dataclass
@@ -23,15 +24,21 @@ class Turns:
         self._guard = threading.Lock()
         self._turns: dict[Hashable, _Turn] = {}
 
-    def run(self, key: Hashable, fn: Callable[[], T], *, wait: bool) -> T | None:
-        """Run fn for key. wait=False hands the work to a pass already running (returns None)."""
+    def run(self, key: Hashable, fn: Callable[[], T], *, wait: bool,
+            stop: Callable[[], bool] = lambda: False) -> T | None:
+        """Run fn for key. wait=False hands the work to a pass already running (returns None).
+
+        Once stop() is true nothing new starts: a waiting caller gives up its turn (None) and the
+        running pass does not go once more for the requests that arrived meanwhile."""
         with self._guard:
             turn = self._turns.setdefault(key, _Turn())
             if not wait and not turn.lock.acquire(blocking=False):
                 turn.pending = True  # the running pass will go once more
                 return None
         if wait:
-            turn.lock.acquire()
+            while not turn.lock.acquire(timeout=STOP_POLL_SECONDS):
+                if stop():
+                    return None
         try:
             while True:
                 with self._guard:
@@ -40,7 +47,7 @@ class Turns:
                 with self._guard:
                     # Released under the guard, so a request cannot slip in between the last
                     # look at `pending` and the release and then be lost.
-                    if not turn.pending:
+                    if not turn.pending or stop():
                         turn.lock.release()
                         return result
         except BaseException:

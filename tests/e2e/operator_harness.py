@@ -7,7 +7,7 @@ also filters lists by label selector, honours resourceVersion preconditions (409
 generateName objects and keeps spec and status apart for resources with a status subresource.
 It also parses `/api/v1/namespaces` (kmock 0.8 cannot), so Kopf can resolve namespace patterns,
 answers 404 for kinds it was not told about (kmock stores them), as a cluster without their CRD
-does, and can fail chosen requests with a 500 (`fail_next`).
+does, can fail chosen requests with a 500 (`fail_next`) and can answer slowly (`latency`).
 
 Still not emulated (covered by unit tests of the logic behind them instead): garbage collection
 (`collect_garbage()` below is an explicit, test-driven stand-in), admission (schema validation,
@@ -116,6 +116,7 @@ class Emulator(kmock.KubernetesEmulator):
 
     _revision: int = attrs.field(default=0, init=False)
     _failures: dict[tuple[str, str], int] = attrs.field(factory=dict, init=False)
+    latency: float = attrs.field(default=0.0, init=False)  # seconds before each API request is answered
 
     def fail_next(self, method: str, plural: str, times: int = 1) -> None:
         """Answer the next `times` requests of this method on this resource with a 500, as an
@@ -142,6 +143,8 @@ class Emulator(kmock.KubernetesEmulator):
         return False
 
     async def _handle(self, request: kmock.Request) -> Any:
+        if self.latency and request.resource is not None:
+            await asyncio.sleep(self.latency)  # a slow or distant API server; requests still overlap
         key = (request.method.value, getattr(request.resource, "plural", None))
         if self._failures.get(key):
             self._failures[key] -= 1

@@ -19,7 +19,7 @@ class Reconciler:
         self.outcomes = [Outcome(actions=["Created Deployment v3", "Created Service v3"]), Outcome(),
                          ApiException(status=500)]
 
-    def reconcile(self, namespace: str, name: str) -> Outcome:
+    def reconcile(self, namespace: str, name: str, **_: object) -> Outcome:
         outcome = self.outcomes.pop(0)
         if isinstance(outcome, Exception):
             raise outcome

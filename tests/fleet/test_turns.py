@@ -53,3 +53,31 @@ def test_other_keys_do_not_wait() -> None:
     release.set()
     thread.join(5)
     turns.forget("a")
+
+
+def test_once_stopping_nothing_new_starts() -> None:
+    """A waiting caller gives up its turn, and the running pass does not go once more for the
+    requests that arrived meanwhile."""
+    turns = Turns()
+    stopping, started, release = threading.Event(), threading.Event(), threading.Event()
+    runs: list[int] = []
+
+    def work() -> int:
+        runs.append(1)
+        started.set()
+        release.wait(5)
+        return len(runs)
+
+    first = threading.Thread(target=lambda: turns.run("k", work, wait=True, stop=stopping.is_set))
+    first.start()
+    started.wait(5)
+    assert turns.run("k", work, wait=False, stop=stopping.is_set) is None  # folded: one more pass pending
+    waiter: list[object] = []
+    second = threading.Thread(target=lambda: waiter.append(turns.run("k", work, wait=True, stop=stopping.is_set)))
+    second.start()
+    stopping.set()
+    second.join(5)
+    assert not second.is_alive() and waiter == [None]
+    release.set()
+    first.join(5)
+    assert runs == [1]

@@ -19,7 +19,7 @@ from fleet.autoscaler.metrics_client import MetricsClient
 from fleet.autoscaler.pods import DELETION_COST, EnginePod, active
 from fleet.autoscaler.policy import Policy
 from fleet.autoscaler.report import disabled_patch, scaling_condition, status_patch
-from fleet.kube import Kube
+from fleet.kube import Kube, Stopped
 from fleet.manifests.multinode import engine_workload
 from fleet.reconcile import EventSink, utc_now
 from fleet.validation import InvalidSpec, validate
@@ -57,6 +57,8 @@ class FleetScaler:
             started = self.clock()
             try:
                 interval = await self.poll()
+            except Stopped:
+                return  # the operator is stopping
             except ApiException as exc:
                 self.logger.warning(f"Autoscaler poll of {self.namespace}/{self.name} failed: {exc.status} {exc.reason}")
                 interval = self._interval
