@@ -38,7 +38,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Any, **_
                 memo.runtime.metrics.serve(operator_settings.metrics_port)
             except OSError as exc:  # the fleets matter more than the operator's own metrics
                 logger.error(f"Cannot serve metrics on port {operator_settings.metrics_port}: {exc}")
-    memo.runtime.executor = settings.execution.executor  # passes run in Kopf's pool for sync handlers
+    memo.runtime.handler_executor = settings.execution.executor
 
 
 @kopf.on.resume(names.GROUP, names.VERSION, names.PLURAL)
@@ -50,7 +50,8 @@ async def reconcile_fleet(namespace: str, name: str, memo: kopf.Memo, **_: Any) 
     Async around a pass in a thread, not a sync handler: Kopf cancels its handlers when it stops,
     and only a coroutine hears that and can end the pass before its next API call."""
     try:
-        outcome = await memo.runtime.reconcile_in_thread(namespace, name, wait=True)
+        outcome = await memo.runtime.reconcile_in_thread(namespace, name, wait=True,
+                                                         executor=memo.runtime.handler_executor)
     except Stopped as exc:
         raise kopf.TemporaryError("The operator is stopping; its next start resumes.",
                                   delay=RETRY_DELAY_SECONDS) from exc
@@ -106,7 +107,8 @@ async def child_changed(body: kopf.Body, namespace: str, memo: kopf.Memo, logger
     if owner is None:
         return
     try:
-        await memo.runtime.reconcile_in_thread(namespace, owner["name"], wait=False)
+        await memo.runtime.reconcile_in_thread(namespace, owner["name"], wait=False,
+                                               executor=memo.runtime.handler_executor)
     except Stopped:
         return  # the operator is stopping; the next one's resume and resync come back to it
     except ApiException as exc:

@@ -51,7 +51,9 @@ class Runtime:
     resync_seconds: float = 0.0
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     stopping: threading.Event = field(default_factory=threading.Event)
-    executor: concurrent.futures.Executor | None = None  # for passes; None: the event loop's default
+    # Kopf's pool for sync handlers, where the handlers' passes run (the resync's and the autoscalers'
+    # work runs in the event loop's default pool, so neither crowds out the other).
+    handler_executor: concurrent.futures.Executor | None = None
     resync: Resync = field(init=False)
 
     def __post_init__(self) -> None:
@@ -97,8 +99,9 @@ class Runtime:
             self.turns.forget(key)
         return outcome
 
-    async def reconcile_in_thread(self, namespace: str, name: str, *, wait: bool) -> Outcome | None:
-        """reconcile() in a worker thread, for the event loop.
+    async def reconcile_in_thread(self, namespace: str, name: str, *, wait: bool,
+                                  executor: concurrent.futures.Executor | None = None) -> Outcome | None:
+        """reconcile() in a thread of executor (None: the event loop's default pool), for the event loop.
 
         Cancelled (Kopf cancels its handlers when it stops; the resync is cancelled too), the pass
         is told to end before its next API call and is waited for: no pass outlives its caller.
@@ -106,7 +109,7 @@ class Runtime:
         cancelled = threading.Event()
         call = functools.partial(self.reconcile, namespace, name, wait=wait, cancelled=cancelled)
         # The context goes along, as Kopf's own sync handlers get it: kopf.event() posts through it.
-        work = asyncio.get_running_loop().run_in_executor(self.executor, contextvars.copy_context().run, call)
+        work = asyncio.get_running_loop().run_in_executor(executor, contextvars.copy_context().run, call)
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
