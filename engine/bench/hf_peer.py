@@ -83,7 +83,13 @@ def _cache_kwarg(hf) -> str:
 
 def _prefill(hf, ids: torch.Tensor):
     out = hf(input_ids=ids, use_cache=True, logits_to_keep=1)
-    return out.past_key_values, out.logits[:, -1].argmax(-1)
+    return _cache_of(out), out.logits[:, -1].argmax(-1)
+
+
+def _cache_of(out):
+    """The cache an output carries (`cache` in transformers' newer output classes)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 @torch.inference_mode()
@@ -109,7 +115,7 @@ def hf_measure_decode(hf, concurrency: int, context: int, steps: int, vocab: int
 
     def step():
         out = hf(input_ids=state["next"][:, None], use_cache=True, **{kwarg: state["cache"]})
-        state["cache"], state["next"] = out.past_key_values, out.logits[:, -1].argmax(-1)
+        state["cache"], state["next"] = _cache_of(out), out.logits[:, -1].argmax(-1)
 
     for _ in range(2):
         step()

@@ -123,18 +123,13 @@ def measure_decode(runner: ModelRunner, pool: BlockPool, concurrency: int, conte
                 context=context + warmup + steps // 2)
 
 
-@torch.inference_mode()
-def measure_layers(runner: ModelRunner, pool: BlockPool, context: int, vocab: int, repeats: int = 50) -> list[dict]:
-    """Each decoder layer alone, one sequence at `context` tokens (graph-replayed where graphs exist)."""
+def one_decode(runner: ModelRunner, pool: BlockPool, context: int, vocab: int):
+    """One sequence prefilled to `context` tokens and its next decode step's (sequence, positions, metadata),
+    from the graphs' buffers where graphs exist."""
     pool.reset()
     seq = make_sequence(random_prompt(context, vocab, seed=7), pool.take(context + 4), "layers")
     planner = PlanBuilder(runner.config.max_num_seqs)
     prefill(runner, [seq], planner)
-    model, dev = runner.model, runner.device
-    hidden = runner.model_config.hidden_size
-    g = torch.Generator(dev).manual_seed(0)
-    h = torch.randn(1, hidden, generator=g, device=dev, dtype=runner.dtype)
-    residual = torch.randn(1, hidden, generator=g, device=dev, dtype=runner.dtype)
     plan = planner.build(ScheduledBatch(decodes=[seq]))
     runner.tables.apply(plan.table_deltas)
     if runner.graphs is not None:
@@ -142,15 +137,31 @@ def measure_layers(runner: ModelRunner, pool: BlockPool, context: int, vocab: in
         meta, positions = runner.graphs.metadata(1)
     else:
         _, positions, meta = runner._prepare(plan)
+    return seq, positions, meta
+
+
+def time_replayed(runner: ModelRunner, run, repeats: int) -> float:
+    """Seconds per call of `run`, captured as a CUDA graph and replayed where graphs exist."""
+    if runner.graphs is not None:
+        run()  # warm-up (kernels compile) outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=runner.graphs.pool):
+            run()
+        run = graph.replay
+    return time_fn(lambda: [run() for _ in range(repeats)], runner.device, repeats=3, warmup=1) / repeats
+
+
+@torch.inference_mode()
+def measure_layers(runner: ModelRunner, pool: BlockPool, context: int, vocab: int, repeats: int = 50) -> list[dict]:
+    """Each decoder layer alone, one sequence at `context` tokens (graph-replayed where graphs exist)."""
+    _, positions, meta = one_decode(runner, pool, context, vocab)
+    model, dev = runner.model, runner.device
+    hidden = runner.model_config.hidden_size
+    g = torch.Generator(dev).manual_seed(0)
+    h = torch.randn(1, hidden, generator=g, device=dev, dtype=runner.dtype)
+    residual = torch.randn(1, hidden, generator=g, device=dev, dtype=runner.dtype)
     out = []
     for i, layer in enumerate(model.model.layers):
-        run = lambda: layer(positions, h, residual, meta)
-        if runner.graphs is not None:
-            run()  # warm-up (kernels compile) outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=runner.graphs.pool):
-                run()
-            run = graph.replay
-        seconds = time_fn(lambda: [run() for _ in range(repeats)], dev, repeats=3, warmup=1) / repeats
+        seconds = time_replayed(runner, lambda: layer(positions, h, residual, meta), repeats)
         out.append(dict(layer=i, kind="moe" if hasattr(layer.mlp, "experts") else "dense", seconds=seconds))
     return out

@@ -7,6 +7,17 @@ _COMMON = dict(
     tie_word_embeddings=False, num_nextn_predict_layers=0, torch_dtype="bfloat16", max_position_embeddings=163840,
 )
 
+# DeepSeek's V4 config.json keys: a compression ratio per layer, the hash layers by count, YaRN for the
+# compressed layers' rope
+_V4 = dict(
+    architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", n_shared_experts=1, scoring_func="sqrtsoftplus",
+    norm_topk_prob=True, routed_scaling_factor=1.5, swiglu_limit=10.0, hc_eps=1e-6, rms_norm_eps=1e-6,
+    rope_theta=10000.0, compress_rope_theta=160000.0, max_position_embeddings=1048576,
+    rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                  "beta_slow": 1},
+    bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, num_nextn_predict_layers=0, torch_dtype="bfloat16",
+)
+
 PRESETS: dict[str, dict] = {
     # DeepSeek-V2-Lite's shape (15.7 B parameters, 2.66 B active) in the V3 architecture, bf16
     "v2-lite": dict(
@@ -23,6 +34,24 @@ PRESETS: dict[str, dict] = {
         first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
         quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                              "weight_block_size": [128, 128]},
+    ),
+    # DeepSeek-V4 Flash's real layer shapes, its first 4 layers as it orders them: two sliding-window-only
+    # layers, a CSA (ratio 4, indexer top-512) and an HCA (ratio 128) layer, the first three hash-routed;
+    # 256 experts top-6, 4 residual streams
+    "v4-slice": dict(
+        _V4, vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num_attention_heads=64, head_dim=512,
+        qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, moe_intermediate_size=2048,
+        n_routed_experts=256, num_experts_per_tok=6, compress_ratios=[0, 0, 4, 128], num_hash_layers=3,
+        sliding_window=128, hc_mult=4, hc_sinkhorn_iters=20, index_n_heads=64, index_head_dim=128,
+        index_topk=512,
+    ),
+    # the V4 architecture at a toy size (tests, smoke runs)
+    "v4-tiny": dict(
+        _V4, vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+        qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, compress_ratios=[0, 0, 4, 128],
+        num_hash_layers=1, sliding_window=8, hc_mult=2, hc_sinkhorn_iters=3, index_n_heads=4, index_head_dim=16,
+        index_topk=4, max_position_embeddings=8192,
     ),
     # a toy shape that runs anywhere in seconds (tests, smoke runs)
     "tiny": dict(

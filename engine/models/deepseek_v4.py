@@ -258,28 +258,36 @@ class Attention(nn.Module):
         o = torch.bmm(grouped, w.transpose(1, 2).to(grouped.dtype)).transpose(0, 1).flatten(1)
         return self.wo_b(o)
 
+    # queries attended at once in a prefill chunk: bounds the [queries, heads, keys] logits (keys: the
+    # piece's window plus the entries visible to its last query)
+    query_piece = 256
+
     def _prefill(self, positions: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata, iq, iw) -> torch.Tensor:
-        """Row by row over the host's lists (any mix of prefill chunks and decodes)."""
+        """Row by row over the host's lists (any mix of prefill chunks and decodes), in pieces of queries."""
         dim, bs, dev = self.head_dim, meta.block_size, q.device
         out = torch.empty_like(q)
         window = self.window_cache.view(-1, dim)
         for row in rows_of(meta):
-            t = positions[row.start: row.end]
-            first = max(0, row.num_cached - self.window + 1)
-            keys = [window[token_slots(row.table, first, row.context_len, bs)]]
-            allowed = [window_mask(t, torch.arange(first, row.context_len, device=dev), self.window)]
-            entries = row.context_len // self.ratio if self.ratio else 0
-            if entries:
-                slots = entry_slots(row.table, 0, entries, self.ratio, bs)
-                keys.append(self.compressed_cache.view(-1, dim)[slots])
-                visible = torch.arange(entries, device=dev)[None, :] < ((t + 1) // self.ratio)[:, None]
-                if self.indexer is not None:
-                    ikeys = self.indexer_cache.view(-1, self.indexer.head_dim)[slots]
-                    visible = indexer_topk(iq[row.start: row.end], iw[row.start: row.end], ikeys, visible,
-                                           self.indexer.top_k, self.indexer.head_dim**-0.5)
-                allowed.append(visible)
-            out[row.start: row.end] = attend(q[row.start: row.end], torch.cat(keys), torch.cat(allowed, 1),
-                                             self.attn_sink, dim**-0.5)
+            for start in range(row.start, row.end, self.query_piece):
+                end = min(start + self.query_piece, row.end)
+                t = positions[start:end]
+                p0 = row.num_cached + start - row.start  # the piece's first position
+                p1 = p0 + end - start
+                first = max(0, p0 - self.window + 1)
+                keys = [window[token_slots(row.table, first, p1, bs)]]
+                allowed = [window_mask(t, torch.arange(first, p1, device=dev), self.window)]
+                entries = p1 // self.ratio if self.ratio else 0  # those its last query may see
+                if entries:
+                    slots = entry_slots(row.table, 0, entries, self.ratio, bs)
+                    keys.append(self.compressed_cache.view(-1, dim)[slots])
+                    visible = torch.arange(entries, device=dev)[None, :] < ((t + 1) // self.ratio)[:, None]
+                    if self.indexer is not None:
+                        ikeys = self.indexer_cache.view(-1, self.indexer.head_dim)[slots]
+                        visible = indexer_topk(iq[start:end], iw[start:end], ikeys, visible, self.indexer.top_k,
+                                               self.indexer.head_dim**-0.5)
+                    allowed.append(visible)
+                out[start:end] = attend(q[start:end], torch.cat(keys), torch.cat(allowed, 1), self.attn_sink,
+                                        dim**-0.5)
         return out
 
     def _decode(self, t: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata, iq, iw) -> torch.Tensor:

@@ -99,3 +99,44 @@ def test_presets_are_valid_configs():
         ModelConfig.from_hf(preset_config(name))
     with pytest.raises(ValueError, match="unknown preset"):
         preset_config("v9")
+
+
+def test_v4_bench_writes_layers_floors_and_the_peer(tmp_path):
+    rc = main(["bench", "--preset", "v4-tiny", "--device", "cpu", "--dtype", "float32", "--prompt-lens", "64,256",
+               "--concurrency", "1,2", "--decode-context", "140", "--decode-steps", "2", "--hf-decode-steps", "2",
+               "--repeats", "1", "--compare-hf", "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "v4-tiny.json").read_text())
+    assert result["layer_kinds"] == ["window", "window", "csa", "hca"]
+    assert [layer["kind"] for layer in result["layers"]] == result["layer_kinds"]
+    assert all(layer["bandwidth_floor_s"] > 0 and layer["ratio_to_bandwidth_floor"] > 0 for layer in result["layers"])
+    assert all(v > 0 for v in [*result["prefill_tok_s"].values(), *result["decode_tok_s"].values()])
+    assert all(v > 0 for v in [*result["hf"]["prefill_tok_s"].values(), *result["hf"]["decode_tok_s"].values()])
+    assert set(result["speedup"]["decode"]) == {"1", "2"}
+
+
+def test_v4_slice_floors_count_window_entries_and_indexer_keys():
+    """V4 Flash's first four layers: ~27 B parameters, 256 experts of 3 x 4096 x 2048; one stream at 8k
+    context reads its active weights plus 128 window rows, 512 CSA entries, 2k indexer keys, 64 HCA entries."""
+    from engine.bench.v4 import V4Costs
+    from engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    cfg = ModelConfig.from_hf(preset_config("v4-slice"))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = DeepseekV4ForCausalLM(cfg, max_position=16384)
+    finally:
+        torch.set_default_dtype(default)
+    assert abs(sum(p.numel() for p in model.parameters()) / 1e9 - 27.4) < 0.5
+    costs = V4Costs(model, cfg, 2)
+    per_expert = costs.layers[0]["expert_bytes"]
+    assert per_expert == 3 * 4096 * 2048 * 2
+    window, _ = costs.decode_layer(0, batch=1, context=8192)
+    csa, _ = costs.decode_layer(2, batch=1, context=8192)
+    hca, _ = costs.decode_layer(3, batch=1, context=8192)
+    base = lambda i: costs.layers[i]["rest_bytes"] + 6 * per_expert
+    assert window - base(0) == pytest.approx(128 * 512 * 2)
+    assert csa - base(2) == pytest.approx((128 + 512) * 512 * 2 + 2048 * 128 * 2)
+    assert hca - base(3) == pytest.approx((128 + 64) * 512 * 2)

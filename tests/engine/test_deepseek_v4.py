@@ -192,3 +192,12 @@ def test_decode_steps_without_host_lists_match_hf(v4):
     outs = llm.generate(batch, GREEDY)
     for ids, out in zip(batch, outs):
         assert out.token_ids == hf_greedy(hf, ids, NEW_TOKENS)
+
+
+def test_prefill_attends_in_pieces_of_queries(v4, monkeypatch):
+    """Long chunks attend 256 queries at a time (bounded logits); pieces of 7 split windows and chunks."""
+    from engine.models.deepseek_v4 import Attention
+
+    monkeypatch.setattr(Attention, "query_piece", 7)
+    hf, path = v4
+    check_parity(hf, path, prompts(13, [50, 23], VOCAB), block_size=8)

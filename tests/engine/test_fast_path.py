@@ -22,6 +22,8 @@ from engine import LLM, SamplingParams
 from engine.model_runner import resolve_backend
 from engine.tools.make_random_checkpoint import quantize_checkpoint
 from tests.engine.hf_oracle import YARN, build_hf_model, prompts, save_hf_checkpoint
+from tests.engine.hf_oracle_v4 import VOCAB as V4_VOCAB
+from tests.engine.hf_oracle_v4 import build_v4_model
 
 ON_GPU = torch.cuda.is_available()
 NEW_TOKENS = 4
@@ -100,6 +102,15 @@ def test_fast_path_matches_reference(tmp_path, dtype):
     hf = build_hf_model(seed=21, rope_parameters=YARN)
     ref, fast = pair(save_hf_checkpoint(hf, tmp_path / "ckpt"), dtype)
     assert_same_where_clear(ref, fast, prompts(21, [7, 21]), dtype)
+
+
+def test_v4_fast_path_matches_reference(tmp_path, dtype):
+    """DeepSeek-V4: the Triton projections and MoE kernels (V4's SwiGLU limit in them), decode steps on
+    the path without host lists (CUDA graphs on a GPU), against the reference path."""
+    hf = build_v4_model(seed=31)
+    ref, fast = pair(save_hf_checkpoint(hf, tmp_path / "ckpt"), dtype, block_size=8, max_model_len=256)
+    assert (fast.engine.runner.graphs is not None) == ON_GPU
+    assert_same_where_clear(ref, fast, prompts(31, [9, 40], V4_VOCAB), dtype)
 
 
 @pytest.mark.skipif(ON_GPU, reason="two ranks need two GPUs; without a GPU they run interpreted, on the CPU")
