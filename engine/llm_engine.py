@@ -30,6 +30,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_plan import PlanBuilder
+from engine.structured_output import Guide, guide_tokenizer
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.kv = self._make_kv_connector() if config.kv_directory else None
         self.pending_pulls: dict[str, tuple[Sequence, object]] = {}  # request id -> (sequence, PendingPull)
+        self.guide_tokenizer = None  # structured outputs' view of the tokenizer, built on first use
 
     def _make_kv_connector(self):
         from engine.kv.connector import KVConfig, KVConnector
@@ -183,6 +185,8 @@ class LLMEngine:
         else:
             gen = torch.Generator().manual_seed(self._rng.getrandbits(63))
         seq = Sequence(request_id, ids, params, gen)
+        if params.structured_output is not None:
+            seq.guide = Guide(self._guide_tokenizer(), params.structured_output)  # StructuredOutputError: a ValueError
         seq.collect_logits = collect_logits
         seq.prompt_logits = [] if collect_logits else None
         self.requests[request_id] = seq
@@ -190,6 +194,12 @@ class LLMEngine:
         if self.kv is not None and self._start_pull(seq):
             return
         self.scheduler.add(seq)
+
+    def _guide_tokenizer(self):
+        if self.guide_tokenizer is None:
+            self.guide_tokenizer = guide_tokenizer((self.model_path / "tokenizer.json").read_text(),
+                                                   self.model_config.vocab_size, self.eos_token_ids)
+        return self.guide_tokenizer
 
     def _start_pull(self, seq: Sequence) -> bool:
         """Ask the fleet for the prefix this replica lacks; the request waits for the pull (or its failure)."""
@@ -287,6 +297,8 @@ class LLMEngine:
         step must be scheduled with every token known (admissions, prefills, ...)."""
         if not self.async_scheduling or step.batch.prefills or step.draws is None:
             return None
+        if any(seq.guide is not None for seq in step.sample_seqs):
+            return None  # a guided row's next mask needs the token in flight: this step is read first
         if self.scheduler.can_admit_next():
             return None  # admit it first (one that cannot be admitted yet does not hold everyone back)
         row = {id(seq): i for i, seq in enumerate(step.sample_seqs)}
@@ -333,7 +345,12 @@ class LLMEngine:
                 if seq.metrics.first_token_time is None:
                     seq.metrics.first_token_time = now
                     seq.metrics.num_prefill_tokens = seq.num_prompt_tokens - seq.num_cached_tokens
+                off_grammar = seq.guide is not None and not seq.guide.advance(token)
+                if off_grammar:  # only if the mask left nothing to draw
+                    logger.warning("request %s: token %d is outside its grammar; ending it", seq.request_id, token)
                 reason = self.output_processor.append(seq, token, lp, self.max_model_len)
+                if reason is None and seq.guide is not None and (off_grammar or seq.guide.done):
+                    reason = "stop"  # the grammar is complete
                 if reason is not None:
                     self.scheduler.finish(seq, reason)
                 outputs.append(self.output_processor.output(seq))

@@ -15,6 +15,7 @@ import torch
 
 from engine.copies import ToHost, to_device
 from engine.sequence import Sequence
+from engine.structured_output import apply_guides
 
 _MASK64 = (1 << 64) - 1
 
@@ -145,7 +146,8 @@ class Sampler:
         device: the penalties count them too."""
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
-            raw_logprobs = logits.log_softmax(dim=-1)
+            raw_logprobs = logits.log_softmax(dim=-1)  # the model's distribution, before masks and penalties
+        apply_guides(logits, [s.guide for s in seqs])
         logits = apply_penalties(logits, seqs, pending)
         drawn = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
         dev = logits.device

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from engine.structured_output import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
@@ -20,6 +22,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
+    # the output must match a JSON schema / any JSON object / a grammar (tokens it forbids are masked)
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,3 +62,5 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            bad("structured_output", "must be an engine.structured_output.StructuredOutput")

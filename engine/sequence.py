@@ -37,6 +37,7 @@ class Sequence:
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.collect_logits = False  # keep every position's logits (LLM.score)
         self.prompt_logits: list[torch.Tensor] | None = None
+        self.guide = None  # engine.structured_output.Guide: what the output may continue with
 
     @property
     def num_tokens(self) -> int:
