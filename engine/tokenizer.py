@@ -4,7 +4,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -38,12 +38,15 @@ class Tokenizer:
         self.add_bos_token = bool(cfg.get("add_bos_token", True)) and self.bos_token_id is not None
         self.chat_template = cfg.get("chat_template")
         self._template = None
+        self.chat_template_variables: frozenset[str] = frozenset()  # what the template reads (`tools`, `thinking`)
         if self.chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            # the environment transformers renders chat templates in, so a template renders the same in both
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template)
+            self.chat_template_variables = frozenset(meta.find_undeclared_variables(env.parse(self.chat_template)))
 
     @property
     def vocab_size(self) -> int:
@@ -82,6 +85,10 @@ class Tokenizer:
             raise ChatTemplateError(f"cannot render the conversation with the chat template: {e}") from e
         except (TypeError, KeyError) as e:
             raise ChatTemplateError(f"malformed conversation for the chat template: {e}") from e
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise(message: str):
