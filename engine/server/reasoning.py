@@ -41,7 +41,7 @@ class ReasoningParser:
         if self._state == "reasoning":
             end = text.find(THINK_END)
             if end < 0:
-                keep = _partial_suffix(text, THINK_END)
+                keep = partial_suffix(text, THINK_END)
                 self._held = text[len(text) - keep :] if keep else ""
                 return text[: len(text) - keep], ""
             self._state = "after_reasoning"
@@ -64,7 +64,7 @@ class ReasoningParser:
         return text
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
