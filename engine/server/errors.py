@@ -97,8 +97,10 @@ def format_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
     return "; ".join(parts), deepest[0] or None
 
 
-# Discriminator tags pydantic puts into a location after a list index ("messages", 0, "user", ...).
-_TAGS = frozenset({"system", "developer", "user", "assistant", "text", "image_url"})
+# Discriminator tags pydantic puts into a location after a list index ("messages", 0, "user", ...) or after a
+# tagged field ("response_format", "json_schema", ...).
+_TAGS = frozenset({"system", "developer", "user", "assistant", "tool", "text", "image_url", "json_object", "json_schema"})
+_TAGGED_FIELDS = frozenset({"response_format"})
 
 
 def _loc(loc: tuple) -> str:
@@ -108,7 +110,7 @@ def _loc(loc: tuple) -> str:
         skip = (
             (part == "body" and prev is None)  # FastAPI's prefix for body fields
             or (isinstance(part, str) and ("[" in part or part in ("str", "int")))  # union member labels
-            or (isinstance(prev, int) and part in _TAGS)
+            or ((isinstance(prev, int) or prev in _TAGGED_FIELDS) and part in _TAGS)
         )
         if not skip:
             out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))

@@ -6,7 +6,7 @@ Request fields left as None take OpenAI's defaults; several clients send explici
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 # ----------------------------------------------------------------------------------------------- requests
 
@@ -41,27 +41,102 @@ class UserMessage(_Strict):
     content: str | list[ContentPart]
 
 
+# OpenAI's rule for function and schema names.
+Name = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class AssistantToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+    index: int | None = None  # what the SDKs' stream accumulators leave on a streamed call; ignored
+
+
 class AssistantMessage(_Strict):
     role: Literal["assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # null when the turn only called tools
+    tool_calls: list[AssistantToolCall] | None = None
     # Clients echo a previous response's message back; DeepSeek's templates drop old reasoning anyway.
     reasoning_content: str | None = None
-    # Fields of OpenAI's response message, accepted only empty: this server does no tool calling.
+    # Fields of OpenAI's response message, accepted only empty.
     refusal: None = None
-    tool_calls: list | None = None
     function_call: None = None
     audio: None = None
     annotations: list | None = None
 
-    @field_validator("tool_calls", "annotations")
+    @field_validator("annotations")
     @classmethod
     def _empty(cls, value: list | None) -> list | None:
         if value:
-            raise ValueError("tool calls and annotations are not supported by this server")
+            raise ValueError("annotations are not supported by this server")
         return value
 
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> "AssistantMessage":
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
 
-Message = Annotated[SystemMessage | UserMessage | AssistantMessage, Field(discriminator="role")]
+
+class ToolMessage(_Strict):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str
+
+
+Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
+class FunctionDefinition(_Strict):
+    name: Name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; none: no parameters
+    strict: bool | None = None  # true: the arguments are enforced to match even when the model may answer instead
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JSONSchema(_Strict):
+    name: Name
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # accepted; the schema is enforced either way
+
+
+class JSONSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JSONSchema
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")]
 
 
 class StreamOptions(_Strict):
@@ -82,6 +157,7 @@ class _SamplingFields(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as the issue asks
+    response_format: ResponseFormat | None = None  # on completions an extension (vLLM's)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -91,6 +167,19 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # default true
+
+    @field_validator("tool_choice", mode="wrap")
+    @classmethod
+    def _one_tool_choice_error(cls, value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(
+                'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+            ) from None
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -146,16 +235,29 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")
-    def _drop_absent_reasoning(self, handler: Any) -> dict:
+    def _drop_absent(self, handler: Any) -> dict:
         data = handler(self)
-        if data.get("reasoning_content") is None:
-            data.pop("reasoning_content", None)
+        for key in ("reasoning_content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -179,16 +281,33 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-class ChatDelta(BaseModel):
+class _OnlySet(BaseModel):
     """Only the keys that changed, as OpenAI streams them."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict:
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallFunctionDelta(_OnlySet):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_OnlySet):
+    """A call's first delta has its id, type and name; the later ones carry argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallFunctionDelta | None = None
+
+
+class ChatDelta(_OnlySet):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -17,6 +17,7 @@ from engine.server.disconnect import until_disconnected
 from engine.server.errors import ContextLengthExceeded, InternalError, InvalidRequest, ModelNotFound
 from engine.server.protocol import PromptTokensDetails, Usage
 from engine.server.request_stream import RequestStream
+from engine.structured_output import StructuredOutput
 from engine.tokenizer import LONG_TEXT_CHARS
 
 T = TypeVar("T")
@@ -81,8 +82,12 @@ class Serving:
         )
 
     @staticmethod
-    def sampling_params(request: Any, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
-        """SamplingParams of one choice; choice i of a seeded request uses seed + i (distinct, reproducible)."""
+    def sampling_params(
+        request: Any, max_tokens: int, logprobs: int | None, choice: int, constraint: StructuredOutput | None = None
+    ) -> SamplingParams:
+        """SamplingParams of one choice; choice i of a seeded request uses seed + i (distinct, reproducible).
+        `constraint`: what the output must match (response_format, tool_choice)."""
+        extra = {} if constraint is None else {"structured_output": constraint}
         try:
             return SamplingParams(
                 temperature=_default(request.temperature, 1.0),
@@ -95,6 +100,7 @@ class Serving:
                 logprobs=logprobs,
                 presence_penalty=_default(request.presence_penalty, 0.0),
                 frequency_penalty=_default(request.frequency_penalty, 0.0),
+                **extra,
             )
         except ValueError as exc:
             name = re.search(r"parameter (\w+)=", str(exc))

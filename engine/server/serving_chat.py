@@ -1,5 +1,6 @@
-"""POST /v1/chat/completions: messages -> chat template -> engine -> a completion or an SSE stream."""
+"""POST /v1/chat/completions: messages (+ tools) -> chat template -> engine -> a completion or an SSE stream."""
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -19,13 +20,21 @@ from engine.server.protocol import (
     ChatLogprobs,
     ChatMessage,
     ImagePart,
+    NamedToolChoice,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallFunction,
+    ToolCallFunctionDelta,
     TopLogprob,
 )
-from engine.server.reasoning import ReasoningParser
+from engine.server import structured, tool_format
+from engine.server.reasoning import THINK_END, THINK_START, ReasoningParser
 from engine.server.request_stream import RequestStream
 from engine.server.serving import Serving, check_not_aborted, clamp_logprob, run_to_completion
 from engine.server.sse import SSE_DONE, EventStreamResponse, sse
+from engine.server.tool_format import ToolFormat
+from engine.server.tool_parser import ToolCallParser
 
 
 class ChatServing(Serving):
@@ -36,28 +45,69 @@ class ChatServing(Serving):
         include_usage = self.check_stream_options(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        tool_choice = self.check_tools(request)
         n = request.n or 1
         self.check_choices(n)  # before templating a long history
-        size = sum(len(m.content) if isinstance(m.content, str) else sum(len(getattr(part, "text", "")) for part in m.content)
-                   for m in request.messages)
+        size = sum(_text_size(m) for m in request.messages) + sum(len(repr(t)) for t in request.tools or ())
         prompt = await self.off_the_loop(self.render, request, size=size)
         # the template wrote BOS; encode() does not repeat it
         prompt_ids = await self.off_the_loop(self.tokenizer.encode, prompt, size=len(prompt))
         max_tokens = request.max_completion_tokens or request.max_tokens
         max_tokens = self.check_context(len(prompt_ids), max_tokens, "messages")
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = [self.sampling_params(request, max_tokens, num_logprobs, i) for i in range(n)]
+        constraint = structured.for_chat(
+            response_format=request.response_format, tools=request.tools, tool_choice=tool_choice,
+            parallel=request.parallel_tool_calls is not False, fmt=self.tool_format, prompt=prompt,
+            think_tokens=self.think_tokens,
+        )
+        params = [self.sampling_params(request, max_tokens, num_logprobs, i, constraint) for i in range(n)]
         stream = await self.submit(f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids] * n, params, raw, "messages")
-        reply = _Reply(self, stream.request_id, prompt, n, num_logprobs)
+        parse_calls = request.tools is not None and tool_choice != "none"
+        max_calls = None if request.parallel_tool_calls is not False else 1
+        reply = _Reply(self, stream.request_id, prompt, n, num_logprobs, self.tool_format if parse_calls else None,
+                       max_calls)
         if request.stream:
             return EventStreamResponse(reply.events(stream, prompt_ids, include_usage), stream)
         return await run_to_completion(raw, stream, lambda final: reply.whole(final, prompt_ids))
+
+    @functools.cached_property
+    def tool_format(self) -> ToolFormat | None:
+        """How the served model's chat template writes tool calls (None: it writes none we can parse)."""
+        return tool_format.detect(self.tokenizer)
+
+    @functools.cached_property
+    def think_tokens(self) -> bool:
+        """Whether `<think>` and `</think>` are single tokens (a grammar can then place the reasoning)."""
+        return all(len(self.tokenizer.encode(tag, add_bos=False)) == 1 for tag in (THINK_START, THINK_END))
+
+    def check_tools(self, request: ChatCompletionRequest) -> str | NamedToolChoice:
+        """The request's tool_choice (OpenAI's defaults filled in); a 400 for tools this server cannot serve."""
+        tools, choice = request.tools, request.tool_choice
+        if tools is None:
+            if choice not in (None, "none", "auto"):
+                raise InvalidRequest("tool_choice requires tools.", param="tool_choice")
+            return "none"
+        if self.tool_format is None:
+            raise InvalidRequest(
+                f"The served model `{self.served_model_name}` has no tool-call format this server knows: its chat "
+                "template writes no DeepSeek tool calls (<｜tool▁call▁begin｜>...).", param="tools",
+            )
+        names = [t.function.name for t in tools]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise InvalidRequest(f"Function names must be unique; repeated: {', '.join(duplicates)}.", param="tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidRequest(
+                f"tool_choice names the function `{choice.function.name}`, which is not in tools "
+                f"({', '.join(names)}).", param="tool_choice",
+            )
+        return "auto" if choice is None else choice
 
     def render(self, request: ChatCompletionRequest) -> str:
         messages = []
         for i, message in enumerate(request.messages):
             content = message.content
-            if not isinstance(content, str):
+            if content is not None and not isinstance(content, str):
                 for j, part in enumerate(content):
                     if isinstance(part, ImagePart):
                         raise InvalidRequest(
@@ -67,11 +117,23 @@ class ChatServing(Serving):
                         )
                 content = "\n".join(part.text for part in content)
             role = "system" if message.role == "developer" else message.role
-            messages.append({"role": role, "content": content})
+            rendered = {"role": role, "content": content}
+            if role == "assistant" and message.tool_calls:
+                rendered["tool_calls"] = [call.model_dump(exclude={"index"}) for call in message.tool_calls]
+                rendered["content"] = content or None  # DeepSeek's templates write calls after null content
+            elif role == "tool":
+                rendered["tool_call_id"] = message.tool_call_id
+            messages.append(rendered)
+        kwargs = dict(request.chat_template_kwargs or {})
+        if request.tools is not None:
+            tools = [tool.model_dump(exclude_unset=True) for tool in request.tools]
+            if "tools" in self.tokenizer.chat_template_variables:
+                kwargs["tools"] = tools  # the template renders them itself, as transformers passes them
+            else:  # DeepSeek's own templates do not: the tools go into the system prompt, as its model card lays out
+                last_system = max((i for i, m in enumerate(messages) if m["role"] == "system"), default=-1)
+                messages.insert(last_system + 1, {"role": "system", "content": self.tool_format.tools_prompt(tools)})
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, **(request.chat_template_kwargs or {})
-            )
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
         except Exception as exc:  # noqa: BLE001 - a template error (jinja, bad kwargs) is the request's fault
             raise InvalidRequest(
                 f"The chat template could not render these messages: {type(exc).__name__}: {exc}",
@@ -79,10 +141,23 @@ class ChatServing(Serving):
             ) from None
 
 
+def _text_size(message) -> int:
+    """About how many characters a message adds to the prompt (to choose whether to template off the loop)."""
+    content = message.content
+    size = 0 if content is None else len(content) if isinstance(content, str) else sum(
+        len(getattr(part, "text", "")) for part in content)
+    for call in getattr(message, "tool_calls", None) or ():
+        size += len(call.function.arguments)
+    return size
+
+
 class _Reply:
     """Builds one request's response: the chunks of a stream, or the whole completion."""
 
-    def __init__(self, serving: ChatServing, request_id: str, prompt: str, n: int, num_logprobs: int | None) -> None:
+    def __init__(
+        self, serving: ChatServing, request_id: str, prompt: str, n: int, num_logprobs: int | None,
+        fmt: ToolFormat | None, max_calls: int | None,
+    ) -> None:
         self.serving = serving
         self.id = request_id
         self.n = n
@@ -90,17 +165,37 @@ class _Reply:
         self.model = serving.served_model_name
         self.created = int(time.time())
         self.parsers = [ReasoningParser.for_prompt(prompt) for _ in range(n)]
+        # tool calls are parsed out of the answer (not the reasoning) when the model may call
+        self.tool_parsers = [ToolCallParser(fmt, max_calls) if fmt is not None else None for _ in range(n)]
 
-    def split(self, index: int, text: str, finished: bool) -> tuple[str, str]:
-        """(reasoning, content) of a text delta of choice `index`."""
-        parser = self.parsers[index]
+    def split(self, index: int, text: str, finished: bool) -> tuple[str, str, list[ToolCallDelta]]:
+        """(reasoning, content, tool-call deltas) of a text delta of choice `index`."""
+        parser, tool_parser = self.parsers[index], self.tool_parsers[index]
         if parser is None:
-            return "", text
-        reasoning, content = parser.feed(text)
+            reasoning, content = "", text
+        else:
+            reasoning, content = parser.feed(text)
+            if finished:
+                more_reasoning, more_content = parser.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        if tool_parser is None:
+            return reasoning, content, []
+        content, deltas = tool_parser.feed(content)
         if finished:
-            more_reasoning, more_content = parser.finish()
-            reasoning, content = reasoning + more_reasoning, content + more_content
-        return reasoning, content
+            more_content, more_deltas = tool_parser.finish()
+            content, deltas = content + more_content, deltas + more_deltas
+        return reasoning, content, [
+            ToolCallDelta(index=d.index, id=d.id, type="function" if d.id else None,
+                          function=ToolCallFunctionDelta(name=d.name, arguments=d.arguments))
+            for d in deltas
+        ]
+
+    def finish_reason(self, index: int, out: RequestOutput) -> str | None:
+        """OpenAI's "tool_calls" for an output that ended (not cut short) after calling tools."""
+        tool_parser = self.tool_parsers[index]
+        if out.finish_reason == "stop" and tool_parser is not None and tool_parser.calls:
+            return "tool_calls"
+        return out.finish_reason
 
     def logprobs(self, out: RequestOutput, start: int) -> ChatLogprobs | None:
         if self.num_logprobs is None or out.logprobs is None:
@@ -124,13 +219,18 @@ class _Reply:
         choices = []
         for index in range(self.n):
             out = final[index]
-            reasoning, content = self.split(index, out.text, finished=True)
-            parser = self.parsers[index]
+            reasoning, content, _ = self.split(index, out.text, finished=True)
+            parser, tool_parser = self.parsers[index], self.tool_parsers[index]
+            calls = [ToolCall(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
+                     for c in (tool_parser.calls if tool_parser is not None else ())]
             message = ChatMessage(
-                content=content, reasoning_content=reasoning if parser is not None and parser.saw_reasoning else None
+                content=None if calls and not content.strip() else content,
+                reasoning_content=reasoning if parser is not None and parser.saw_reasoning else None,
+                tool_calls=calls or None,
             )
             logprobs = self.logprobs(out, 0)
-            choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=out.finish_reason))
+            choices.append(ChatChoice(index=index, message=message, logprobs=logprobs,
+                                      finish_reason=self.finish_reason(index, out)))
         return ChatCompletion(
             id=self.id, created=self.created, model=self.model, choices=choices,
             usage=self.serving.usage([prompt_ids], final, self.n),
@@ -153,17 +253,18 @@ class _Reply:
         async for batch in stream:
             for index, out in batch.items():
                 check_not_aborted(out)
-                reasoning, content = self.split(index, out.text[num_chars[index] :], out.finished)
+                reasoning, content, calls = self.split(index, out.text[num_chars[index] :], out.finished)
                 logprobs = self.logprobs(out, num_tokens[index])
                 num_chars[index], num_tokens[index] = len(out.text), len(out.token_ids)
-                if reasoning or content or (logprobs is not None and logprobs.content):
+                if reasoning or content or calls or (logprobs is not None and logprobs.content):
                     # Content "" (not absent) when only logprobs arrived: a token whose text is still held back.
-                    content = content or (None if reasoning else "")
-                    delta = ChatDelta(content=content, reasoning_content=reasoning or None)
+                    content = content or (None if reasoning or calls else "")
+                    delta = ChatDelta(content=content, reasoning_content=reasoning or None, tool_calls=calls or None)
                     yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)])
                 if out.finished:
                     final[index] = out
-                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=out.finish_reason)])
+                    reason = self.finish_reason(index, out)
+                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)])
         if include_usage:
             yield chunk([], self.serving.usage([prompt_ids], final, self.n))
         yield SSE_DONE

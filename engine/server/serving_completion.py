@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.outputs import RequestOutput
+from engine.server import structured
 from engine.server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from engine.server.request_stream import RequestStream
 from engine.server.serving import Serving, check_not_aborted, clamp_logprob, run_to_completion
@@ -32,7 +33,9 @@ class CompletionServing(Serving):
         for prompt_ids in prompts:
             self.check_context(len(prompt_ids), max_tokens, "prompt")
         choice_prompts = [p for p in prompts for _ in range(n)]
-        params = [self.sampling_params(request, max_tokens, request.logprobs, i) for i in range(len(choice_prompts))]
+        constraint = structured.for_completion(request.response_format)
+        params = [self.sampling_params(request, max_tokens, request.logprobs, i, constraint)
+                  for i in range(len(choice_prompts))]
         stream = await self.submit(f"cmpl-{uuid.uuid4().hex}", choice_prompts, params, raw, "prompt")
         reply = _Reply(self, stream.request_id, request.logprobs)
         if request.stream:

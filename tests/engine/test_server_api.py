@@ -307,13 +307,14 @@ def error_of(response: httpx.Response, status: int) -> dict:
 @pytest.mark.parametrize(
     ("payload", "param", "words"),
     [
-        ({"logit_bias": {"1": 2}, "tools": []}, "logit_bias", "logit_bias, tools"),
+        ({"logit_bias": {"1": 2}, "functions": []}, "logit_bias", "logit_bias, functions"),
         ({"temperature": "hot"}, "temperature", "valid number"),
         ({"max_tokens": True}, "max_tokens", "valid integer"),
         ({"n": 0}, "n", "greater than or equal to 1"),
         ({"top_p": 0}, "top_p", "greater than 0"),
         ({"messages": []}, "messages", "at least 1 item"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]", "'tool'"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages[0]", "'function'"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "Field required"),
         ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name", "messages[0].name"),
         ({"top_logprobs": 2}, "top_logprobs", "requires logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream"),
@@ -327,6 +328,23 @@ def test_invalid_chat_requests_are_400_naming_the_problem(http, payload, param, 
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert words in error["message"]
+
+
+def test_tools_for_a_template_that_writes_no_calls_are_400(http):
+    # the random checkpoint's template renders no tool calls (and its tokenizer has no tool tokens)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"model": MODEL_NAME, "messages": HELLO, "tools": [tool]}
+    error = error_of(http.post("/v1/chat/completions", json=body), 400)
+    assert error["param"] == "tools" and "no tool-call format" in error["message"]
+
+
+def test_response_format_on_any_model(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}}
+    for seed in range(3):
+        resp = client.chat.completions.create(model=MODEL_NAME, messages=HELLO, response_format=fmt, seed=seed)
+        assert resp.choices[0].finish_reason == "stop" and json.loads(resp.choices[0].message.content) in (
+            {"ok": True}, {"ok": False})
 
 
 def test_image_content_is_400_no_vision(http):
