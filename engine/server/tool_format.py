@@ -47,7 +47,8 @@ class ToolFormat:
             parameters = fn.get("parameters") or NO_PARAMETERS
             lines += ["", f"### {fn['name']}", f"Description: {fn.get('description') or ''}", "",
                       f"Parameters: {json.dumps(parameters, ensure_ascii=False)}"]
-        example = CALLS_BEGIN + self.call("tool_call_name", "tool_call_arguments") + "{{additional_tool_calls}}" + CALLS_END
+        example = (CALLS_BEGIN + self.call("tool_call_name", "tool_call_arguments") + "{{additional_tool_calls}}"
+                   + CALLS_END)
         lines += [
             "", "IMPORTANT: ALWAYS adhere to this exact format for tool use:", example, "", "Where:", "",
             "- `tool_call_name` must be an exact match to one of the available tools",

@@ -57,6 +57,7 @@ PERSON = {
     "required": ["name", "age", "languages", "retired"],
     "additionalProperties": False,
 }
+DESCRIBE = [{"role": "user", "content": "Describe a person."}]
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
 
@@ -217,7 +218,7 @@ def test_auto_with_a_strict_function_calls_validly_or_answers(client):
 
 def test_strict_json_schema_always_validates(client):
     for seed in range(20):
-        resp = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Describe a person."}],
+        resp = client.chat.completions.create(model=MODEL_NAME, messages=DESCRIBE,
                                               response_format=PERSON_FORMAT, temperature=1, seed=seed)
         choice = resp.choices[0]
         assert choice.finish_reason == "stop", choice
@@ -225,7 +226,7 @@ def test_strict_json_schema_always_validates(client):
 
 
 def test_json_schema_streams(client):
-    stream = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Describe a person."}],
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=DESCRIBE,
                                             response_format=PERSON_FORMAT, seed=3, stream=True)
     text = "".join(c.delta.content or "" for chunk in stream for c in chunk.choices)
     jsonschema.validate(json.loads(text), PERSON)
@@ -233,7 +234,7 @@ def test_json_schema_streams(client):
 
 def test_json_object(client):
     for seed in range(4):
-        choice = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Reply in JSON."}],
+        choice = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "In JSON?"}],
                                                 response_format={"type": "json_object"}, temperature=0.7, seed=seed,
                                                 max_tokens=300).choices[0]
         if choice.finish_reason == "stop":

@@ -17,7 +17,7 @@ from engine.config import resolve_model_path
 from engine.server import structured, tool_format
 from engine.server.errors import InvalidRequest
 from engine.server.protocol import ChatCompletionRequest, JSONSchemaFormat, NamedToolChoice, Tool
-from engine.server.serving_chat import ChatServing
+from engine.server.serving_chat import ChatServing, _Reply
 from engine.server.tool_format import CALLS_BEGIN, CALLS_END, V3, V31
 from engine.server.tool_parser import ToolCallParser
 from engine.tokenizer import Tokenizer
@@ -112,8 +112,6 @@ def test_text_after_the_calls_or_instead_of_a_call_is_dropped():
 
 
 def test_reasoning_stays_apart_from_content_and_calls():
-    from engine.server.serving_chat import _Reply
-
     text = "The user wants Paris.</think>Checking." + V31.calls([("get_weather", '{"city":"Paris","unit":"c"}')])
     serving = SimpleNamespace(served_model_name="m")
     for pieces in random_splits(text, random.Random(2), 50):
@@ -249,7 +247,8 @@ def test_thinking_comes_before_the_calls(ll_tokenizer, hf_tiny):
 
 
 def test_plain_json_answers_use_the_json_schema_form():
-    fmt = JSONSchemaFormat.model_validate({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "integer"}}})
+    fmt = JSONSchemaFormat.model_validate(
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "integer"}}})
     assert constraint(tools=None, tool_choice="none", response_format=fmt).json_schema == {"type": "integer"}
     assert structured.for_completion(fmt).json_schema == {"type": "integer"}
     assert constraint(tools=None, tool_choice="none") is None
@@ -350,7 +349,8 @@ def test_v3_tools_render_as_transformers_renders_them(deepseek_tokenizer_dir, tm
     """The same for DeepSeek-V3's template (V3's call format). Its tool-call turns need `content` to be null,
     which transformers 5 cannot pass (see above): those are checked against the V3 format instead."""
     template = json.loads((deepseek_tokenizer_dir / "tokenizer_config.json").read_text())["chat_template"]
-    with_tools = model_dir_with_template(deepseek_tokenizer_dir, tmp_path / "with-tools", with_tools_block(template, V3))
+    with_tools = model_dir_with_template(deepseek_tokenizer_dir, tmp_path / "with-tools",
+                                         with_tools_block(template, V3))
     first_turn = HISTORY[:2]
     expected = transformers_rendering(with_tools, first_turn, tools=TOOLS)
     assert our_rendering(deepseek_tokenizer_dir, first_turn, tools=TOOLS) == expected
