@@ -45,9 +45,14 @@ def kv_secret_name(parent: str) -> str:
     return f"{parent}-kv-auth"
 
 
+def kv_transfer_secret_name(parent: str) -> str:
+    """Secret with the fleet's generated KV transfer secret (`--kv-secret-file`)."""
+    return f"{parent}-kv-transfer"
+
+
 def secret_names(parent: str) -> list[str]:
     """Every Secret the operator may create for a fleet (Secrets are pruned by name, never listed)."""
-    return [kv_secret_name(parent)]
+    return [kv_secret_name(parent), kv_transfer_secret_name(parent)]
 
 
 def children_selector(parent: str) -> dict[str, str]:

@@ -20,6 +20,7 @@ class Observed:
     redis: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
     kv_problem: str | None = None  # why the directory cannot work, found while reading its Secret
+    transfer_problem: str | None = None  # what is wrong with the KV transfer secret the spec names
     blocked: list[str] = field(default_factory=list)  # children we could not create or update
     missing_crds: list[str] = field(default_factory=list)  # children whose kind the cluster does not serve
 
@@ -60,6 +61,8 @@ def _kv_condition(parent: Parent, observed: Observed) -> dict:
     directory = parent.spec.kv_cache.directory
     if observed.kv_problem:
         return condition("KVDirectoryReady", False, "PasswordSecretInvalid", observed.kv_problem)
+    if observed.transfer_problem:
+        return condition("KVDirectoryReady", False, "TransferSecretInvalid", observed.transfer_problem)
     if not directory.managed:
         return condition(
             "KVDirectoryReady", True, "ExternalDirectory",

@@ -16,7 +16,7 @@ from kubernetes.client.exceptions import ApiException
 
 from fleet import drift, names
 from fleet.kube import PRUNED_KINDS, CRDMissing, Kube
-from fleet.manifests import build_children
+from fleet.manifests import build_children, kv_transfer
 from fleet.manifests.kv_directory import new_password, read_password
 from fleet.manifests.multinode import engine_workload
 from fleet.options import BuildOptions
@@ -145,8 +145,9 @@ class _Pass:
         workload = engine_workload(parent)
         engine = self._get(*workload, names.engine_name(parent.name))
         password, kv_problem = self._kv_password()
-        children = build_children(parent, kv_password=password, replicas=self._replicas(engine),
-                                  secrets_hash=self._secrets_hash())
+        transfer_secret, transfer_problem = self._transfer_secret()
+        children = build_children(parent, kv_password=password, transfer_secret=transfer_secret,
+                                  replicas=self._replicas(engine), secrets_hash=self._secrets_hash(transfer_secret))
         applied = {(c["kind"], c["metadata"]["name"]): self._apply(c) for c in children}
         self._prune(set(applied))
         observed = Observed(
@@ -154,6 +155,7 @@ class _Pass:
             redis=applied.get(("Deployment", names.kv_name(parent.name))),
             pods=self._pods() if parent.spec.network.rdma.enabled else [],
             kv_problem=kv_problem,
+            transfer_problem=transfer_problem,
             blocked=self.blocked,
             missing_crds=self.missing_crds,
         )
@@ -198,20 +200,45 @@ class _Pass:
             )
         return None, None
 
-    def _secrets_hash(self) -> str | None:
-        """A digest of the referenced Secret keys the engine pods read, None if they read none.
+    def _transfer_secret(self) -> tuple[str | None, str | None]:
+        """The fleet's generated KV transfer secret (None when the spec names its own), and what is
+        wrong with the one the spec names. Generated once: a value in the Secret is kept for good,
+        so neither a resync nor a restarted operator changes the secret of a running fleet."""
+        ref = self.parent.spec.kv_cache.transfer_secret_ref
+        if ref is None:
+            secret = self._get("v1", "Secret", names.kv_transfer_secret_name(self.parent.name))
+            return kv_transfer.read_secret(secret) or kv_transfer.new_secret(), None
+        secret = self._get("v1", "Secret", ref.name)
+        if secret is None:
+            return None, (f"Secret {ref.name} with the fleet's KV transfer secret does not exist; create it "
+                          f"with key {ref.key} (at least {kv_transfer.MIN_BYTES} random bytes).")
+        if not (secret.get("data") or {}).get(ref.key):
+            return None, f"Secret {ref.name} has no key {ref.key}; put the fleet's KV transfer secret there."
+        if kv_transfer.read_secret(secret, ref.key) is None:
+            return None, (f"The KV transfer secret in Secret {ref.name} is shorter than {kv_transfer.MIN_BYTES} "
+                          "bytes, which the engines refuse; use 32 random bytes, say.")
+        return None, None
 
-        Secrets are read by name on every pass (no list or watch on Secrets): a rotated API key or
-        password changes the digest on the pod template at the next pass, which rolls the pods.
-        """
+    def _referenced_secrets(self) -> list[tuple[str, str]]:
+        """(name, key) of every Secret key the spec names."""
         spec = self.parent.spec
         refs = [spec.engine.api_key_secret_ref, spec.kv_cache.directory.password_secret_ref,
-                spec.model.token_secret_ref]
-        used = sorted({(r.name, r.key) for r in refs if r is not None})
-        if not used:
-            return None
+                spec.model.token_secret_ref, spec.kv_cache.transfer_secret_ref]
+        return sorted({(r.name, r.key) for r in refs if r is not None})
+
+    def _secrets_hash(self, transfer_secret: str | None) -> str | None:
+        """A digest of the Secret keys the engine pods read, None if they read none.
+
+        Secrets are read by name on every pass (no list or watch on Secrets): a rotated API key,
+        password or KV transfer secret changes the digest on the pod template at the next pass,
+        which rolls the pods (the engines read their secrets at start).
+        """
         values = {f"{name}/{key}": ((self._get("v1", "Secret", name) or {}).get("data") or {}).get(key)
-                  for name, key in used}
+                  for name, key in self._referenced_secrets()}
+        if transfer_secret is not None:
+            values[f"{names.kv_transfer_secret_name(self.parent.name)}/{kv_transfer.SECRET_KEY}"] = transfer_secret
+        if not values:
+            return None
         digest = hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
         return digest[:16]
 
@@ -277,7 +304,10 @@ class _Pass:
                     self.owner.unserved[kind.kind] = time.monotonic()
                     continue
             else:
-                found = (self._get(kind.api_version, kind.kind, n) for n in names.secret_names(self.parent.name))
+                # One the spec now names (say, a generated Secret taken over as transferSecretRef) stays.
+                referenced = {name for name, _ in self._referenced_secrets()}
+                found = (self._get(kind.api_version, kind.kind, n) for n in names.secret_names(self.parent.name)
+                         if n not in referenced)
                 candidates = [c for c in found if c is not None]
             for live in candidates:
                 meta = live.get("metadata", {})

@@ -165,6 +165,9 @@ class KVCacheSpec(ApiModel):
     """How replicas move KV blocks between each other (`--kv-transport`); auto picks RDMA when enabled."""
     redis: ManagedRedisSpec = ManagedRedisSpec()
     """Managed Redis settings."""
+    transfer_secret_ref: SecretKeyRef | None = None
+    """Secret key holding the KV transfer secret (`--kv-secret-file`, 16 bytes or more) that replicas authenticate
+    and sign directory entries with; unset: the operator generates one into the Secret `<name>-kv-transfer`."""
 
 
 class RDMASpec(ApiModel):
@@ -259,7 +262,7 @@ class PodTemplate(ApiModel):
     topology_spread_constraints: list[FreeForm] = []
     """Kubernetes TopologySpreadConstraints of the engine pods."""
     volumes: list[FreeForm] = []
-    """Extra pod volumes (Kubernetes Volume objects); the names model, dshm and api-key are the operator's."""
+    """Extra pod volumes (Kubernetes Volume objects); model, dshm, api-key and kv-secret are the operator's names."""
     volume_mounts: list[FreeForm] = []
     """Extra mounts of the engine container (Kubernetes VolumeMount objects)."""
     sidecars: list[FreeForm] = []

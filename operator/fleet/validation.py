@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from fleet.manifests import kv_transfer
 from fleet.manifests.engine import MANAGED_FLAGS
 from fleet.manifests.kv_directory import PASSWORD_ENV
 from fleet.options import BuildOptions
@@ -21,7 +22,7 @@ NAME_RULE = {
     "message": f"metadata.name must be a DNS label of at most {MAX_NAME_LEN} characters starting with a letter "
     "(children append suffixes such as -peers)",
 }
-OPERATOR_VOLUMES = ("model", "dshm", "api-key")
+OPERATOR_VOLUMES = ("model", "dshm", "api-key", kv_transfer.VOLUME)
 OPERATOR_CONTAINERS = ("engine", "model-download")
 RESERVED_ENV = {"POD_NAME", "POD_IP", PASSWORD_ENV} | {
     "DEEPSEEK_ENGINE_" + flag.removeprefix("--").replace("-", "_").upper() for flag in MANAGED_FLAGS

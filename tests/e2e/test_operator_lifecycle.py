@@ -60,6 +60,7 @@ async def test_create_makes_every_child_owned_and_wired(cluster: Cluster, operat
         ("apps/v1", "deployments", "v3"), ("v1", "services", "v3"), ("v1", "services", "v3-peers"),
         ("policy/v1", "poddisruptionbudgets", "v3"), ("apps/v1", "deployments", "v3-kv"),
         ("v1", "services", "v3-kv"), ("v1", "secrets", "v3-kv-auth"), ("networking.k8s.io/v1", "networkpolicies", "v3-kv"),
+        ("v1", "secrets", "v3-kv-transfer"),
     ]:
         child = await eventually(lambda: cluster.get(api_version, plural, name), what=f"{plural}/{name}")
         (ref,) = child["metadata"]["ownerReferences"]
@@ -82,6 +83,7 @@ CHILDREN = [
     ("apps/v1", "deployments", "v3"), ("v1", "services", "v3"), ("v1", "services", "v3-peers"),
     ("policy/v1", "poddisruptionbudgets", "v3"), ("apps/v1", "deployments", "v3-kv"),
     ("v1", "services", "v3-kv"), ("v1", "secrets", "v3-kv-auth"), ("networking.k8s.io/v1", "networkpolicies", "v3-kv"),
+    ("v1", "secrets", "v3-kv-transfer"),
 ]
 
 
@@ -230,6 +232,7 @@ async def test_restart_midway_converges_to_the_same_state(cluster: Cluster, oper
     await restarted.start()
     try:
         await converged(cluster)
+        # Both Secrets too: the Redis password and the KV transfer secret survive the restart.
         for av, plural, name in CHILDREN:
             now = cluster.get(av, plural, name)
             assert now["spec" if "spec" in now else "data"] == reference[plural, name]["spec" if "spec" in now else "data"]

@@ -3,9 +3,12 @@ exactly as the operator renders them start `deepseek-engine serve` on this machi
 a process, gloo) and answer a chat completion through the official openai client.
 
 Only what a cluster provides is stood in for: the model path (deepseek-tiny), the downward API (pod
-name, pod IP = loopback), the Secrets' values, the Redis Service's address (a real redis-server with
-the rendered URL's password on loopback) and the ports (free ones, where a pod has its own network)."""
+name, pod IP = loopback), the Secrets' values, the Secret volumes (a local file holding what the
+kubelet would project: the API key, the built KV transfer Secret's key), the Redis Service's address
+(a real redis-server with the rendered URL's password on loopback) and the ports (free ones, where a
+pod has its own network)."""
 
+import base64
 import os
 import re
 import signal
@@ -19,6 +22,7 @@ import pytest
 import redis as redis_lib
 import yaml
 
+from engine.kv.auth import PeerAuth
 from fleet.manifests import build_children
 from fleet.validation import validate
 from tests.engine.conftest_server import free_port
@@ -27,6 +31,7 @@ from tests.redis_server import RedisServer
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 PASSWORD = "kv-secret"
 API_KEY = "sk-fleet-key"
+TRANSFER_SECRET = "generated-kv-transfer-secret-0123456789"
 
 
 def engine_container(children: list[dict]) -> dict:
@@ -63,11 +68,20 @@ def kubelet_env(container: dict, given: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def localize(args: list[str], env: dict[str, str], redis_port: int, api_key_file: Path, port: int) -> list[str]:
-    """Stand-ins for the cluster: the model, the ports, the api-key Secret's mount, the Redis Service."""
+def kubelet_secret_file(children: list[dict], tmp_path: Path) -> Path:
+    """The file the kubelet projects from the built KV transfer Secret into the engine pods' volume."""
+    (secret,) = [c for c in children if c["kind"] == "Secret" and c["metadata"]["name"].endswith("-kv-transfer")]
+    path = tmp_path / "kv-secret"
+    path.write_bytes(base64.b64decode(secret["data"]["secret"]))
+    return path
+
+
+def localize(args: list[str], env: dict[str, str], redis_port: int, api_key_file: Path, port: int,
+             kv_secret_file: Path) -> list[str]:
+    """Stand-ins for the cluster: the model, the ports, the Secrets' mounts, the Redis Service."""
     out = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in args]
     replace = {"--model": "deepseek-tiny", "--port": str(port), "--kv-transfer-port": "0",
-               "--api-key-file": str(api_key_file)}
+               "--api-key-file": str(api_key_file), "--kv-secret-file": str(kv_secret_file)}
     for i, a in enumerate(out[:-1]):
         if a in replace:
             out[i + 1] = replace[a]
@@ -82,7 +96,9 @@ def test_rendered_engine_command_serves_a_chat_completion(path: Path, tmp_path: 
     (doc,) = yaml.safe_load_all(path.read_text())
     parent = validate({**doc, "metadata": {**doc["metadata"], "namespace": "ns"}})
     managed = parent.spec.kv_cache.directory.managed
-    container = engine_container(build_children(parent, kv_password=PASSWORD if managed else None, replicas=1))
+    children = build_children(parent, kv_password=PASSWORD if managed else None, transfer_secret=TRANSFER_SECRET,
+                              replicas=1)
+    container = engine_container(children)
     assert container["command"] == ["deepseek-engine"]
     env = kubelet_env(container, {"POD_NAME": f"{doc['metadata']['name']}-0", "POD_IP": "127.0.0.1",
                                   "DEEPSEEK_KV_DIRECTORY_PASSWORD": PASSWORD})
@@ -90,7 +106,7 @@ def test_rendered_engine_command_serves_a_chat_completion(path: Path, tmp_path: 
     key_file = tmp_path / "api-key"
     key_file.write_text(API_KEY + "\n")
     port = free_port()
-    args = localize(container["args"], env, redis.port, key_file, port)
+    args = localize(container["args"], env, redis.port, key_file, port, kubelet_secret_file(children, tmp_path))
     tp = int(args[args.index("--tensor-parallel-size") + 1])
     log = open(tmp_path / "engine.log", "w")
     proc = subprocess.Popen(container["command"] + args, env={**os.environ, **env}, stdout=log,
@@ -111,6 +127,11 @@ def test_rendered_engine_command_serves_a_chat_completion(path: Path, tmp_path: 
         url = next(v for v in env.values() if v.startswith("redis://"))
         keys = redis_lib.Redis.from_url(url).keys("*replica:*")
         assert any(env["POD_NAME"].encode() in k for k in keys), keys
+        # ... and signed it with the fleet's secret as the operator generated it: the engine read the mount
+        (record,) = [redis_lib.Redis.from_url(url, decode_responses=True).hgetall(k) for k in keys]
+        fields = (env["POD_NAME"], record["incarnation"], record["addr"], record["transport"])
+        assert record["sig"] == PeerAuth(TRANSFER_SECRET.encode()).sign(*fields)
+        assert "without a fleet secret" not in (tmp_path / "engine.log").read_text()
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(60) == 0
@@ -133,7 +154,8 @@ def test_a_rendered_multi_node_replica_serves_across_its_pods(tmp_path: Path) ->
     doc["spec"].update(gpusPerReplica=4, gpusPerNode=2)
     doc["spec"]["engine"].pop("tensorParallelSize", None)
     parent = validate({**doc, "metadata": {**doc["metadata"], "namespace": "ns"}})
-    (lws,) = [c for c in build_children(parent, kv_password=PASSWORD, replicas=1) if c["kind"] == "LeaderWorkerSet"]
+    children = build_children(parent, kv_password=PASSWORD, transfer_secret=TRANSFER_SECRET, replicas=1)
+    (lws,) = [c for c in children if c["kind"] == "LeaderWorkerSet"]
     group = lws["spec"]["leaderWorkerTemplate"]
     templates = [group.get("leaderTemplate") or group["workerTemplate"], group["workerTemplate"]]
     redis = RedisServer(tmp_path, port=free_port(), password=PASSWORD).start()
@@ -145,7 +167,8 @@ def test_a_rendered_multi_node_replica_serves_across_its_pods(tmp_path: Path) ->
             env = kubelet_env(container, {"POD_NAME": f"v3-0-{index}", "POD_IP": "127.0.0.1",
                                           "DEEPSEEK_KV_DIRECTORY_PASSWORD": PASSWORD})
             env.update(LWS_WORKER_INDEX=str(index), LWS_LEADER_ADDRESS="127.0.0.1")
-            args = localize(container["args"], env, redis.port, tmp_path / "no-key", port)
+            args = localize(container["args"], env, redis.port, tmp_path / "no-key", port,
+                            kubelet_secret_file(children, tmp_path))
             at = args.index("--dist-init-addr") + 1
             assert args[at] == "127.0.0.1:29500" and args[args.index("--node-rank") + 1] == str(index)
             args[at] = f"127.0.0.1:{dist_port}"  # a free port where a pod has its own network

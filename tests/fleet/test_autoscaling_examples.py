@@ -24,6 +24,7 @@ from fleet.validation import validate
 ROOT = Path(__file__).resolve().parents[2]
 FOLDER = ROOT / "examples" / "autoscaling"
 EXAMPLES = sorted(FOLDER.glob("*.yaml"))
+SECRET = "generated-kv-transfer-secret"  # the reconcile passes the one it generated or read
 
 
 def documents(path: Path) -> list[dict[str, Any]]:
@@ -48,7 +49,7 @@ def test_fleets_are_admitted_accepted_and_build_valid_children(path: Path) -> No
     assert admit(fleet) == []
     parent = validate({**defaulted(fleet), "metadata": {**fleet["metadata"], "namespace": "ns"}})
     replicas = None if parent.spec.autoscaling.enabled else parent.spec.replicas
-    for child in build_children(parent, kv_password="pw", replicas=replicas):
+    for child in build_children(parent, kv_password="pw", transfer_secret=SECRET, replicas=replicas):
         kubernetes_validate.validate(child, "1.33.0", strict=True)
 
 
@@ -64,8 +65,8 @@ def test_built_in_autoscaler_example_owns_the_count() -> None:
     policy = Policy.from_spec(parent.spec.autoscaling)
     assert (policy.min_replicas, policy.max_replicas, policy.target_queue_depth) == (2, 8, 32)
     assert "replicas" not in fleet["spec"]  # ignored while autoscaling is on; Git need not hold it
-    engine = next(c for c in build_children(parent, kv_password="pw", replicas=None) if c["kind"] == "Deployment"
-                  and c["metadata"]["name"] == parent.name)
+    engine = next(c for c in build_children(parent, kv_password="pw", transfer_secret=SECRET, replicas=None)
+                  if c["kind"] == "Deployment" and c["metadata"]["name"] == parent.name)
     assert "replicas" not in engine["spec"]
 
 

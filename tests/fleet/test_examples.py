@@ -13,6 +13,7 @@ from fleet.manifests import build_children
 from fleet.validation import validate
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+SECRET = "generated-kv-transfer-secret"  # the reconcile passes the one it generated or read
 
 
 def test_the_required_examples_exist() -> None:
@@ -26,5 +27,5 @@ def test_example(path: Path) -> None:
     (doc,) = yaml.safe_load_all(path.read_text())
     assert admit(doc) == []
     parent = validate({**doc, "metadata": {**doc["metadata"], "namespace": "ns"}})
-    for child in build_children(parent, kv_password="pw", replicas=parent.spec.replicas):
+    for child in build_children(parent, kv_password="pw", transfer_secret=SECRET, replicas=parent.spec.replicas):
         kubernetes_validate.validate(child, "1.33.0", strict=True)

@@ -24,6 +24,7 @@ from fleet.validation import validate
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").rglob("*.y*ml"))
 SCALERS = {("autoscaling/v2", "HorizontalPodAutoscaler"), ("keda.sh/v1alpha1", "ScaledObject")}
+SECRET = "generated-kv-transfer-secret"  # the reconcile passes the one it generated or read
 
 
 def documents(path: Path) -> list[dict[str, Any]]:
@@ -62,7 +63,8 @@ def test_every_document_passes_the_checks_of_its_kind(path: Path) -> None:
             assert doc["apiVersion"] == names.API_VERSION
             assert admit(doc) == [], path.name
             parent = validate({**doc, "metadata": {**doc["metadata"], "namespace": "ns"}})
-            for child in build_children(parent, kv_password="pw", replicas=parent.spec.replicas):
+            for child in build_children(parent, kv_password="pw", transfer_secret=SECRET,
+                                        replicas=parent.spec.replicas):
                 kubernetes_validate.validate(child, "1.33.0", strict=True)
         elif kind == ("keda.sh/v1alpha1", "ScaledObject"):
             spec = doc["spec"]
@@ -104,7 +106,7 @@ def test_gb300_example_fits_one_tray() -> None:
     parent = validate({**fleet, "metadata": {**fleet["metadata"], "namespace": "ns"}})
     assert parent.spec.gpus_per_replica == 4
     assert parent.spec.template.node_selector["kubernetes.io/arch"] == "arm64"  # Grace CPUs
-    engine = next(c for c in build_children(parent, kv_password="pw", replicas=1)
+    engine = next(c for c in build_children(parent, kv_password="pw", transfer_secret=SECRET, replicas=1)
                   if (c["kind"], c["metadata"]["name"]) == ("Deployment", parent.name))
     (container,) = engine["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"

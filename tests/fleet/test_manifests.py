@@ -15,6 +15,8 @@ from fleet.manifests.kv_directory import build_kv_deployment, password_hash
 from fleet.parent import Parent
 from fleet.spec import DeepSeekDeploymentSpec
 
+SECRET = "generated-kv-transfer-secret"  # the reconcile passes the one it generated or read
+
 
 def parent(**spec: Any) -> Parent:
     base: dict[str, Any] = {"model": {"name": "m", "uri": "pvc://models/DeepSeek-V3"}, "engine": {"image": "e:1"}}
@@ -60,7 +62,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_child_validates_strictly_against_kubernetes_1_33(variant: str) -> None:
-    children = build_children(VARIANTS[variant], kv_password="pw", replicas=2)
+    children = build_children(VARIANTS[variant], kv_password="pw", transfer_secret=SECRET, replicas=2)
     assert children
     for child in children:
         kubernetes_validate.validate(child, "1.33.0", strict=True)
@@ -174,7 +176,7 @@ def test_model_sources() -> None:
 
 
 def test_kv_directory_password_never_in_args() -> None:
-    children = build_children(parent(), kv_password="s3cret", replicas=2)
+    children = build_children(parent(), kv_password="s3cret", transfer_secret=SECRET, replicas=2)
     by_name = {(c["kind"], c["metadata"]["name"]): c for c in children}
     secret = by_name["Secret", "v3-kv-auth"]
     assert base64.b64decode(secret["data"]["password"]).decode() == "s3cret"
@@ -199,8 +201,9 @@ def test_kv_directory_password_never_in_args() -> None:
 
 
 def test_external_directory() -> None:
-    children = build_children(VARIANTS["external"], kv_password=None, replicas=1)
-    assert {c["kind"] for c in children} == {"Deployment", "Service", "PodDisruptionBudget"}
+    children = build_children(VARIANTS["external"], kv_password=None, transfer_secret=SECRET, replicas=1)
+    assert {c["kind"] for c in children} == {"Deployment", "Service", "PodDisruptionBudget", "Secret"}
+    assert [c["metadata"]["name"] for c in children if c["kind"] == "Secret"] == ["v3-kv-transfer"]  # no Redis
     container = children[-1]["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in container["env"]}
     assert env["DEEPSEEK_ENGINE_KV_DIRECTORY"]["value"] == "rediss://user:$(DEEPSEEK_KV_DIRECTORY_PASSWORD)@r:6380/1"
@@ -208,7 +211,8 @@ def test_external_directory() -> None:
 
 
 def test_services_budget_and_labels() -> None:
-    children = {(c["kind"], c["metadata"]["name"]): c for c in build_children(parent(), kv_password="p", replicas=2)}
+    built = build_children(parent(), kv_password="p", transfer_secret=SECRET, replicas=2)
+    children = {(c["kind"], c["metadata"]["name"]): c for c in built}
     service = children["Service", "v3"]["spec"]
     assert service["type"] == "ClusterIP" and service["ports"][0]["port"] == 8000
     peers = children["Service", "v3-peers"]["spec"]
@@ -232,10 +236,12 @@ def test_pod_monitor_only_when_the_operator_is_set_to_make_them() -> None:
 
     from fleet.options import BuildOptions
 
-    assert not [c for c in build_children(parent(), kv_password="p", replicas=1) if c["kind"] == "PodMonitor"]
+    assert not [c for c in build_children(parent(), kv_password="p", transfer_secret=SECRET, replicas=1)
+                if c["kind"] == "PodMonitor"]
     asked = replace(parent(), options=BuildOptions(pod_monitors=True))
-    (monitor,) = [c for c in build_children(asked, kv_password="p", replicas=1) if c["kind"] == "PodMonitor"]
-    (engine,) = [c for c in build_children(asked, kv_password="p", replicas=1)
+    (monitor,) = [c for c in build_children(asked, kv_password="p", transfer_secret=SECRET, replicas=1)
+                  if c["kind"] == "PodMonitor"]
+    (engine,) = [c for c in build_children(asked, kv_password="p", transfer_secret=SECRET, replicas=1)
                  if c["kind"] == "Deployment" and c["metadata"]["name"] == "v3"]
     pod = engine["spec"]["template"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
@@ -249,8 +255,10 @@ def test_inference_pool_only_when_asked_beside_the_service() -> None:
 
     from fleet.options import BuildOptions
 
-    assert not [c for c in build_children(parent(), kv_password="p", replicas=1) if c["kind"] == "InferencePool"]
-    children = build_children(replace(parent(), options=BuildOptions(inference_pools=True)), kv_password="p", replicas=1)
+    assert not [c for c in build_children(parent(), kv_password="p", transfer_secret=SECRET, replicas=1)
+                if c["kind"] == "InferencePool"]
+    children = build_children(replace(parent(), options=BuildOptions(inference_pools=True)), kv_password="p",
+                              transfer_secret=SECRET, replicas=1)
     (pool,) = [c for c in children if c["kind"] == "InferencePool"]
     (service,) = [c for c in children if c["kind"] == "Service" and c["metadata"]["name"] == "v3"]
     assert pool["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]  # the same serving pods

@@ -20,6 +20,7 @@ from fleet.validation import validate
 
 SCHEMA = json.loads((Path(__file__).parent / "data" / "leaderworkerset-v1.schema.json").read_text())
 MULTI = {"gpusPerReplica": 16, "gpusPerNode": 8, "engine": {"tensorParallelSize": 16}}
+SECRET = "generated-kv-transfer-secret"  # the reconcile passes the one it generated or read
 
 
 def flag(args: list[str], name: str) -> str:
@@ -27,13 +28,14 @@ def flag(args: list[str], name: str) -> str:
 
 
 def lws_of(p: Any, replicas: int | None = 2) -> dict[str, Any]:
-    (lws,) = [c for c in build_children(p, kv_password="pw", replicas=replicas) if c["kind"] == "LeaderWorkerSet"]
+    (lws,) = [c for c in build_children(p, kv_password="pw", transfer_secret=SECRET, replicas=replicas)
+              if c["kind"] == "LeaderWorkerSet"]
     return lws
 
 
 def test_a_multi_node_fleet_renders_a_valid_leader_worker_set() -> None:
     p = parent(**MULTI)
-    children = build_children(p, kv_password="pw", replicas=2)
+    children = build_children(p, kv_password="pw", transfer_secret=SECRET, replicas=2)
     assert not [c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"] == "v3"]
     lws = lws_of(p)
     jsonschema.Draft7Validator(SCHEMA).validate(lws)
@@ -80,7 +82,7 @@ def test_admission_and_the_operator_refuse_impossible_splits(spec: dict[str, Any
 
 
 def test_one_node_fleets_are_unchanged() -> None:
-    (engine,) = [c for c in build_children(parent(gpusPerNode=8), kv_password="pw", replicas=1)
+    (engine,) = [c for c in build_children(parent(gpusPerNode=8), kv_password="pw", transfer_secret=SECRET, replicas=1)
                  if c["metadata"]["name"] == "v3" and c["kind"] in ("Deployment", "LeaderWorkerSet")]
     assert engine["kind"] == "Deployment"
     assert "--nnodes" not in engine["spec"]["template"]["spec"]["containers"][0]["args"]

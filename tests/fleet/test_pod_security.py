@@ -15,13 +15,14 @@ from fleet.manifests.engine import build_engine_deployment, default_requests
 from fleet.validation import validate
 
 FLEETS = all_fleets()
+SECRET = "generated-kv-transfer-secret"  # the reconcile passes the one it generated or read
 IPC_LOCK_BASELINE = ["Capabilities: containers[engine] adds IPC_LOCK"]
 IPC_LOCK = IPC_LOCK_BASELINE + ["Capabilities: containers[engine] may add only NET_BIND_SERVICE, adds IPC_LOCK"]
 
 
 def pod_templates(fleet: dict[str, Any]) -> dict[str, dict[str, Any]]:
     body = {**fleet, "metadata": {**fleet["metadata"], "namespace": "ns"}}
-    children = build_children(validate(body), kv_password="pw", replicas=1)
+    children = build_children(validate(body), kv_password="pw", transfer_secret=SECRET, replicas=1)
     return {c["metadata"]["name"]: c["spec"]["template"] for c in children if "template" in c.get("spec", {})}
 
 

@@ -13,6 +13,7 @@ from fleet.manifests.kv_directory import (
     build_kv_service,
     password_hash,
 )
+from fleet.manifests.kv_transfer import build_transfer_secret
 from fleet.manifests.monitoring import build_pod_monitor
 from fleet.manifests.multinode import build_leader_worker_set, is_multinode
 from fleet.manifests.routing import build_inference_pool
@@ -21,14 +22,18 @@ from fleet.parent import Parent
 
 
 def build_children(parent: Parent, *, kv_password: str | None, replicas: int | None,
-                   secrets_hash: str | None = None) -> list[dict[str, Any]]:
+                   transfer_secret: str | None = None, secrets_hash: str | None = None) -> list[dict[str, Any]]:
     """Every child of a fleet, in creation order (what others depend on first).
 
-    kv_password is the managed Redis password (None for an external directory); replicas is
+    kv_password is the managed Redis password (None for an external directory); transfer_secret
+    the generated KV transfer secret (None when kvCache.transferSecretRef names one); replicas is
     None when the autoscaler owns the engine Deployment's replica count; secrets_hash digests the
-    Secrets the engines read (API key, external Redis password, Hugging Face token).
+    Secrets the engines read (API key, external Redis password, Hugging Face token, KV transfer secret).
     """
     children: list[dict[str, Any]] = []
+    if parent.spec.kv_cache.transfer_secret_ref is None:
+        assert transfer_secret is not None, "a fleet without transferSecretRef needs its generated secret"
+        children.append(build_transfer_secret(parent, transfer_secret))
     auth_hash = None
     if parent.spec.kv_cache.directory.managed:
         assert kv_password is not None, "a managed directory needs its password"

@@ -9,7 +9,7 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 
 from fleet import names
-from fleet.manifests import rdma, security
+from fleet.manifests import kv_transfer, rdma, security
 from fleet.manifests.kv_directory import directory_env
 from fleet.manifests.model_source import MODEL_DIR, VOLUME, model_source
 from fleet.parent import Parent
@@ -22,8 +22,8 @@ MEMORY_PER_GPU_GI = 16  # host memory per GPU process: CUDA context, pinned buff
 # Flags the operator owns; extraArgs may not repeat them.
 MANAGED_FLAGS = (
     "--model", "--served-model-name", "--port", "--tensor-parallel-size", "--max-model-len", "--replica-id",
-    "--advertise-host", "--kv-directory", "--kv-transport", "--kv-transfer-port", "--api-key-file",
-    "--nnodes", "--node-rank", "--dist-init-addr",
+    "--advertise-host", "--kv-directory", "--kv-transport", "--kv-transfer-port", "--kv-secret-file",
+    "--api-key-file", "--nnodes", "--node-rank", "--dist-init-addr",
 )
 
 
@@ -68,6 +68,7 @@ def engine_args(parent: Parent, model_path: str, *, multinode: bool = False) -> 
         "--advertise-host", "$(POD_IP)",
         "--kv-transport", rdma.kv_transport(spec),
         "--kv-transfer-port", str(names.KV_TRANSFER_PORT),
+        "--kv-secret-file", kv_transfer.SECRET_FILE,
     ]
     if spec.engine.api_key_secret_ref is not None:
         args += ["--api-key-file", f"{API_KEY_DIR}/api-key"]
@@ -157,6 +158,7 @@ def _container(parent: Parent, model_path: str, role: str | None = None) -> dict
     mounts = [
         {"name": VOLUME, "mountPath": MODEL_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
+        kv_transfer.volume_mount(),
     ]
     if spec.engine.api_key_secret_ref is not None:
         mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
@@ -189,6 +191,7 @@ def _volumes(parent: Parent, model_volume: dict[str, Any]) -> list[dict[str, Any
     volumes = [
         model_volume,
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.template.shared_memory_size}},
+        kv_transfer.volume(parent),
     ]
     ref = spec.engine.api_key_secret_ref
     if ref is not None:
