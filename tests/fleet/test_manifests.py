@@ -125,6 +125,8 @@ def test_user_overrides_merge_without_losing_ours() -> None:
     assert container["args"][-2:] == ["--max-num-seqs", "64"]
     assert flag(container, "--max-model-len") == "4096"
     assert flag(container, "--api-key-file") == "/etc/deepseek/api-key/api-key"
+    (key_volume,) = [v for v in pod["volumes"] if v["name"] == "api-key"]
+    assert key_volume["secret"]["defaultMode"] == 0o444  # readable by the non-root engine without an fsGroup
     assert [e["name"] for e in container["env"]][-2:] == ["LOG_LEVEL", "X"]
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert labels["team"] == "ml" and labels[names.PARENT_LABEL] == "v3"

@@ -195,9 +195,11 @@ def _volumes(parent: Parent, model_volume: dict[str, Any]) -> list[dict[str, Any
     ]
     ref = spec.engine.api_key_secret_ref
     if ref is not None:
+        # 0444, as the KV transfer secret's: the engine runs as a non-root user outside the file's group
+        # (root, unless the template sets an fsGroup), so 0440 would leave the key unreadable to it.
         volumes.append(
             {"name": "api-key", "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": "api-key"}],
-                                           "defaultMode": 0o440}}
+                                           "defaultMode": 0o444}}
         )
     return volumes + [dict(v) for v in spec.template.volumes]
 
