@@ -125,6 +125,7 @@ def load_weights(model: nn.Module, path: Path, num_hidden_layers: int, block_siz
 
     M = type(model)
     rename = getattr(M, "checkpoint_name", lambda n: n)
+    expert_pattern = getattr(M, "expert_pattern", _EXPERT)
     companions = {n for n in files if n.endswith("weight_scale_inv")
                   or (n.endswith(".scale") and n.removesuffix("scale") + "weight" in files)}
     names = [n for n in files if n not in companions]
@@ -135,8 +136,7 @@ def load_weights(model: nn.Module, path: Path, num_hidden_layers: int, block_siz
             skipped_mtp += 1  # the multi-token-prediction layer: not used for plain decoding
             continue
         target, shard_id = _param_name(ours, M)
-        pattern = getattr(M, "expert_pattern", _EXPERT)
-        if pattern.match(ours) and target in params and not _experts_of(model, target).owns(shard_id[0]):
+        if expert_pattern.match(ours) and target in params and not _experts_of(model, target).owns(shard_id[0]):
             continue  # expert parallel: another rank's expert, never read
         tensor = read(name)
         param = params.get(target)

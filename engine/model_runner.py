@@ -162,7 +162,7 @@ class ModelRunner:
             enable_kernels(self.model)
         self.kv_specs = self.model.kv_cache_specs(self.dtype)
         self.use_cuda_graphs = (self.backend == "triton" and self.device.type == "cuda"
-                                and getattr(M, "cuda_graphs", True) and not config.extra.get("enforce_eager", False))
+                                and not config.extra.get("enforce_eager", False))
         self.kv_pool: KVPool | None = None
         self.tables: BlockTables | None = None
         self.graphs: DecodeGraphs | None = None

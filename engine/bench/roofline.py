@@ -48,7 +48,7 @@ def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-def _nbytes(params) -> int:
+def param_bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
@@ -67,10 +67,10 @@ class PhaseCosts:
             rest = [p for p in layer.parameters() if id(p) not in ids]
             per_expert_numel = sum(p.numel() for p in (experts.w13, experts.w2)) // cfg.n_routed_experts if experts else 0
             self.layers.append(dict(
-                rest_bytes=_nbytes(rest), rest_numel=sum(p.numel() for p in rest),
-                expert_bytes=_nbytes(expert_params) / cfg.n_routed_experts if experts else 0.0,
+                rest_bytes=param_bytes(rest), rest_numel=sum(p.numel() for p in rest),
+                expert_bytes=param_bytes(expert_params) / cfg.n_routed_experts if experts else 0.0,
                 expert_numel=per_expert_numel, moe=experts is not None))
-        self.head_bytes = _nbytes(model.lm_head.parameters()) + _nbytes(model.model.norm.parameters())
+        self.head_bytes = param_bytes(model.lm_head.parameters()) + param_bytes(model.model.norm.parameters())
         self.head_numel = model.lm_head.weight.numel()
         self.embed_row_bytes = cfg.hidden_size * model.model.embed_tokens.weight.element_size()
 

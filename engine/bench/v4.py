@@ -15,15 +15,11 @@ import torch
 from engine.bench.hf_peer import hf_measure_decode, hf_measure_prefill
 from engine.bench.ours import BlockPool, measure_decode, measure_prefill, one_decode, time_replayed
 from engine.bench.report import write_json
-from engine.bench.roofline import expected_experts, fractions, measure_ceilings
+from engine.bench.roofline import param_bytes, expected_experts, fractions, measure_ceilings
 from engine.config import DeepseekV4Config, EngineConfig, required_block_size
 from engine.model_runner import ModelRunner, resolve_device
 
 logger = logging.getLogger(__name__)
-
-
-def _nbytes(params) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
 
 
 class V4Costs:
@@ -36,10 +32,10 @@ class V4Costs:
             experts = layer.ffn.experts
             ids = {id(p) for p in experts.parameters()}
             rest = [p for p in layer.parameters() if id(p) not in ids]
-            self.layers.append(dict(rest_bytes=_nbytes(rest), rest_numel=sum(p.numel() for p in rest),
-                                    expert_bytes=_nbytes(experts.parameters()) / experts.num_experts,
+            self.layers.append(dict(rest_bytes=param_bytes(rest), rest_numel=sum(p.numel() for p in rest),
+                                    expert_bytes=param_bytes(experts.parameters()) / experts.num_experts,
                                     expert_numel=(experts.w13.numel() + experts.w2.numel()) / experts.num_experts))
-        self.head_bytes = _nbytes(model.head.parameters())
+        self.head_bytes = param_bytes(model.head.parameters())
         self.head_numel = model.head.weight.numel()
 
     def _keys(self, i: int, context: int) -> tuple[int, int]:

@@ -115,6 +115,8 @@ class KVConnector:
         else:
             layout = BlockLayout((self.block_bytes,), torch.uint8)
         self.byte_rows = [c.view(c.shape[0], -1).view(torch.uint8) for c in kv_caches]  # [blocks, row bytes]
+        ends = list(itertools.accumulate(r.shape[1] for r in self.byte_rows))
+        self.byte_ranges = list(zip([0, *ends[:-1]], ends))  # where each cache's row lies in a block's bytes
         self.auth = PeerAuth(config.secret)
         if not self.auth.enabled:
             logger.warning("KV transfer without a fleet secret (--kv-secret-file): any peer that reaches port %d "
@@ -172,7 +174,7 @@ class KVConnector:
             for layer, cache in enumerate(self.kv_caches):
                 torch.index_select(cache, 0, ids, out=staged[:, layer])
         else:
-            for (start, end), cache in zip(self._byte_ranges(), self.byte_rows):
+            for (start, end), cache in zip(self.byte_ranges, self.byte_rows):
                 staged[:, start:end] = cache.index_select(0, ids)
         if staged is not rows:
             rows.copy_(staged)
@@ -242,11 +244,6 @@ class KVConnector:
         finally:
             pulled.release()  # the transport reuses its buffer
 
-    def _byte_ranges(self) -> list[tuple[int, int]]:
-        """Where each cache's row lies in a block's bytes (caches of several kinds)."""
-        ends = list(itertools.accumulate(r.shape[1] for r in self.byte_rows))
-        return list(zip([0, *ends[:-1]], ends))
-
     def _install(self, pulled: PulledBlocks, hashes: list[bytes], token_ids: list[list[int]]) -> list[int]:
         k = pulled.data.shape[0]
         expected = ((len(self.kv_caches), *self.kv_caches[0].shape[1:]) if self.uniform else (self.block_bytes,))
@@ -264,7 +261,7 @@ class KVConnector:
             for layer, cache in enumerate(self.kv_caches):
                 cache.index_copy_(0, index, data[:, layer].to(cache.dtype))
         else:
-            for (start, end), cache in zip(self._byte_ranges(), self.byte_rows):
+            for (start, end), cache in zip(self.byte_ranges, self.byte_rows):
                 cache.index_copy_(0, index, data[:, start:end].contiguous())
         self.bm.announce(hashes[:k])
         return ids

@@ -82,15 +82,14 @@ def rows_of(meta) -> list[Row]:
 
 
 def entry_slots(table: torch.Tensor, first: int, count: int, ratio: int, block_size: int) -> torch.Tensor:
-    """Flat rows of entries [first, first + count) of a cache compressed `ratio` times."""
-    per_block = block_size // ratio
+    """One row's table: flat rows of entries [first, first + count) of a cache compressed `ratio` times."""
     w = torch.arange(first, first + count, device=table.device)
-    return table[w * ratio // block_size] * per_block + w % per_block
+    return table_entry_slots(table[None], w[None], ratio, block_size)[0]
 
 
 def token_slots(table: torch.Tensor, first: int, end: int, block_size: int) -> torch.Tensor:
-    pos = torch.arange(first, end, device=table.device)
-    return table[pos // block_size] * block_size + pos % block_size
+    """One row's table: flat rows of tokens [first, end)."""
+    return table_slots(table[None], torch.arange(first, end, device=table.device)[None], block_size)[0]
 
 
 class WindowPooler:
@@ -154,14 +153,16 @@ class WindowPooler:
 
 def attend(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
            scale: float) -> torch.Tensor:
-    """q [t, H, D], keys [k, D] (K = V), allowed [t, k] bool, sinks [H] -> [t, H, D].
+    """q [t, H, D], keys (K = V) [k, D] shared by every query or [t, k, D] a query each, allowed [t, k]
+    bool, sinks [H] -> [t, H, D].
 
     The sink is one more logit per head in the softmax's denominator, with no value."""
-    logits = torch.einsum("thd,kd->thk", q.float(), keys.float()) * scale
+    k = "kd" if keys.dim() == 2 else "tkd"
+    logits = torch.einsum(f"thd,{k}->thk", q.float(), keys.float()) * scale
     logits = logits.masked_fill(~allowed[:, None, :], NEG_INF)
     sink = sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
     probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-    return torch.einsum("thk,kd->thd", probs, keys.float()).to(q.dtype)
+    return torch.einsum(f"thk,{k}->thd", probs, keys.float()).to(q.dtype)
 
 
 def window_mask(t: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -169,16 +170,21 @@ def window_mask(t: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Te
     return (diff >= 0) & (diff < window)
 
 
+def indexer_picks(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, top_k: int,
+                  scale: float) -> torch.Tensor:
+    """The lightning indexer: q [t, h, c], weights [t, h], keys [n, c] shared or [t, n, c] a query each,
+    visible [t, n] -> the entries [t, min(top_k, n)] of the highest visible scores
+    sum_h w[t, h] * ReLU(q[t, h] . k[s]) * scale (picks of invisible entries are the caller's to mask)."""
+    k = "nc" if keys.dim() == 2 else "tnc"
+    scores = (F.relu(torch.einsum(f"thc,{k}->thn", q.float(), keys.float())) * scale * weights.float()[..., None]).sum(1)
+    return scores.masked_fill(~visible, NEG_INF).topk(min(top_k, keys.shape[-2]), dim=-1).indices
+
+
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, top_k: int,
                  scale: float) -> torch.Tensor:
-    """The lightning indexer's picks as a mask: q [t, h, c], weights [t, h], keys [n, c], visible
-    [t, n] -> [t, n] bool, the top min(top_k, n) visible entries of each query by
-    sum_h w[t, h] * ReLU(q[t, h] . k[s]) * scale."""
-    scores = (F.relu(torch.einsum("thc,nc->thn", q.float(), keys.float())) * scale * weights.float()[..., None]).sum(1)
-    scores = scores.masked_fill(~visible, NEG_INF)
-    picks = scores.topk(min(top_k, keys.shape[0]), dim=-1).indices
-    chosen = torch.zeros_like(visible).scatter_(1, picks, True)
-    return chosen & visible
+    """`indexer_picks` as a mask [t, n] of the visible entries picked."""
+    picks = indexer_picks(q, weights, keys, visible, top_k, scale)
+    return torch.zeros_like(visible).scatter_(1, picks, True) & visible
 
 
 # -- decode steps without host lists (one token per row, each row its own sequence) ------------------
@@ -231,21 +237,3 @@ def table_entry_slots(tables: torch.Tensor, w: torch.Tensor, ratio: int, block_s
     per_block = block_size // ratio
     blk = tables.gather(1, (w * ratio // block_size).clamp(max=tables.shape[1] - 1))
     return blk * per_block + w % per_block
-
-
-def decode_attend(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-    """q [B, H, D], keys [B, k, D] (K = V), allowed [B, k] -> [B, H, D]; the sink as in `attend`."""
-    logits = torch.einsum("bhd,bkd->bhk", q.float(), keys.float()) * scale
-    logits = logits.masked_fill(~allowed[:, None, :], NEG_INF)
-    sink = sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
-    probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-    return torch.einsum("bhk,bkd->bhd", probs, keys.float()).to(q.dtype)
-
-
-def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
-                        top_k: int, scale: float) -> torch.Tensor:
-    """Batched `indexer_topk` over padded entries: q [B, h, c], weights [B, h], keys [B, n, c], visible
-    [B, n] -> the picked entries [B, min(top_k, n)] (picks of invisible entries are masked by the caller)."""
-    scores = (F.relu(torch.einsum("bhc,bnc->bhn", q.float(), keys.float())) * scale * weights.float()[..., None]).sum(1)
-    return scores.masked_fill(~visible, NEG_INF).topk(min(top_k, keys.shape[1]), dim=-1).indices

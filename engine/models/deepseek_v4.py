@@ -19,11 +19,10 @@ from engine.layers.attention import AttentionMetadata, write_kv_cache
 from engine.layers.compressed_attention import (
     WindowPooler,
     attend,
-    decode_attend,
-    decode_indexer_topk,
     decode_pool,
     empty_state,
     entry_slots,
+    indexer_picks,
     indexer_topk,
     pooled,
     rows_of,
@@ -113,12 +112,20 @@ class Compressor(nn.Module):
         return self.pooler.state_width
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor,
-                state: torch.Tensor, offset: int) -> None:
+                state: torch.Tensor, offset: int, decode: bool) -> None:
         """Write the entries this step closes into `cache` and each touched block's open state into
-        state[:, 0, offset : offset + state_width]."""
-        bs, width = meta.block_size, self.state_width
+        state[:, 0, offset : offset + state_width]; decode: a token per row, from device tensors only."""
         c = self.wkv(x).float()
         g = self.wgate(x).float() + self.ape[positions % self.ratio]
+        if decode:
+            self._decode(c, g, positions, meta.block_tables.long(), meta.block_size, cache, state, offset)
+        else:
+            self._prefill(c, g, meta, cache, state, offset)
+
+    def _prefill(self, c: torch.Tensor, g: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor,
+                 state: torch.Tensor, offset: int) -> None:
+        """Row by row over the host's lists."""
+        bs, width = meta.block_size, self.state_width
         flat = cache.view(-1, self.dim)
         for row in rows_of(meta):
             n = row.num_cached
@@ -126,23 +133,19 @@ class Compressor(nn.Module):
             acc, first, states = self.pooler.run(c[row.start: row.end], g[row.start: row.end], n, held, bs)
             if acc.shape[0]:
                 entries = self.norm(pooled(acc))
-                at = (first + torch.arange(acc.shape[0], device=x.device)) * self.ratio
+                at = (first + torch.arange(acc.shape[0], device=c.device)) * self.ratio
                 entries = self.rotary(entries, at)
                 flat.index_copy_(0, entry_slots(row.table, first, acc.shape[0], self.ratio, bs), entries.to(flat.dtype))
             for block, row_state in states:
                 state[row.table[block], 0, offset: offset + width] = row_state
 
-
-    def decode(self, x: torch.Tensor, t: torch.Tensor, tables: torch.Tensor, block_size: int, cache: torch.Tensor,
-               state: torch.Tensor, offset: int) -> None:
-        """`forward` for a decode step (a token per row), without host lists: an entry closed by a row's
-        token is written, the others go to the scratch block's rows."""
+    def _decode(self, c: torch.Tensor, g: torch.Tensor, t: torch.Tensor, tables: torch.Tensor, block_size: int,
+                cache: torch.Tensor, state: torch.Tensor, offset: int) -> None:
+        """An entry closed by a row's token is written, the other rows' go to the scratch block's rows."""
         width, m = self.state_width, self.ratio
-        c = self.wkv(x).float()
-        g = self.wgate(x).float() + self.ape[t % m]
         before = tables.gather(1, ((t - 1).clamp(min=0) // block_size)[:, None])
         held = torch.where((t > 0)[:, None], state[before[:, 0], 0, offset: offset + width],
-                           empty_state(width, self.dim, x.device))
+                           empty_state(width, self.dim, c.device))
         cur, closing, after = decode_pool(self.pooler, c, g, t, held)
         entries = self.rotary(self.norm(pooled(cur)), t // m * m)
         flat = cache.view(-1, self.dim)
@@ -237,19 +240,12 @@ class Attention(nn.Module):
         kv = self.rotary(self.norm(self.wkv(x)), positions)  # [T, head_dim]
         write_kv_cache(self.window_cache, kv, meta.slot_mapping)
         decode = self.use_kernels and not meta.num_prefills
-        if decode and self.compressor is not None:
-            tables = meta.block_tables.long()
-            self.compressor.decode(x, positions, tables, meta.block_size, self.compressed_cache, self.state_cache, 0)
-            if self.indexer is not None:
-                self.indexer.compressor.decode(x, positions, tables, meta.block_size, self.indexer_cache,
-                                               self.state_cache, self.compressor.state_width)
-        elif self.compressor is not None:
-            self.compressor(x, positions, meta, self.compressed_cache, self.state_cache, 0)
-            if self.indexer is not None:
-                self.indexer.compressor(x, positions, meta, self.indexer_cache, self.state_cache,
-                                        self.compressor.state_width)
         iq = iw = None
+        if self.compressor is not None:
+            self.compressor(x, positions, meta, self.compressed_cache, self.state_cache, 0, decode)
         if self.indexer is not None:
+            self.indexer.compressor(x, positions, meta, self.indexer_cache, self.state_cache,
+                                    self.compressor.state_width, decode)
             iq, iw = self.indexer.queries(qr, x, positions)
         out = (self._decode if decode else self._prefill)(positions, q, meta, iq, iw)
         out = self.rotary(out, positions, inverse=True)  # K = V carried RoPE into the output
@@ -304,11 +300,11 @@ class Attention(nn.Module):
             visible = w < ((t + 1) // self.ratio)[:, None]
             if self.indexer is not None:
                 ikeys = self.indexer_cache.view(-1, self.indexer.head_dim)[slots]
-                picks = decode_indexer_topk(iq, iw, ikeys, visible, self.indexer.top_k, self.indexer.head_dim**-0.5)
+                picks = indexer_picks(iq, iw, ikeys, visible, self.indexer.top_k, self.indexer.head_dim**-0.5)
                 slots, visible = slots.gather(1, picks), visible.gather(1, picks)
             keys.append(self.compressed_cache.view(-1, dim)[slots])
             allowed.append(visible)
-        return decode_attend(q, torch.cat(keys, 1), torch.cat(allowed, 1), self.attn_sink, dim**-0.5)
+        return attend(q, torch.cat(keys, 1), torch.cat(allowed, 1), self.attn_sink, dim**-0.5)
 
 
 class Expert(nn.Module):

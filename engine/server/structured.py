@@ -32,8 +32,10 @@ def answer_schema(response_format: ResponseFormat | None) -> dict[str, Any] | No
 def for_completion(response_format: ResponseFormat | None) -> StructuredOutput | None:
     """/v1/completions: the text must match response_format's JSON (no chat template, no reasoning)."""
     schema = answer_schema(response_format)
-    if schema is None:
-        return None
+    return None if schema is None else _json(schema)
+
+
+def _json(schema: dict[str, Any]) -> StructuredOutput:
     return StructuredOutput(json_object=True) if schema is ANY_OBJECT else StructuredOutput(json_schema=schema)
 
 
@@ -60,7 +62,7 @@ def for_chat(
         return None
     think = _think_prefix(prompt) if think_tokens else ""
     if not enforce_calls and not think and schema is not None:
-        return StructuredOutput(json_object=True) if schema is ANY_OBJECT else StructuredOutput(json_schema=schema)
+        return _json(schema)
     answer = "TEXT?" if schema is None else lark_json(schema)
     body, calls = answer, ""
     if enforce_calls:
