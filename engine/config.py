@@ -339,15 +339,18 @@ def required_block_size(model_config: "ModelConfig | DeepseekV4Config", block_si
     return block_size
 
 
-def model_fingerprint(path: Path, dtype: str, block_size: int) -> str:
-    """Identifies what a KV block means: the same checkpoint, cache dtype and page size on every replica
-    (wherever the checkpoint is mounted) gives the same key."""
+def model_fingerprint(path: Path, dtype: str, block_size: int, num_draft_layers: int = 0) -> str:
+    """Identifies what a KV block means: the same checkpoint, cache dtype, page size and cached layers
+    (the MTP draft layers' caches ride in the same blocks) on every replica, wherever the checkpoint is
+    mounted, gives the same key."""
     h = hashlib.blake2b(digest_size=12)
     for name in ("config.json", "model.safetensors.index.json"):
         f = path / name
         if f.is_file():
             h.update(f.read_bytes())
     h.update(f"{dtype}/{block_size}".encode())
+    if num_draft_layers:
+        h.update(f"/draft{num_draft_layers}".encode())
     return h.hexdigest()
 
 
@@ -360,6 +363,55 @@ def resolve_model_path(model: str) -> Path:
     if embedded.is_dir() and (embedded / "config.json").is_file():
         return embedded
     raise FileNotFoundError(f"model {model!r} is neither a directory nor an embedded model (deepseek-tiny)")
+
+
+SPECULATIVE_METHODS = ("mtp",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's `speculative_config` names it: `{"method": "mtp",
+    "num_speculative_tokens": k}` drafts k tokens a step with the checkpoint's multi-token-prediction
+    layer (reused autoregressively for k > 1), verified by one pass of the target.
+    `disable_by_batch_size`: steps with more running requests than this draft nothing (where
+    verifying k + 1 rows a request costs more than the accepted tokens save)."""
+
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; supported: "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 8:
+            raise ValueError(f"num_speculative_tokens must be in [1, 8], got {self.num_speculative_tokens}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From a dict or its JSON text (the `--speculative-config` flag); None, {} and "" mean off."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {type(value).__name__}")
+        if not value:
+            return None
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative config needs num_speculative_tokens")
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -400,9 +452,12 @@ class EngineConfig:
     kv_min_prefix_tokens: int = 64
     kv_pull_policy: str = "auto"  # auto | always | never
     kv_secret: bytes | None = field(default=None, repr=False)  # the fleet's secret (peers authenticate)
+    # speculative decoding (None: off): a SpeculativeConfig, or its dict / JSON form
+    speculative_config: SpeculativeConfig | dict | str | None = field(default=None, hash=False)
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.dtype not in DTYPES:
             raise ValueError(f"invalid dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -438,3 +493,8 @@ class EngineConfig:
     @property
     def ranks_per_node(self) -> int:
         return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens a step proposes per request (0: speculative decoding is off)."""
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import SINGLE
-from engine.step_plan import StepPlan, StepResult
+from engine.step_plan import DraftPlan, StepPlan, StepResult
 from engine.worker import Worker, init_process_groups, rank_device, run_worker
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,10 @@ class InProcessExecutor:
     def execute(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepResult:
         plan.use_graph = self.runner.takes_graph(plan)
         return self.driver.execute(plan, inputs)
+
+    def propose(self, draft: DraftPlan, next_ids: torch.Tensor, accepted: torch.Tensor | None) -> torch.Tensor | None:
+        """The MTP draft after the step just executed -> [S, num_drafts] on rank 0's device, or None."""
+        return self.driver.propose(draft, next_ids, accepted)
 
     def shutdown(self) -> None:
         pass
@@ -84,6 +88,10 @@ class MultiprocExecutor(InProcessExecutor):
         plan.use_graph = self.runner.takes_graph(plan)
         dist.broadcast_object_list([plan], src=0, group=self.control)
         return self.driver.execute(plan, inputs)
+
+    def propose(self, draft: DraftPlan, next_ids: torch.Tensor, accepted: torch.Tensor | None) -> torch.Tensor | None:
+        dist.broadcast_object_list([draft], src=0, group=self.control)
+        return self.driver.propose(draft, next_ids, accepted)
 
     def shutdown(self) -> None:
         self._finalizer()

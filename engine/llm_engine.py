@@ -29,6 +29,7 @@ from engine.sampler import Draws, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec_decode import SpecStep, Speculator
 from engine.step_plan import PlanBuilder
 from engine.structured_output import Guide, guide_tokenizer
 from engine.tokenizer import Tokenizer
@@ -50,9 +51,10 @@ class LaunchedStep(NamedTuple):
     """A step queued on the device whose tokens the host has not read yet."""
 
     batch: ScheduledBatch
-    sample_seqs: list[Sequence]
+    groups: list[tuple[Sequence, int]]  # (sequence, its rows that sample), in the draws' order
     draws: Draws | None
     prefill_timer: "StepTimer | None" = None  # how long its prefill took, read once its tokens are
+    spec: SpecStep | None = None  # its verifications and the drafts after it (speculative decoding)
 
 
 class StepTimer:
@@ -100,10 +102,15 @@ class LLMEngine:
         if self.max_model_len > capacity:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); lowering it", self.max_model_len, capacity)
             self.max_model_len = capacity
-        self.model_key = model_fingerprint(path, str(self.runner.dtype), config.block_size)
+        self.model_key = model_fingerprint(path, str(self.runner.dtype), config.block_size,
+                                           len(getattr(self.runner.model, "mtp", ())))
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           salt=self.model_key)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        k = config.num_speculative_tokens
+        self.speculator = Speculator(config.speculative_config, self.executor, self.max_model_len) if k else None
+        # the MTP draft writes its cache up to k - 1 positions past a step's last row
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   num_lookahead_tokens=max(0, k - 1), max_model_len=self.max_model_len)
         # sampled rows drawn on the device where the Triton kernels run; the torch backend stays kernel-free
         self.sampler = Sampler(on_device=self.runner.backend == "triton" and self.runner.device.type == "cuda")
         # on a CPU the host is the device: nothing to overlap, and a dropped row costs a whole row
@@ -279,29 +286,41 @@ class LLMEngine:
         logits = result.logits
         if timer is not None:
             timer.stop()  # read when the step's tokens are: the prefill rate the pull policy weighs
-        offset, sample_seqs = 0, []
-        for seq, n in batch.items:
+        items = batch.items
+        offset, groups, verifying = 0, [], False
+        for seq, n in items:
             if seq.collect_logits:
                 seq.prompt_logits.append(result.all_logits[offset : offset + n])
-            if seq.num_computed_tokens + n == seq.num_drawn_tokens:  # sampled by the plan (its rows' order)
-                sample_seqs.append(seq)
+            if seq.draft_token_ids and seq.num_computed_tokens + 1 == seq.num_tokens:
+                groups.append((seq, n))  # a verification: each of its rows samples (the plan's order)
+                verifying = True
+            elif seq.num_computed_tokens + n == seq.num_drawn_tokens:  # sampled by the plan (its rows' order)
+                groups.append((seq, 1))
             offset += n
             seq.num_computed_tokens += n
-        draws = self.sampler.sample(logits, sample_seqs, inputs) if sample_seqs else None
-        for seq in sample_seqs:
+        row_seqs = [seq for seq, rows in groups for _ in range(rows)]
+        drafts_before = [seq.draft_token_ids[:j] for seq, rows in groups for j in range(rows)] if verifying else None
+        draws = self.sampler.sample(logits, row_seqs, inputs, drafts_before) if groups else None
+        for seq, _ in groups:
             seq.num_inflight_tokens += 1
-        return LaunchedStep(batch, sample_seqs, draws, timer)
+        spec = None
+        if self.speculator is not None:
+            spec = self.speculator.launch(plan, items, groups, draws.tokens if draws else None,
+                                          len(self.scheduler.running), self.runner.device)
+        return LaunchedStep(batch, groups, draws, timer, spec)
 
     def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
         """The decode step after `step`, launched before its tokens reach the host; None where the next
         step must be scheduled with every token known (admissions, prefills, ...)."""
         if not self.async_scheduling or step.batch.prefills or step.draws is None:
             return None
-        if any(seq.guide is not None for seq in step.sample_seqs):
+        if step.spec is not None and step.spec.seqs:
+            return None  # verified or drafted: how many tokens each sequence gained is read first
+        if any(seq.guide is not None for seq, _ in step.groups):
             return None  # a guided row's next mask needs the token in flight: this step is read first
         if self.scheduler.can_admit_next():
             return None  # admit it first (one that cannot be admitted yet does not hold everyone back)
-        row = {id(seq): i for i, seq in enumerate(step.sample_seqs)}
+        row = {id(seq): i for i, (seq, _) in enumerate(step.groups)}
         seqs, rows = [], []
         # every running sequence goes on, or none does: one left out would wait for the chain to end
         for seq in self.scheduler.running:
@@ -317,7 +336,7 @@ class LLMEngine:
         if batch is None:
             return None
         inputs = step.draws.tokens
-        if rows != list(range(len(step.sample_seqs))):
+        if rows != list(range(len(step.groups))):
             inputs = inputs.index_select(0, to_device(rows, torch.long, inputs.device))
         return self._launch(batch, inputs)
 
@@ -327,6 +346,28 @@ class LLMEngine:
         num_out = seq.num_drawn_tokens - seq.num_prompt_tokens
         return (max_tokens is not None and num_out >= max_tokens) or seq.num_drawn_tokens >= self.max_model_len
 
+    def _append(self, seq: Sequence, token: int, lp: dict[int, float] | None) -> str | None:
+        """One drawn token into its request -> why the request finishes now, or None."""
+        off_grammar = seq.guide is not None and not seq.guide.advance(token)
+        if off_grammar:  # only if the mask left nothing to draw
+            logger.warning("request %s: token %d is outside its grammar; ending it", seq.request_id, token)
+        reason = self.output_processor.append(seq, token, lp, self.max_model_len)
+        if reason is None and seq.guide is not None and (off_grammar or seq.guide.done):
+            reason = "stop"  # the grammar is complete
+        return reason
+
+    def _resolve_spec(self, spec: SpecStep | None) -> tuple[dict[int, int], dict[int, list[int]]]:
+        """A step's verifications and drafts on the host -> (id(seq) -> drafts accepted, id(seq) -> its
+        next drafts)."""
+        if spec is None or not spec.seqs:
+            return {}, {}
+        counts, drafts = spec.result()
+        it = iter(drafts)
+        next_drafts = {id(seq): next(it) for seq, d in zip(spec.seqs, spec.drafting) if d}
+        self.speculator.num_draft_tokens += sum(spec.num_verified)
+        self.speculator.num_accepted_tokens += sum(counts)
+        return {id(seq): a for seq, a in zip(spec.seqs, counts)}, next_drafts
+
     def _resolve(self, step: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for it only) and turn them into outputs."""
         for seq, _ in step.batch.items:
@@ -335,24 +376,33 @@ class LLMEngine:
         outputs = []
         if step.draws is not None:
             tokens, logprobs = step.draws.result()
+            accepted, spec = self._resolve_spec(step.spec)
             if step.prefill_timer is not None:
                 self.kv.observe_prefill(sum(n for _, n in step.batch.prefills), step.prefill_timer.elapsed())
             now = time.monotonic()
-            for seq, token, lp in zip(step.sample_seqs, tokens, logprobs):
+            index = 0
+            for seq, num_rows in step.groups:
+                rows = slice(index, index + 1 + accepted.get(id(seq), 0))
+                index += num_rows
                 seq.num_inflight_tokens -= 1
-                if seq.is_finished:  # ended (or was aborted) while this step ran: its row is dropped
+                if seq.is_finished:  # ended (or was aborted) while this step ran: its rows are dropped
                     continue
+                if num_rows > 1:  # the rejected drafts' positions are computed again, behind the accepted
+                    seq.num_computed_tokens -= num_rows - (rows.stop - rows.start)
+                    seq.metrics.num_draft_tokens += num_rows - 1
+                    seq.metrics.num_accepted_tokens += rows.stop - rows.start - 1
+                    seq.metrics.num_verify_steps += 1
                 if seq.metrics.first_token_time is None:
                     seq.metrics.first_token_time = now
                     seq.metrics.num_prefill_tokens = seq.num_prompt_tokens - seq.num_cached_tokens
-                off_grammar = seq.guide is not None and not seq.guide.advance(token)
-                if off_grammar:  # only if the mask left nothing to draw
-                    logger.warning("request %s: token %d is outside its grammar; ending it", seq.request_id, token)
-                reason = self.output_processor.append(seq, token, lp, self.max_model_len)
-                if reason is None and seq.guide is not None and (off_grammar or seq.guide.done):
-                    reason = "stop"  # the grammar is complete
-                if reason is not None:
-                    self.scheduler.finish(seq, reason)
+                seq.draft_token_ids = []
+                for token, lp in zip(tokens[rows], logprobs[rows]):
+                    reason = self._append(seq, token, lp)
+                    if reason is not None:
+                        self.scheduler.finish(seq, reason)
+                        break
+                if not seq.is_finished and id(seq) in spec:
+                    seq.draft_token_ids = spec[id(seq)][: self.speculator.allowed_drafts(seq)]
                 outputs.append(self.output_processor.output(seq))
                 if seq.is_finished:
                     seq.metrics.finished_time = now

@@ -132,8 +132,10 @@ def load_weights(model: nn.Module, path: Path, num_hidden_layers: int, block_siz
     for name in tqdm(names, desc="Loading weights", unit="tensor", disable=not show_progress):
         ours = rename(name)
         m = _LAYER.match(ours) if ours is not None else None
-        if ours is None or (m and int(m.group(1)) >= num_hidden_layers):
-            skipped_mtp += 1  # the multi-token-prediction layer: not used for plain decoding
+        if m and int(m.group(1)) >= num_hidden_layers:  # a multi-token-prediction layer
+            ours = _draft_name(ours, int(m.group(1)) - num_hidden_layers, len(getattr(model, "mtp", ())))
+        if ours is None:
+            skipped_mtp += 1  # an MTP layer not used as a draft, or its copies of the shared embedding and head
             continue
         target, shard_id = _param_name(ours, M)
         if expert_pattern.match(ours) and target in params and not _experts_of(model, target).owns(shard_id[0]):
@@ -169,11 +171,22 @@ def load_weights(model: nn.Module, path: Path, num_hidden_layers: int, block_siz
         loaded.add(f"{target}#{shard_id}")
 
     if skipped_mtp:
-        logger.info("skipped %d multi-token-prediction tensors (layers >= %d)", skipped_mtp, num_hidden_layers)
+        logger.info("skipped %d tensors (multi-token-prediction layers >= %d not drafting, or their copies of "
+                    "the embedding and head)", skipped_mtp, num_hidden_layers)
     missing = [n for n in _expected(model) if n not in loaded]
     if missing:
         more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s): {', '.join(missing[:10])}{more}")
+
+
+def _draft_name(name: str, index: int, num_draft_layers: int) -> str | None:
+    """`model.layers.{num_hidden_layers + index}.X` -> `mtp.{index}.X` for an MTP layer the model drafts
+    with; None for the others and for the layer's copies of the embedding and head (the model shares
+    the target's)."""
+    rest = _LAYER.sub("", name)
+    if index >= num_draft_layers or rest.startswith(("embed_tokens.", "shared_head.head.")):
+        return None
+    return f"mtp.{index}.{rest}"
 
 
 def _load_into(param: nn.Parameter, tensor: torch.Tensor, shard_id: object, name: str) -> None:

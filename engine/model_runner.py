@@ -22,7 +22,7 @@ from engine.loader import load_weights
 from engine.models import model_class
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.parallel import SINGLE, ParallelContext
-from engine.step_plan import StepPlan, StepResult
+from engine.step_plan import DraftPlan, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,13 @@ class ModelRunner:
         self.max_model_len = max_model_len
         torch.manual_seed(config.seed)
         M = model_class(model_config.architecture)
+        self.num_speculative_tokens = config.num_speculative_tokens
+        draft_args = {}
+        if self.num_speculative_tokens:
+            if not hasattr(M, "draft"):
+                raise ValueError(f"speculative decoding with MTP is not implemented for {model_config.architecture} "
+                                 "yet (the DeepSeek-V3 family has it)")
+            draft_args["num_draft_layers"] = 1  # one MTP layer, reused for every draft token
         # FP8 checkpoints keep their blocks only for the FP8 kernels; the reference path dequantizes at load
         keep_fp8 = self.backend == "triton" and model_config.quant is not None and getattr(M, "fp8_kernels", True)
         built = model_config if keep_fp8 else dataclasses.replace(model_config, quant=None)
@@ -144,7 +151,7 @@ class ModelRunner:
         try:
             torch.set_default_dtype(self.dtype)
             with torch.device(self.device):
-                self.model = M(built, max_position=max_model_len, par=par)
+                self.model = M(built, max_position=max_model_len, par=par, **draft_args)
         finally:
             torch.set_default_dtype(default_dtype)
         # the router's weights and bias stay in float32, as the checkpoints keep them
@@ -167,6 +174,8 @@ class ModelRunner:
         self.tables: BlockTables | None = None
         self.graphs: DecodeGraphs | None = None
         self.warmed_up = False
+        # the last step's rows for the MTP draft after it: (plan, positions, its metadata, hidden [T, hidden])
+        self.last_step: tuple[StepPlan, torch.Tensor, AttentionMetadata, torch.Tensor] | None = None
 
     # -- the KV pool ---------------------------------------------------------------------------------
     @property
@@ -325,6 +334,8 @@ class ModelRunner:
     def _run_eager(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepResult:
         input_ids, positions, meta = self._prepare(plan, inputs)
         hidden = self.model(input_ids, positions, meta)
+        if self.num_speculative_tokens:
+            self.last_step = (plan, positions, meta, hidden)
         if plan.collect_logits:
             all_logits = self.model.compute_logits(hidden)
             logits = all_logits[plan.sample_indices] if plan.sample_indices else None
@@ -335,7 +346,13 @@ class ModelRunner:
         """A step of at most `graphs.max_batch` tokens through a decode graph: a prefill chunk's tokens
         are rows of their own (the eager step they replace costs ~75 PyTorch operations a layer)."""
         self.graphs.load(plan, inputs)
-        _, logits, _ = self.graphs.replay(plan.num_tokens)
+        hidden, logits, _ = self.graphs.replay(plan.num_tokens)
+        if self.num_speculative_tokens:  # the graph's rows are one-token decodes at their positions
+            n = plan.num_tokens
+            # the graph steps its positions on after the step: the rows' own are one less
+            meta, positions = decode_rows_metadata(self.graphs.positions[:n] - 1, self.graphs.block_tables[:n],
+                                                   self.block_size)
+            self.last_step = (plan, positions, meta, hidden)
         rows = plan.sample_indices
         if not rows:
             return StepResult(None)
@@ -343,6 +360,56 @@ class ModelRunner:
             return StepResult(logits.clone())
         return StepResult(logits.index_select(0, to_device(rows, torch.long, self.device)))
 
+    @torch.inference_mode()
+    def propose(self, draft: DraftPlan, next_ids: torch.Tensor, accepted: torch.Tensor | None) -> torch.Tensor | None:
+        """The MTP draft after the step just run (`last_step`): the MTP layer over every row of the step
+        (next_ids [T]: the token after each row), so its cache holds each position; then, for each
+        drafting sequence, from its row `draft.rows[i] + accepted[i]` (its last accepted one) the drafts
+        one after another, the layer fed its own output for the tokens past the first (as SGLang and vLLM
+        reuse one MTP layer for several) -> [S, num_drafts] int64, or None where nobody drafts."""
+        plan, positions, meta, hidden = self.last_step
+        self.last_step = None
+        h = self.model.draft(next_ids, positions, hidden, meta)  # [T, hidden]
+        if not draft.num_drafts or not draft.rows:
+            return None
+        dev = h.device
+        rows = to_device(draft.rows, torch.long, dev)
+        if accepted is not None:
+            rows = rows + accepted
+        h, pos = h.index_select(0, rows), positions.index_select(0, rows)
+        tables = self.tables.rows(draft.slots)
+        drafts = []
+        for i in range(draft.num_drafts):
+            drafts.append(self.model.compute_logits(h).argmax(dim=-1))  # [S]: greedy drafts
+            if i + 1 == draft.num_drafts:
+                break
+            pos = pos + 1
+            step_meta, pos = decode_rows_metadata(pos, tables, self.block_size)
+            h = self.model.draft(drafts[-1], pos, h, step_meta)
+        return torch.stack(drafts, dim=1)
+
+
+def decode_rows_metadata(positions: torch.Tensor, tables: torch.Tensor, block_size: int
+                         ) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Each row a one-token decode at its position over its block table ([R] int64, [R, width] int32),
+    derived on the device, so a CUDA graph can capture it -> (metadata, positions). The host lists are
+    read only by the reference path, which runs on a CPU, where taking them costs nothing."""
+    rows, width = tables.shape
+    page = tables.gather(1, (positions // block_size).clamp(max=width - 1)[:, None])[:, 0]
+    on_host = positions.device.type == "cpu"
+    return AttentionMetadata(
+        slot_mapping=page.long() * block_size + positions % block_size,
+        query_start_loc=torch.arange(rows + 1, device=positions.device),
+        context_lens=(positions + 1).int(),
+        block_tables=tables,
+        num_prefills=0,
+        num_prefill_tokens=0,
+        block_size=block_size,
+        # on a GPU only their count matters: the fast decode path reads device tensors
+        query_start_loc_cpu=list(range(rows + 1)),
+        query_lens_cpu=[1] * rows,
+        context_lens_cpu=(positions + 1).tolist() if on_host else [0] * rows,
+    ), positions
 
 
 class DecodeGraphs:
@@ -402,23 +469,7 @@ class DecodeGraphs:
 
     def metadata(self, batch: int) -> tuple[AttentionMetadata, torch.Tensor]:
         """Attention metadata of the first `batch` rows, derived on the device -> (metadata, positions)."""
-        bs = self.runner.block_size
-        pos = self.positions[:batch]
-        table = self.block_tables[:batch]
-        page = table.gather(1, (pos // bs).clamp(max=self.width - 1)[:, None])[:, 0]
-        return AttentionMetadata(
-            slot_mapping=page.long() * bs + pos % bs,
-            query_start_loc=torch.arange(batch + 1, device=pos.device),
-            context_lens=(pos + 1).int(),
-            block_tables=table,
-            num_prefills=0,
-            num_prefill_tokens=0,
-            block_size=bs,
-            # host copies are never read on the fast decode path; only their count matters
-            query_start_loc_cpu=list(range(batch + 1)),
-            query_lens_cpu=[1] * batch,
-            context_lens_cpu=[0] * batch,
-        ), pos
+        return decode_rows_metadata(self.positions[:batch], self.block_tables[:batch], self.runner.block_size)
 
     def _step(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from engine.kernels.sampling import sample

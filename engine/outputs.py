@@ -10,6 +10,10 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_prefill_tokens: int = 0  # prompt tokens actually computed (prompt minus cached)
+    # speculative decoding: draft tokens verified, those accepted, and the steps that verified them
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
 
 
 @dataclass

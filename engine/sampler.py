@@ -69,29 +69,36 @@ def scaled_and_filtered(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Ten
     return scaled
 
 
-def draw_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def draw_on_device(logits: torch.Tensor, seqs: list[Sequence], ahead: list[int] | None = None) -> torch.Tensor:
     """One token per row of logits [R, V] (float32) for sequences that sample (temperature > 0), drawn
-    on logits' device in one launch -> [R] int64 there."""
+    on logits' device in one launch -> [R] int64 there. ahead: per row, how many positions past the
+    sequence's next one it samples (a verification's rows after its first)."""
     from engine.kernels.sampling import sample  # first use: Triton picks compiled or interpreted then
 
     dev = logits.device
     scaled = scaled_and_filtered(logits, seqs)
+    ahead = ahead or [0] * len(seqs)
     # the output position of the token drawn: tokens drawn by steps still in flight come before it
-    keys = to_device([noise_key(s.seed, s.num_drawn_tokens - s.num_prompt_tokens) for s in seqs], torch.int64, dev)
+    keys = to_device([noise_key(s.seed, s.num_drawn_tokens - s.num_prompt_tokens + j) for s, j in zip(seqs, ahead)],
+                     torch.int64, dev)
     ones = torch.ones(len(seqs), dtype=torch.float32, device=dev)  # temperature is applied above
     return sample(scaled.contiguous(), ones, keys, torch.zeros(1, dtype=torch.int64, device=dev))
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None,
+                    drafts_before: list[list[int]] | None = None) -> torch.Tensor:
     """OpenAI-style presence/frequency penalties over each sequence's generated tokens. pending: [R] the
-    token each row drew in the step still in flight (not yet in output_token_ids), on the device."""
+    token each row drew in the step still in flight (not yet in output_token_ids), on the device;
+    drafts_before: per row, the draft tokens a verification's row comes after (generated, if accepted)."""
     for i, seq in enumerate(seqs):
         p = seq.params
-        if not (p.presence_penalty or p.frequency_penalty) or not (seq.output_token_ids or pending is not None):
+        drafts = drafts_before[i] if drafts_before else []
+        if not (p.presence_penalty or p.frequency_penalty) or not (seq.output_token_ids or pending is not None
+                                                                   or drafts):
             continue
         counts = torch.zeros(logits.shape[1], dtype=logits.dtype, device=logits.device)
-        if seq.output_token_ids:
-            ids = to_device(seq.output_token_ids, torch.long, logits.device)
+        if seq.output_token_ids or drafts:
+            ids = to_device(seq.output_token_ids + drafts, torch.long, logits.device)
             counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
         if pending is not None:
             counts.scatter_add_(0, pending[i : i + 1], torch.ones(1, dtype=logits.dtype, device=logits.device))
@@ -140,24 +147,29 @@ class Sampler:
         return self.sample(logits, seqs).result()
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None) -> Draws:
-        """Queue one step's draws; logits: [B, vocab] float32 for the sequences that sample this step.
-        pending: [B] the tokens drawn for them by the step still in flight (async scheduling), on the
-        device: the penalties count them too."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None,
+               drafts_before: list[list[int]] | None = None) -> Draws:
+        """Queue one step's draws; logits: [B, vocab] float32 for the rows that sample this step, seqs
+        their sequences (one several times where a row verifies drafts). pending: [B] the tokens drawn
+        for them by the step still in flight (async scheduling), on the device: the penalties count them
+        too. drafts_before: per row, the drafts a verification's row follows: it samples that many
+        positions further on, as if they had been generated (a row past a rejected draft is discarded)."""
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = logits.log_softmax(dim=-1)  # the model's distribution, before masks and penalties
         apply_guides(logits, [s.guide for s in seqs])
-        logits = apply_penalties(logits, seqs, pending)
+        logits = apply_penalties(logits, seqs, pending, drafts_before)
         drawn = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
         dev = logits.device
-        if drawn and self.on_device and len(drawn) == len(seqs):
-            return Draws(draw_on_device(logits, seqs), seqs, raw_logprobs)  # every row samples: no argmax
+        ahead = [len(d) for d in drafts_before] if drafts_before else None
+        if drawn and self.on_device and len(drawn) == len(seqs):  # every row samples: no argmax
+            return Draws(draw_on_device(logits, seqs, ahead), seqs, raw_logprobs)
         chosen = logits.argmax(dim=-1)
         if drawn:
             rows = to_device(drawn, torch.long, dev)
             if self.on_device:
-                chosen[rows] = draw_on_device(logits.index_select(0, rows), [seqs[i] for i in drawn])
+                chosen[rows] = draw_on_device(logits.index_select(0, rows), [seqs[i] for i in drawn],
+                                              [ahead[i] for i in drawn] if ahead else None)
             else:  # on the host: filtered together, then drawn row by row from each request's generator
                 probs = scaled_and_filtered(logits[drawn], [seqs[i] for i in drawn]).softmax(-1).cpu()
                 picks = [draw_inverse_cdf(row, seqs[i].generator) for row, i in zip(probs, drawn)]

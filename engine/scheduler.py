@@ -11,23 +11,36 @@ from engine.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledBatch:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+    # decodes that verify draft tokens: their last token and its drafts, 1 + len(draft_token_ids) each
+    verifies: list[Sequence] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)  # one token each
     num_preempted: int = 0
 
     @property
     def items(self) -> list[tuple[Sequence, int]]:
-        """Batch order: prefill chunks first, then decodes."""
-        return self.prefills + [(s, 1) for s in self.decodes]
+        """Batch order: prefill chunks first, then verifications (attention runs both as chunks), then
+        decodes."""
+        return self.prefills + [(s, 1 + len(s.draft_token_ids)) for s in self.verifies] + [(s, 1) for s in self.decodes]
+
+    @property
+    def num_chunks(self) -> int:
+        """Rows of several tokens (prefill chunks and verifications), which come first."""
+        return len(self.prefills) + len(self.verifies)
 
     def __bool__(self) -> bool:
-        return bool(self.prefills or self.decodes)
+        return bool(self.prefills or self.verifies or self.decodes)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_lookahead_tokens: int = 0, max_model_len: int | None = None):
+        """num_lookahead_tokens: cache slots a sequence needs past its step's tokens (the MTP draft
+        writes its cache k - 1 positions ahead of the last verified one); max_model_len caps them."""
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order = priority order
         self.num_preemptions = 0  # since start, for metrics and tests
@@ -52,7 +65,10 @@ class Scheduler:
             if n <= 0:
                 kept.append(seq)
                 continue
-            while not self.bm.can_grow(seq, seq.num_computed_tokens + n):
+            if seq.draft_token_ids:  # a decode verifying its drafts: as many as the budget takes
+                del seq.draft_token_ids[budget - 1 :]
+                n += len(seq.draft_token_ids)
+            while not self.bm.can_grow(seq, self._reach(seq, n)):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
                 batch.num_preempted += 1
@@ -61,7 +77,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            self.bm.grow(seq, seq.num_computed_tokens + n)
+            self.bm.grow(seq, self._reach(seq, n))
             scheduled.append((seq, n))
             kept.append(seq)
             budget -= n
@@ -72,12 +88,13 @@ class Scheduler:
             seq = self.waiting[0]
             hits = self.bm.match_prefix(seq)
             n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
-            ok, hits = self.bm.can_admit(seq, n)
+            start = len(hits) * self.bm.block_size
+            ok, hits = self.bm.can_admit(seq, self._reach(seq, n, start) - start)
             if not ok:
                 break
             self.waiting.popleft()
             self.bm.admit(seq, hits)
-            self.bm.grow(seq, seq.num_computed_tokens + n)
+            self.bm.grow(seq, self._reach(seq, n))
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.monotonic()
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -87,11 +104,20 @@ class Scheduler:
             budget -= n
 
         for seq, n in scheduled:
-            if n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens:  # its last token: the decode path
-                batch.decodes.append(seq)
-            else:
+            if seq.num_computed_tokens + 1 != seq.num_tokens:
                 batch.prefills.append((seq, n))
+            elif seq.draft_token_ids:  # its last token and the drafts after it
+                batch.verifies.append(seq)
+            else:  # its last token: the decode path
+                batch.decodes.append(seq)
         return batch
+
+    def _reach(self, seq: Sequence, n: int, start: int | None = None) -> int:
+        """Tokens of cache a sequence needs to compute n tokens from `start` (default: its computed ones)."""
+        end = (seq.num_computed_tokens if start is None else start) + n
+        if self.max_model_len is None:
+            return end + self.num_lookahead_tokens
+        return max(end, min(end + self.num_lookahead_tokens, self.max_model_len))
 
     def can_admit_next(self) -> bool:
         """Whether the next `schedule()` would likely admit the head of the queue (its prefix-cache hits
@@ -115,6 +141,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.release(seq)
+        seq.draft_token_ids = []  # its recompute drafts anew
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 

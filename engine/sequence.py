@@ -38,6 +38,7 @@ class Sequence:
         self.collect_logits = False  # keep every position's logits (LLM.score)
         self.prompt_logits: list[torch.Tensor] | None = None
         self.guide = None  # engine.structured_output.Guide: what the output may continue with
+        self.draft_token_ids: list[int] = []  # speculative tokens the next step verifies (MTP drafts)
 
     @property
     def num_tokens(self) -> int:

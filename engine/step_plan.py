@@ -20,7 +20,7 @@ class StepPlan:
     slots: list[int]  # per row: its sequence's row in the block tables (prefill chunks first, then decodes)
     num_computed: list[int]  # per row: tokens already in the cache (the chunk's first position)
     query_lens: list[int]  # per row: new tokens this step
-    num_prefills: int  # the first num_prefills rows are prefill chunks
+    num_prefills: int  # the first num_prefills rows are chunks (prefill, or a decode verifying drafts)
     input_ids: list[int] | None  # the new tokens, flat; None: the previous step's draws, on the device
     sample_indices: list[int]  # flat token indices whose logits are sampled
     # (slot, first column, block ids): entries written before the step; column 0 also resets the row
@@ -38,6 +38,19 @@ class StepPlan:
 
     def context_lens(self) -> list[int]:
         return [start + n for start, n in zip(self.num_computed, self.query_lens)]
+
+
+@dataclass
+class DraftPlan:
+    """The speculative draft after a step, on every rank: the MTP layer runs over every row of the step
+    (its cache gets each one), then, from each drafting sequence's last accepted row, `num_drafts`
+    tokens ahead. The device inputs that go with it: the token after each row of the step [T] (prompt
+    tokens, and the step's draws where a row sampled) and each drafting sequence's accepted count [S]
+    (the rows its verification kept past the first)."""
+
+    num_drafts: int  # tokens drafted per sequence (0: the MTP pass over the step's rows only)
+    rows: list[int]  # per drafting sequence: the step row of its first sampled position
+    slots: list[int]  # per drafting sequence: its block-table slot
 
 
 @dataclass
@@ -78,13 +91,16 @@ class PlanBuilder:
             slots.append(slot)
             computed.append(start)
             lens.append(n)
+            drafts = seq.draft_token_ids if start + 1 == seq.num_tokens else []
             if not inputs_on_device:
-                ids += seq.token_ids(start, start + n)
+                ids += seq.token_ids(start, start + n - len(drafts)) + drafts
             end += n
-            if start + n == seq.num_drawn_tokens:  # the chunk reaches the end: it samples
+            if drafts:  # a verification: every position samples (its last token's, then each draft's)
+                sample += range(end - n, end)
+            elif start + n == seq.num_drawn_tokens:  # the chunk reaches the end: it samples
                 sample.append(end - 1)
         replicate, self._replicate = self._replicate, []
-        return StepPlan(slots, computed, lens, len(batch.prefills), None if inputs_on_device else ids, sample,
+        return StepPlan(slots, computed, lens, batch.num_chunks, None if inputs_on_device else ids, sample,
                         deltas, replicate, collect_logits=any(seq.collect_logits for seq, _ in items))
 
     def _slot(self, seq: Sequence) -> tuple[int, int]:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner, resolve_device
 from engine.parallel import ParallelContext
-from engine.step_plan import StepPlan, StepResult
+from engine.step_plan import DraftPlan, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,24 @@ class Worker:
                 inputs = inputs.contiguous()
                 dist.broadcast(inputs, src=0, group=self.par.group)
         return runner.run(plan, inputs)
+
+    @torch.inference_mode()
+    def propose(self, draft: DraftPlan, next_ids: torch.Tensor | None = None,
+                accepted: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The MTP draft after the last step; next_ids [T] and accepted [S] are rank 0's, on its device
+        (the other ranks receive them: the draft runs the same collectives on every rank)."""
+        runner = self.runner
+        if self.par.tp_size > 1:
+            if self.par.tp_rank != 0:
+                plan = runner.last_step[0]
+                next_ids = torch.empty(plan.num_tokens, dtype=torch.long, device=runner.device)
+                accepted = torch.empty(len(draft.rows), dtype=torch.long, device=runner.device)
+            next_ids = next_ids.contiguous()
+            dist.broadcast(next_ids, src=0, group=self.par.group)
+            if draft.rows:
+                accepted = accepted.contiguous()
+                dist.broadcast(accepted, src=0, group=self.par.group)
+        return runner.propose(draft, next_ids, accepted)
 
     def _replicate(self, block_ids: list[int]) -> None:
         """Rank 0's rows of these blocks (pulled from a peer) into every rank's pool: MLA's latent cache is
@@ -108,7 +126,10 @@ def run_worker(rank: int, config: EngineConfig, model_config: ModelConfig, path:
         plan = box[0]
         if plan is None:
             break
-        worker.execute(plan)
+        if isinstance(plan, DraftPlan):
+            worker.propose(plan)
+        else:
+            worker.execute(plan)
     dist.destroy_process_group()
 
 

@@ -191,6 +191,31 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class MultiTokenPredictor(DecoderLayer):
+    """DeepSeek-V3's multi-token-prediction (MTP) module, the speculative draft: position i joins the
+    target's final hidden state h_i (after its last norm) with the embedding of token i+1 and predicts
+    token i+2:
+        logits_i = head(shared_head.norm(block(eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]))))
+    Its block is a decoder layer with a latent cache of its own; embedding and head are the target's
+    (shared in the paper; checkpoints store copies under the layer's prefix, which are not read)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, par: ParallelContext = SINGLE):
+        super().__init__(cfg, layer_idx, rotary, par)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """embeds: [T, hidden] of tokens i+1; hidden: [T, hidden] the target's (or this layer's own, when
+        drafting further ahead) at i -> [T, hidden] normed, the head's input for tokens i+2."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        h, residual = super().forward(positions, x, None, meta)
+        return self.shared_head.norm(h, residual)[0]
+
+
 class DeepseekV3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int, par: ParallelContext = SINGLE):
         super().__init__()
@@ -201,6 +226,7 @@ class DeepseekV3Model(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, par)
         # one rope table shared by every layer: [max_position, qk_rope_head_dim // 2]
         rotary = RotaryEmbedding(cfg.qk_rope_head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = rotary
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, par) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -219,11 +245,18 @@ class DeepseekV3ForCausalLM(nn.Module):
     }
     expert_params = {"gate_proj": ("w13", "w1"), "up_proj": ("w13", "w3"), "down_proj": ("w2", "w2")}
 
-    def __init__(self, cfg: ModelConfig, max_position: int, par: ParallelContext = SINGLE):
+    def __init__(self, cfg: ModelConfig, max_position: int, par: ParallelContext = SINGLE, num_draft_layers: int = 0):
+        """num_draft_layers: the checkpoint's MTP layers to load as speculative drafts (0: none)."""
         super().__init__()
         self.config = cfg
         self.par = par
         self.model = DeepseekV3Model(cfg, max_position, par)
+        if num_draft_layers > cfg.num_nextn_predict_layers:
+            raise ValueError(f"speculative decoding with MTP needs the checkpoint's multi-token-prediction layer, "
+                             f"but its config has num_nextn_predict_layers={cfg.num_nextn_predict_layers}")
+        # checkpoint `model.layers.{num_hidden_layers + j}.*` -> `mtp.{j}.*` (engine.loader)
+        self.mtp = nn.ModuleList(MultiTokenPredictor(cfg, cfg.num_hidden_layers + j, self.model.rotary, par)
+                                 for j in range(num_draft_layers))
         # one rank: a plain projection (its GEMV fast path at a token); several: vocabulary-parallel
         self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size) if par.tp_size == 1
                         else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, par))
@@ -237,12 +270,19 @@ class DeepseekV3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def draft(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+              meta: AttentionMetadata) -> torch.Tensor:
+        """The MTP layer over rows at `positions`: next_ids [T] (tokens i+1), hidden [T, hidden] (at i)
+        -> [T, hidden], whose logits (`compute_logits`) draft tokens i+2."""
+        return self.mtp[0](positions, self.model.embed_tokens(next_ids), hidden, meta)
+
     def attention_layers(self) -> list[MLA]:
-        return [layer.self_attn for layer in self.model.layers]
+        """Every cached attention layer, the target's then the MTP draft's (layer index order)."""
+        return [layer.self_attn for layer in (*self.model.layers, *self.mtp)]
 
     def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
         """One latent cache per layer (MLA's cache is shared by all heads: every rank holds it whole)."""
-        return [KVCacheSpec("latent", i, self.config.kv_cache_dim, dtype) for i in range(self.config.num_hidden_layers)]
+        return [KVCacheSpec("latent", i, self.config.kv_cache_dim, dtype) for i in range(len(self.attention_layers()))]
 
     def bind_kv_caches(self, pool: KVPool) -> None:
         for i, attn in enumerate(self.attention_layers()):

@@ -106,7 +106,7 @@ def test_abort_while_a_step_is_in_flight(engines):
         eng.add_request(f"r{i}", p, params)
     for _ in range(4):
         eng.step()
-    assert eng.inflight is not None and len(eng.inflight.sample_seqs) == 2
+    assert eng.inflight is not None and len(eng.inflight.groups) == 2
     eng.abort_request("r0")
     seen = []
     while eng.has_unfinished_requests():

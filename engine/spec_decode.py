@@ -1,0 +1,134 @@
+"""Speculative decoding with DeepSeek's multi-token-prediction (MTP) layer.
+
+A step verifies each running request's k draft tokens: the target runs over its last token and the
+drafts (k + 1 rows, one pass: the weights are read once for k + 1 positions), and the sampler draws a
+token at every row with the request's own sampling: greedy, or its noise keyed by the output position
+(`engine.sampler`). The drafts are accepted while each equals the token drawn at the row before it;
+the request gains those tokens and one more, the token drawn at the first row that disagrees (or
+after the last draft). Every token it emits is therefore the one the target itself draws at that
+position, so the output is exactly the target's: greedy tokens identical to plain decoding, and for
+temperature > 0 the target's distribution. The draft is deterministic (the MTP layer's argmax), and
+for such a draft this rule accepts a draft d with the target's probability p(d), as the rejection
+sampling of Leviathan et al. does with a one-hot draft distribution (whose residual is p with d taken
+out: the token drawn given that it is not d); on a GPU, where the noise is keyed by position, a seeded
+request's tokens are even the same with and without speculation.
+
+After the target, the MTP layer runs over every row of the step (its own cache gets each position:
+row i's input is the target's hidden state at i and the token after i), then drafts from each
+request's last accepted row: k tokens, the layer fed its own output past the first, as SGLang and
+vLLM reuse one MTP layer for several drafts. Rejected rows' cache entries, the target's and the MTP
+layer's, sit past the request's computed tokens: the next step writes those positions before any
+query reads them, and the prefix cache registers a block only once its tokens are accepted.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import SpeculativeConfig
+from engine.copies import ToHost, to_device
+from engine.sequence import Sequence
+from engine.step_plan import DraftPlan, StepPlan
+
+
+def accepted_counts(tokens: torch.Tensor, first: list[int], drafts: list[list[int]]) -> torch.Tensor:
+    """How many drafts each verification keeps: tokens [R] drawn at the step's sampled rows, first[s]
+    the index of sequence s's first row there, drafts[s] its drafts (rows first[s] .. first[s] +
+    len(drafts[s]) verify them) -> [S] int64 on tokens' device: the leading drafts equal to the token
+    drawn at the row before each."""
+    width = max((len(d) for d in drafts), default=0)
+    dev = tokens.device
+    if not width:
+        return torch.zeros(len(first), dtype=torch.long, device=dev)
+    padded = to_device([d + [-1] * (width - len(d)) for d in drafts], torch.long, dev)  # -1 never matches
+    index = to_device(first, torch.long, dev)[:, None] + torch.arange(width, device=dev)
+    drawn = tokens[index.clamp(max=tokens.shape[0] - 1)]  # [S, width]
+    return (drawn == padded).long().cumprod(dim=1).sum(dim=1)
+
+
+@dataclass
+class SpecStep:
+    """One step's verifications and drafts, on the device until `result()`."""
+
+    seqs: list[Sequence]  # the sequences that verified drafts or draft now
+    num_verified: list[int]  # drafts each verified this step (0: none)
+    drafting: list[bool]  # whether each drafts for the next step
+    copy: ToHost | None  # (accepted counts [S], drafts [S', k]) on their way to the host
+
+    def result(self) -> tuple[list[int], list[list[int]]]:
+        """-> (accepted drafts per sequence, next drafts per drafting sequence)."""
+        if self.copy is None:
+            return [0] * len(self.seqs), []
+        host = self.copy.get()
+        counts = host[0].tolist()
+        return counts, host[1].tolist() if len(host) > 1 else []
+
+
+class Speculator:
+    """Decides who drafts, verifies drafts on the device and runs the MTP draft after each step."""
+
+    def __init__(self, config: SpeculativeConfig, executor, max_model_len: int):
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.executor = executor
+        self.max_model_len = max_model_len
+        self.num_draft_tokens = 0  # since start: drafts verified, and of them accepted (metrics)
+        self.num_accepted_tokens = 0
+
+    def drafts_at(self, num_running: int) -> bool:
+        """Whether steps draft at this batch size (beyond `disable_by_batch_size` they cost more than they save)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running <= limit
+
+    def may_draft(self, seq: Sequence, end: int) -> bool:
+        """Whether a sequence whose step ends at position `end` (exclusive) drafts after it: not a guided
+        one (its grammar would have to follow every draft), not one scoring a prompt, and only where the
+        drafts' cache positions fit the context."""
+        return seq.guide is None and not seq.collect_logits and end + self.k <= self.max_model_len
+
+    def allowed_drafts(self, seq: Sequence) -> int:
+        """Drafts worth verifying next step: no more than its max_tokens and the context leave room for."""
+        room = self.max_model_len - 1 - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        return max(0, min(self.k, room))
+
+    def launch(self, plan: StepPlan, items: list[tuple[Sequence, int]], groups: list[tuple[Sequence, int]],
+               tokens: torch.Tensor | None, num_running: int, device: torch.device) -> SpecStep:
+        """After a step's draws are queued: verify its drafts, run the MTP layer over its rows and draft.
+        items: the batch's (sequence, rows); groups: (sequence, sampled rows) in the draws' order;
+        tokens: the draws [R] on the device (None: nothing sampled)."""
+        # the token after each row: known on the host (prompt, earlier output), or drawn at the row itself
+        next_ids: list[int] = []
+        for (seq, n), start in zip(items, plan.num_computed):
+            known = seq.token_ids(start + 1, min(start + n + 1, seq.num_tokens)) if start + 1 < seq.num_tokens else []
+            next_ids += known + [0] * (n - len(known))
+        next_dev = to_device(next_ids, torch.long, device)
+        if tokens is not None:
+            next_dev.index_copy_(0, to_device(plan.sample_indices, torch.long, device), tokens)
+        drafting_now = self.drafts_at(num_running)
+        seqs, first, verified, drafting, rows, slots = [], [], [], [], [], []
+        slot_of = {id(seq): slot for (seq, _), slot in zip(items, plan.slots)}
+        end_of = {id(seq): start + n for (seq, n), start in zip(items, plan.num_computed)}
+        index = 0
+        for seq, num_rows in groups:
+            drafts = drafting_now and self.may_draft(seq, end_of[id(seq)])
+            if num_rows > 1 or drafts:
+                seqs.append(seq)
+                first.append(index)
+                verified.append(num_rows - 1)
+                drafting.append(drafts)
+                if drafts:
+                    rows.append(plan.sample_indices[index])
+                    slots.append(slot_of[id(seq)])
+            index += num_rows
+        counts = None
+        if seqs:
+            counts = accepted_counts(tokens, first, [seq.draft_token_ids[:n] for seq, n in zip(seqs, verified)])
+        draft_counts = counts
+        if counts is not None and len(rows) < len(seqs):
+            keep = [i for i, d in enumerate(drafting) if d]
+            draft_counts = counts.index_select(0, to_device(keep, torch.long, device)) if keep else None
+        drafts = self.executor.propose(DraftPlan(self.k if rows else 0, rows, slots), next_dev, draft_counts)
+        parts = [t for t in (counts, drafts) if t is not None]
+        return SpecStep(seqs, verified, drafting, ToHost(*parts) if parts else None)
