@@ -173,6 +173,7 @@ class ModelRunner:
         self.kv_pool: KVPool | None = None
         self.tables: BlockTables | None = None
         self.graphs: DecodeGraphs | None = None
+        self.draft_graphs: DraftGraphs | None = None
         self.warmed_up = False
         # the last step's rows for the MTP draft after it: (plan, positions, its metadata, hidden [T, hidden])
         self.last_step: tuple[StepPlan, torch.Tensor, AttentionMetadata, torch.Tensor] | None = None
@@ -244,6 +245,7 @@ class ModelRunner:
                     self.block_size, num_blocks * self.block_size, num_blocks * self.block_bytes / 2**30, self.dtype)
         if self.use_cuda_graphs:
             self.graphs = DecodeGraphs(self)
+            self.draft_graphs = DraftGraphs(self) if self.num_speculative_tokens else None
             if self.config.extra.get("capture_graphs_at_start", True):
                 from engine.kernels._util import on_compile
 
@@ -251,6 +253,8 @@ class ModelRunner:
                 if not self.warmed_up:
                     self.warm_up()
                 self.graphs.capture_all()
+                if self.draft_graphs is not None:
+                    self.draft_graphs.capture_all()
                 # anything built from here on stalls a serving step: name it, so warm_up can learn it
                 on_compile(lambda variant: logger.warning("Triton built a kernel variant after warm-up "
                                                           "(this step stalls until it is ready): %s", variant))
@@ -369,22 +373,29 @@ class ModelRunner:
         reuse one MTP layer for several) -> [S, num_drafts] int64, or None where nobody drafts."""
         plan, positions, meta, hidden = self.last_step
         self.last_step = None
-        h = self.model.draft(next_ids, positions, hidden, meta)  # [T, hidden]
-        if not draft.num_drafts or not draft.rows:
-            return None
-        dev = h.device
-        rows = to_device(draft.rows, torch.long, dev)
-        if accepted is not None:
+        rows = to_device(draft.rows, torch.long, positions.device) if draft.num_drafts and draft.rows else None
+        if rows is not None and accepted is not None:
             rows = rows + accepted
+        tables = self.tables.rows(draft.slots) if rows is not None else None
+        graphs = self.draft_graphs
+        if plan.use_graph and graphs is not None and graphs.has(plan.num_tokens, len(draft.rows)):
+            return graphs.replay(next_ids, positions, meta.block_tables, hidden, rows, tables)
+        return self._draft(next_ids, positions, meta, hidden, rows, tables, draft.num_drafts)
+
+    def _draft(self, next_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor,
+               rows: torch.Tensor | None, tables: torch.Tensor | None, num_drafts: int) -> torch.Tensor | None:
+        """`propose`'s work: the MTP pass over the step's rows, then from `rows` [S] (its last accepted
+        row per drafting sequence, whose block tables are `tables` [S, width]) num_drafts tokens."""
+        h = self.model.draft(next_ids, positions, hidden, meta)  # [T, hidden]
+        if rows is None:
+            return None
         h, pos = h.index_select(0, rows), positions.index_select(0, rows)
-        tables = self.tables.rows(draft.slots)
         drafts = []
-        for i in range(draft.num_drafts):
+        for i in range(num_drafts):
             drafts.append(self.model.compute_logits(h).argmax(dim=-1))  # [S]: greedy drafts
-            if i + 1 == draft.num_drafts:
+            if i + 1 == num_drafts:
                 break
-            pos = pos + 1
-            step_meta, pos = decode_rows_metadata(pos, tables, self.block_size)
+            step_meta, pos = decode_rows_metadata(pos + 1, tables, self.block_size)
             h = self.model.draft(drafts[-1], pos, h, step_meta)
         return torch.stack(drafts, dim=1)
 
@@ -410,6 +421,85 @@ def decode_rows_metadata(positions: torch.Tensor, tables: torch.Tensor, block_si
         query_lens_cpu=[1] * rows,
         context_lens_cpu=(positions + 1).tolist() if on_host else [0] * rows,
     ), positions
+
+
+class DraftGraphs:
+    """The MTP draft after a verification step replayed from a decode graph, as CUDA graphs too: one per
+    (rows of the step, drafting sequences), both padded, captured at start for the steps where every
+    running request verifies k drafts (k + 1 rows each). Other shapes (a prefill's first draft, mixed
+    steps) run eagerly. Padding rows attend in the scratch block, as the decode graphs' do."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.k = runner.num_speculative_tokens
+        decode = runner.graphs
+        self.max_rows = decode.max_batch
+        dev, n, width = runner.device, decode.max_batch, decode.width
+        hidden_size = runner.model_config.hidden_size
+        self.next_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.tables = torch.full((n, width), decode.scratch_block, dtype=torch.int32, device=dev)
+        self.hidden = torch.zeros(n, hidden_size, dtype=runner.dtype, device=dev)
+        self.rows = torch.zeros(n, dtype=torch.long, device=dev)
+        self.draft_tables = torch.full((n, width), decode.scratch_block, dtype=torch.int32, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.pool = None
+
+    def key(self, num_rows: int, num_drafting: int) -> tuple[int, int]:
+        padded = self.runner.graphs.padded
+        return padded(num_rows), padded(num_drafting)
+
+    def has(self, num_rows: int, num_drafting: int) -> bool:
+        return num_drafting > 0 and self.key(num_rows, num_drafting) in self.graphs
+
+    def _draft(self, key: tuple[int, int]) -> torch.Tensor:
+        rows, drafting = key
+        bs = self.runner.block_size
+        meta, pos = decode_rows_metadata(self.positions[:rows], self.tables[:rows], bs)
+        return self.runner._draft(self.next_ids[:rows], pos, meta, self.hidden[:rows], self.rows[:drafting],
+                                  self.draft_tables[:drafting], self.k)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Steps where every one of S requests verifies k drafts: (S * (k + 1) rows, S drafting)."""
+        keys = {self.key(s * (self.k + 1), s) for s in DecodeGraphs.SIZES if s * (self.k + 1) <= self.max_rows}
+        for key in sorted(keys, reverse=True):  # largest first: the smaller ones reuse its pool
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # compile and let cuBLAS choose outside the capture
+                self._draft(key)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[key] = self._draft(key)
+            self.pool = graph.pool()
+            self.graphs[key] = graph
+        logger.info("captured %d CUDA graphs for MTP drafts of %d tokens", len(self.graphs), self.k)
+
+    @torch.inference_mode()
+    def replay(self, next_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, hidden: torch.Tensor,
+               rows: torch.Tensor, draft_tables: torch.Tensor) -> torch.Tensor:
+        """The step's rows (next tokens, positions, block tables, hidden states) and the drafting rows
+        (indices into them, block tables) into the buffers, one replay -> drafts [S, k]."""
+        n, s = next_ids.shape[0], rows.shape[0]
+        key = self.key(n, s)
+        scratch = self.runner.graphs.scratch_block
+        self.next_ids[:n].copy_(next_ids)
+        self.positions[:n].copy_(positions)
+        self.tables[:n].copy_(tables)
+        self.hidden[:n].copy_(hidden)
+        self.rows[:s].copy_(rows)
+        self.draft_tables[:s].copy_(draft_tables)
+        if n < key[0]:  # padding rows: token 0 at position 0 of the scratch block
+            self.next_ids[n : key[0]].zero_()
+            self.positions[n : key[0]].zero_()
+            self.tables[n : key[0]].fill_(scratch)
+        if s < key[1]:
+            self.rows[s : key[1]].zero_()
+            self.draft_tables[s : key[1]].fill_(scratch)
+        self.graphs[key].replay()
+        return self.outputs[key][:s].clone()
 
 
 class DecodeGraphs:

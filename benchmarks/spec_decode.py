@@ -1,0 +1,166 @@
+"""Speculative decoding with the MTP layer: what it buys a stream, and what verifying k drafts costs.
+
+    python benchmarks/spec_decode.py [--model deepseek-tiny] [--k 1,2,3] [--streams 1,4,16]
+                                     [--presets v2-lite,v3-slice] [--out results.json]
+
+1. A real checkpoint with a trained MTP layer (deepseek-tiny by default): greedy chat answers
+   (ignore_eos, `--max-tokens` each) through `LLMEngine.step`, one batch of `streams` requests at a
+   time, without speculation and with k = 1, 2, 3 drafts: decode tokens/s (tokens after the first,
+   over the time after the first), tokens gained per verification step, and how many requests'
+   tokens equal the plain run's (in bf16 a verification's rows and a decode row can round apart).
+2. Random-weight shapes (`--presets`): the target's step over k + 1 consecutive rows of one sequence
+   (a verification, replayed from the decode graphs) against a one-row decode step at `--context`
+   tokens, and the MTP draft after it (its CUDA graph) -> the single-stream speedup each number of
+   tokens gained per step would buy: gained * t(decode) / (t(verify) + t(draft)).
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+from engine import SamplingParams
+from engine.bench.presets import preset_config
+from engine.bench.timing import time_fn
+from engine.config import EngineConfig, ModelConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import DraftGraphs, ModelRunner
+from engine.step_plan import StepPlan
+
+QUESTIONS = [
+    "What does json.dumps do?", "Define the word harbor.", "What is 17 plus 25?", "Hello! Who are you?",
+    "What does os.path.join do?", "Define the word lantern.", "What is 9 times 7?", "What is the jargon word foo?",
+    "What does itertools.chain do?", "Define the word meadow.", "What is 40 minus 13?", "What does re.sub do?",
+    "Define the word quarrel.", "What does collections.Counter do?", "What is 12 times 12?", "Good morning!",
+]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="deepseek-tiny")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--k", default="1,2,3", help="draft tokens per step to compare with plain decoding")
+    p.add_argument("--streams", default="1,4,16", help="requests decoded together")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=2, help="batches of `streams` requests per setting")
+    p.add_argument("--presets", default="", help="random-weight shapes for the verify-step costs, e.g. v2-lite,v3-slice")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--out")
+    return p.parse_args()
+
+
+def chat_prompts(engine: LLMEngine, n: int, offset: int) -> list[list[int]]:
+    tok = engine.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTIONS[(offset + i) % len(QUESTIONS)]}]),
+                       add_bos=False) for i in range(n)]
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, int]:
+    """Decode a batch to the end -> (tokens per request, decode seconds, decode tokens): from the step
+    that gave every request its first token on."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    outs, start, first_total = {}, None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+        if start is None and all(engine.requests.get(r) is None or engine.requests[r].output_token_ids for r in ids):
+            start = time.perf_counter()
+            first_total = sum(len(engine.requests[r].output_token_ids) for r in ids if r in engine.requests)
+    seconds = time.perf_counter() - start
+    tokens = [outs[r].token_ids for r in ids]
+    return tokens, seconds, sum(map(len, tokens)) - first_total
+
+
+def real_model(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for streams in [int(s) for s in args.streams.split(",")]:
+        plain = None
+        for k in [0] + [int(x) for x in args.k.split(",")]:
+            spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+            engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(streams, 1),
+                                            speculative_config=spec, show_progress=False))
+            run_engine(engine, chat_prompts(engine, streams, 99), 16)  # warm-up
+            tokens, seconds, decoded = [], 0.0, 0
+            for r in range(args.rounds):
+                t, s, d = run_engine(engine, chat_prompts(engine, streams, r * streams), args.max_tokens)
+                tokens += t
+                seconds += s
+                decoded += d
+            entry = {"streams": streams, "k": k, "decode_tok_s": decoded / seconds}
+            if k:
+                s = engine.speculator
+                entry["accepted_per_draft"] = s.num_accepted_tokens / max(1, s.num_draft_tokens)
+                entry["tokens_per_step"] = 1 + k * entry["accepted_per_draft"]
+                entry["same_tokens_as_plain"] = sum(a == b for a, b in zip(tokens, plain)) / len(tokens)
+                entry["speedup"] = entry["decode_tok_s"] / rows_plain["decode_tok_s"]
+            else:
+                plain, rows_plain = tokens, entry
+            rows.append(entry)
+            print(json.dumps(entry), flush=True)
+            engine.shutdown()
+            del engine
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return rows
+
+
+def verify_costs(preset: str, ks: list[int], context: int) -> dict:
+    """Step times of one sequence at `context`: 1 row, k + 1 rows (a verification), the MTP draft of k."""
+    hf = preset_config(preset)
+    hf["num_nextn_predict_layers"] = 1
+    model_config = ModelConfig.from_hf(hf)
+    bs = 64
+    blocks = -(-(context + 2 * max(ks) + 8) // bs)
+    config = EngineConfig(model=preset, dtype="bfloat16", max_num_seqs=8, block_size=bs, num_kv_blocks=blocks + 1,
+                          show_progress=False, speculative_config={"num_speculative_tokens": max(ks)},
+                          extra={"capture_graphs_at_start": False})
+    runner = ModelRunner(config, model_config, None, blocks * bs)
+    runner.init_cache(blocks + 1)
+    dev = runner.device
+    runner.tables.apply([(0, 0, list(range(blocks)))])
+
+    def step(n: int) -> float:
+        plan = StepPlan([0], [context], [n], 1 if n > 1 else 0, [7] * n, list(range(n)), use_graph=True)
+        return time_fn(lambda: runner.run(plan), dev, repeats=20, warmup=3)
+
+    out = {"preset": preset, "context": context, "decode_s": step(1), "verify_s": {}, "draft_s": {}}
+    hidden = torch.randn(8, model_config.hidden_size, dtype=runner.dtype, device=dev)
+    for k in ks:
+        n = k + 1
+        out["verify_s"][k] = step(n)
+        graphs = DraftGraphs(runner)
+        graphs.k = k
+        graphs.capture_all()
+        positions = torch.arange(context, context + n, device=dev)
+        tables = runner.tables.rows([0] * n)
+        rows = torch.tensor([n - 1], device=dev)
+        ids = torch.full((n,), 7, dtype=torch.long, device=dev)
+        out["draft_s"][k] = time_fn(lambda: graphs.replay(ids, positions, tables, hidden[:n], rows, tables[:1]), dev,
+                                    repeats=20, warmup=3)
+        t = out["verify_s"][k] + out["draft_s"][k]
+        out.setdefault("speedup_if_gained", {})[k] = {g: g * out["decode_s"] / t for g in range(1, k + 2)}
+        print(json.dumps({"preset": preset, "k": k, "decode_ms": out["decode_s"] * 1e3,
+                          "verify_ms": out["verify_s"][k] * 1e3, "draft_ms": out["draft_s"][k] * 1e3}), flush=True)
+    del runner
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "real_model": real_model(args) if args.model else []}
+    if args.presets:
+        ks = [int(x) for x in args.k.split(",")]
+        result["verify_costs"] = [verify_costs(p, ks, args.context) for p in args.presets.split(",")]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""Speculative decoding with the MTP layer: the draft is the layer the checkpoint trained, and the output
+is exactly the target's (greedy tokens identical to plain decoding and to HF; sampled tokens from the
+target's distribution), through chunked prefill, preemption, aborts and two ranks."""
+
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.bench.presets import preset_config
+from engine.config import EngineConfig, ModelConfig, SpeculativeConfig, resolve_model_path
+from engine.model_runner import ModelRunner
+from engine.step_plan import StepPlan
+from tests.engine.hf_oracle import build_hf_model, hf_greedy, prompts, save_hf_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+QUESTIONS = ["What does json.dumps do?", "Define the word harbor.", "What is 17 plus 25?", "Hello! Who are you?"]
+
+
+def spec(k: int) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def tiny_prompts() -> list[list[int]]:
+    llm = LLM("deepseek-tiny", dtype="float32", num_kv_blocks=8)
+    tok = llm.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_bos=False) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(tiny_prompts) -> list[list[int]]:
+    llm = LLM("deepseek-tiny", dtype="float32")
+    return [o.token_ids for o in llm.generate(tiny_prompts, GREEDY)]
+
+
+def test_the_mtp_layer_drafts_as_it_was_trained():
+    """deepseek-tiny's MTP layer, loaded as our draft, gives the logits its training code gives (HF's
+    decoder layer under DeepSeek-V3's MTP wiring, engine/tools/tiny/mtp.py) at every position."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from engine.tools.tiny.mtp import MTPLayer, mtp_logits
+
+    path = resolve_model_path("deepseek-tiny")
+    hf = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    n = hf.config.num_hidden_layers
+    # the MTP layer's block is a decoder layer at index n: HF reads it (experts and all) as such
+    host = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32, num_hidden_layers=n + 1).eval()
+    mtp = MTPLayer(hf.config).float().eval()
+    mtp.block = host.model.layers[n]
+    tensors = {}
+    for shard in path.glob("*.safetensors"):
+        tensors.update(load_file(shard))
+    with torch.no_grad():
+        for ours, theirs in [("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+                             ("shared_head_norm", "shared_head.norm")]:
+            getattr(mtp, ours).weight.copy_(tensors[f"model.layers.{n}.{theirs}.weight"].float())
+        ids = torch.tensor([prompts(5, [40], vocab=hf.config.vocab_size)[0]])
+        hidden = hf.model(ids).last_hidden_state  # after the final norm
+        positions = torch.arange(ids.shape[1] - 1)[None]
+        want = mtp_logits(hf, mtp, hidden[:, :-1], ids[:, 1:], positions)[0]
+
+    config = EngineConfig(model="deepseek-tiny", dtype="float32", device="cpu", block_size=16,
+                          speculative_config=spec(1))
+    model_config = ModelConfig.from_dir(path)
+    runner = ModelRunner(config, model_config, path, 256)
+    runner.init_cache(8)
+    length = ids.shape[1]
+    runner.tables.apply([(0, 0, [0, 1, 2])])
+    runner.run(StepPlan([0], [0], [length], 1, ids[0].tolist(), [length - 1]))
+    _, positions, meta, hidden_ours = runner.last_step
+    with torch.inference_mode():
+        next_ids = torch.cat([ids[0, 1:], ids[0, :1]])  # the last row's next token is not compared
+        got = runner.model.compute_logits(runner.model.draft(next_ids, positions, hidden_ours, meta))[:-1]
+    assert model_config.num_nextn_predict_layers == 1
+    assert (got - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_tokens_are_the_plain_ones_and_the_trained_draft_is_accepted(tiny_prompts, plain_tokens, k):
+    llm = LLM("deepseek-tiny", dtype="float32", speculative_config=spec(k))
+    outs = llm.generate(tiny_prompts, GREEDY)
+    assert [o.token_ids for o in outs] == plain_tokens
+    s = llm.engine.speculator
+    assert s.num_draft_tokens > 0
+    # the held-out one-ahead agreement of this MTP layer with the model is 72.6 % (its model card)
+    assert s.num_accepted_tokens / s.num_draft_tokens > (0.55 if k == 1 else 0.35)
+    assert all(o.metrics.num_verify_steps > 0 for o in outs)
+    assert llm.engine.kv_cache_usage == 0.0
+
+
+def test_chunked_prefill_and_preemption_keep_the_greedy_tokens(tiny_prompts, plain_tokens):
+    # chunks of 7 tokens split every prompt; 10 blocks of 16 cannot hold four 52-token sequences (and their
+    # drafts' lookahead) at once
+    chunked = LLM("deepseek-tiny", dtype="float32", max_num_batched_tokens=7, speculative_config=spec(2))
+    assert [o.token_ids for o in chunked.generate(tiny_prompts, GREEDY)] == plain_tokens
+    tight = LLM("deepseek-tiny", dtype="float32", num_kv_blocks=10, speculative_config=spec(3))
+    assert [o.token_ids for o in tight.generate(tiny_prompts, GREEDY)] == plain_tokens
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.kv_cache_usage == 0.0
+
+
+def test_an_abort_in_the_middle_of_a_verified_step(tiny_prompts, plain_tokens):
+    """A request aborted while its verification runs drops its rows; the others go on as if alone, and
+    every block comes back."""
+    llm = LLM("deepseek-tiny", dtype="float32", speculative_config=spec(2))
+    eng = llm.engine
+    for i, p in enumerate(tiny_prompts):
+        eng.add_request(f"r{i}", p, GREEDY)
+    propose, aborted = eng.executor.propose, []
+
+    def abort_during(draft, next_ids, accepted):
+        if len(draft.rows) == 4 and not aborted and eng.scheduler.running[1].draft_token_ids:
+            eng.abort_request("r1")  # after the verification's forward, before its tokens are read
+            aborted.append(True)
+        return propose(draft, next_ids, accepted)
+
+    eng.executor.propose = abort_during
+    finished = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert aborted and "r1" not in finished
+    assert [finished[f"r{i}"].token_ids for i in (0, 2, 3)] == [plain_tokens[i] for i in (0, 2, 3)]
+    assert eng.kv_cache_usage == 0.0 and not eng.block_manager.num_hashed_blocks
+
+
+def test_stop_tokens_and_max_tokens_inside_accepted_drafts(tiny_prompts, plain_tokens):
+    """A stop token or the length limit reached inside a step's accepted tokens ends the request there."""
+    llm = LLM("deepseek-tiny", dtype="float32", speculative_config=spec(3))
+    plain = plain_tokens[0]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[plain[17]]),
+              SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True)]
+    outs = llm.generate([tiny_prompts[0]] * 2, params)
+    assert outs[0].token_ids == plain[: plain.index(plain[17]) + 1] and outs[0].finish_reason == "stop"
+    assert outs[1].token_ids == plain[:13] and outs[1].finish_reason == "length"
+
+
+def mtp_checkpoint(tmp_path, seed: int = 3):
+    """An HF-saved V3 checkpoint with a random MTP layer as DeepSeek lays it out (model.layers.{n}.*, with
+    copies of the embedding and head), and the HF model without it (the oracle)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    with_mtp = build_hf_model(seed=seed, num_hidden_layers=4)  # layer 3 becomes the MTP layer's block
+    n = with_mtp.config.num_hidden_layers - 1
+    path = save_hf_checkpoint(with_mtp, tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    config.update(num_hidden_layers=n, num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(seed)
+    hidden = with_mtp.config.hidden_size
+    extra = {f"model.layers.{n}.{name}": t for name, t in {
+        "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+        "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+        "eh_proj.weight": 0.15 * torch.randn(hidden, 2 * hidden, generator=g),
+        "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+        "shared_head.head.weight": with_mtp.lm_head.weight.detach().clone(),
+        "embed_tokens.weight": with_mtp.model.embed_tokens.weight.detach().clone(),
+    }.items()}
+    save_file(extra, path / "mtp.safetensors")
+    index = json.loads((path / "model.safetensors.index.json").read_text()) if (
+        path / "model.safetensors.index.json").exists() else None
+    if index is not None:
+        index["weight_map"].update(dict.fromkeys(extra, "mtp.safetensors"))
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    hf = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # layers 0..n-1 only
+    assert hf.config.num_hidden_layers == n
+    return hf, path
+
+
+def test_greedy_matches_hf_on_a_v3_checkpoint_with_an_mtp_layer(tmp_path):
+    hf, path = mtp_checkpoint(tmp_path)
+    batch = prompts(4, [9, 30, 17])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=16, speculative_config=spec(2))
+    for ids, out in zip(batch, llm.generate(batch, params)):
+        assert out.token_ids == hf_greedy(hf, ids, 32)
+    assert llm.engine.speculator.num_draft_tokens > 0
+    # the same checkpoint without speculation never reads the MTP layer
+    plain = LLM(str(path), dtype="float32", device="cpu")
+    assert not hasattr(plain.engine.runner.model, "mtp") or not len(plain.engine.runner.model.mtp)
+
+
+def test_two_ranks_draft_and_verify_as_one(tmp_path):
+    """TP=2 on CPU: every rank runs the MTP layer over the step's rows (rank 0's draws broadcast), so
+    the greedy tokens are HF's."""
+    hf, path = mtp_checkpoint(tmp_path, seed=5)
+    batch = prompts(6, [12, 7])
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", device="cpu", tensor_parallel_size=2, speculative_config=spec(2))
+    try:
+        for ids, out in zip(batch, llm.generate(batch, params)):
+            assert out.token_ids == hf_greedy(hf, ids, 16)
+        assert llm.engine.speculator.num_draft_tokens > 0
+    finally:
+        llm.engine.shutdown()
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at the normal quantile z (3.09: p = 0.001), Wilson-Hilferty."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampled_tokens_follow_the_target_distribution(tiny_prompts):
+    """Temperature 1, top-k 3: the first three tokens' joint distribution over 1,500 seeds with k = 2
+    drafts (the second and third tokens come from verification rows, accepted or drawn past a rejected
+    draft) against the exact probabilities of the target: chi-square below its p = 0.001 quantile.
+    Seeds reproduce their tokens."""
+    prompt = tiny_prompts[2]
+    params = [SamplingParams(temperature=1.0, top_k=3, seed=s, max_tokens=3, ignore_eos=True) for s in range(1500)]
+    llm = LLM("deepseek-tiny", dtype="float32", max_num_seqs=256, speculative_config=spec(2))
+    outs = llm.generate([prompt] * len(params), params)
+    counts = Counter(tuple(o.token_ids) for o in outs)
+    assert llm.engine.speculator.num_draft_tokens > 0
+    assert [o.token_ids for o in llm.generate([prompt] * 5, params[:5])] == [o.token_ids for o in outs[:5]]
+
+    def top3(logits: torch.Tensor) -> dict[int, float]:
+        values, ids = logits.topk(3)
+        return dict(zip(ids.tolist(), values.softmax(-1).tolist()))
+
+    plain = LLM("deepseek-tiny", dtype="float32")
+    exact: dict[tuple, float] = {}
+    first = top3(plain.score([prompt])[0][-1])
+    seconds = plain.score([prompt + [a] for a in first])
+    for a, pa in first.items():
+        second = top3(seconds.pop(0)[-1])
+        thirds = plain.score([prompt + [a, b] for b in second])
+        for (b, pb), logits in zip(second.items(), thirds):
+            for c, pc in top3(logits[-1]).items():
+                exact[(a, b, c)] = pa * pb * pc
+    assert set(counts) <= set(exact)
+    n = len(outs)
+    chi2 = sum((counts.get(cell, 0) - n * p) ** 2 / (n * p) for cell, p in exact.items())
+    assert chi2 < chi_square_critical(len(exact) - 1)
+
+
+def test_speculative_config_is_parsed_and_checked():
+    assert SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 3}').num_speculative_tokens == 3
+    assert SpeculativeConfig.parse("") is None and SpeculativeConfig.parse({}) is None
+    for bad, why in [('{"method": "eagle", "num_speculative_tokens": 1}', "not supported"),
+                     ('{"num_speculative_tokens": 0}', "in \\[1, 8\\]"), ('{"method": "mtp"}', "needs"),
+                     ('{"num_speculative_tokens": 1, "draft_model": "x"}', "unknown"), ("{", "not valid JSON")]:
+        with pytest.raises(ValueError, match=why):
+            SpeculativeConfig.parse(bad)
+    no_mtp = ModelConfig.from_hf(preset_config("tiny"))  # num_nextn_predict_layers 0
+    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+        ModelRunner(EngineConfig(model="tiny", dtype="float32", device="cpu", speculative_config=spec(1)), no_mtp,
+                    None, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("k", [1, 3])
+def test_on_the_gpu_graphs_give_the_plain_tokens(tiny_prompts, k):
+    """The fast path: verification rows replayed from the decode graphs, the draft from its own graphs;
+    greedy and seeded sampled tokens as plain decoding's (the sampling noise is keyed by position)."""
+    params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True)]
+    batch = [tiny_prompts[0], tiny_prompts[1], tiny_prompts[1]]
+    plain = LLM("deepseek-tiny", dtype="float32").generate(batch, [params[0], params[0], params[1]])
+    llm = LLM("deepseek-tiny", dtype="float32", speculative_config=spec(k))
+    assert llm.engine.runner.draft_graphs.graphs
+    outs = llm.generate(batch, [params[0], params[0], params[1]])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    one = llm.generate([tiny_prompts[3]], GREEDY)[0]  # one stream: the (k + 1)-row graphs
+    assert one.token_ids == LLM("deepseek-tiny", dtype="float32").generate([tiny_prompts[3]], GREEDY)[0].token_ids
