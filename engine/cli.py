@@ -10,6 +10,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="deepseek-tiny", help="checkpoint directory, or the embedded deepseek-tiny")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--speculative-config", help="""speculative decoding as JSON, e.g. '{"method": "mtp", """
+                   """"num_speculative_tokens": 2}' (the checkpoint's MTP layer drafts)""")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: one per line of stdin")
     p.add_argument("--chat", action="store_true", help="send each prompt as a user message through the chat template")
     p.add_argument("--thinking", action="store_true", help="with --chat: let the model think first (DeepSeek's switch)")
@@ -32,7 +34,8 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                 max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, show_progress=True)
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, show_progress=True,
+                  speculative_config=args.speculative_config)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -54,6 +54,21 @@ class _KVCollector(Collector):
         )
 
 
+class _SpecCollector(Collector):
+    """Speculative decoding's cumulative counters, exposed once the engine reports them (it drafts)."""
+
+    def __init__(self) -> None:
+        self.counts: tuple[int, int] | None = None  # (draft tokens verified, of them accepted)
+
+    def collect(self) -> Iterator:
+        if self.counts is None:
+            return
+        yield CounterMetricFamily(f"{PREFIX}_spec_decode_draft_tokens", "Draft tokens verified (speculative decoding).",
+                                  value=self.counts[0])
+        yield CounterMetricFamily(f"{PREFIX}_spec_decode_accepted_tokens",
+                                  "Draft tokens accepted (speculative decoding).", value=self.counts[1])
+
+
 class EngineMetrics:
     """The engine's metrics on a registry of their own (`kv_reuse` adds the cross-replica KV counters)."""
 
@@ -102,6 +117,8 @@ class EngineMetrics:
         self._kv = _KVCollector()
         if kv_reuse:
             r.register(self._kv)
+        self._spec = _SpecCollector()
+        r.register(self._spec)
         self._last_token_time: dict[str, float] = {}  # request_id -> time of its last token
         self._exposition = _WithoutCreated(self.registry)
 
@@ -114,6 +131,9 @@ class EngineMetrics:
         self._kv.transfer_bytes, self._kv.pull_fallbacks, self._kv.directory_up = (
             transfer_bytes, pull_fallbacks, directory_up,
         )  # fmt: skip
+
+    def set_spec(self, draft_tokens: int, accepted_tokens: int) -> None:
+        self._spec.counts = (draft_tokens, accepted_tokens)
 
     def observe_outputs(self, outputs: Iterable[RequestOutput], now: float | None = None) -> None:
         """Counts the tokens and latencies of one engine step's outputs (`now`: time.monotonic())."""

@@ -236,6 +236,8 @@ class AsyncEngine:
         self.metrics.set_queue(report.num_waiting, report.num_running, report.kv_cache_usage)
         if report.kv is not None:
             self.metrics.set_kv(report.kv.transfer_bytes, report.kv.pull_fallbacks, report.kv.directory_up)
+        if report.spec is not None:
+            self.metrics.set_spec(*report.spec)
         for admission in report.admissions:
             self._on_admission(admission)
         for request_id in report.aborted:

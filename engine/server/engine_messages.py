@@ -85,6 +85,7 @@ class Report:
     deltas: list[tuple] = field(default_factory=list)  # tuple(Delta)
     aborted: list[str] = field(default_factory=list)  # requests the engine still held when aborted
     kv: "KVSnapshot | None" = None  # cross-replica KV counters, when they changed
+    spec: tuple[int, int] | None = None  # speculative decoding's (draft, accepted) tokens, when they changed
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ class EngineLoop:
         self.live: set[str] = set()  # request ids the engine holds
         self._last_queue: tuple | None = None
         self._last_kv: KVSnapshot | None = None
+        self._last_spec: tuple[int, int] | None = None
         self._last_sent = 0.0
 
     def run(self) -> None:
@@ -111,9 +112,13 @@ class EngineLoop:
         kv = KVSnapshot.of(engine.kv) if getattr(engine, "kv", None) is not None else None
         if kv != self._last_kv:
             report.kv = self._last_kv = kv
+        speculator = getattr(engine, "speculator", None)
+        spec = (speculator.num_draft_tokens, speculator.num_accepted_tokens) if speculator is not None else None
+        if spec != self._last_spec:
+            report.spec = self._last_spec = spec
         now = time.monotonic()
-        if (report.admissions or report.deltas or report.aborted or report.kv or queue != self._last_queue
-                or now - self._last_sent >= HEARTBEAT_SECONDS):
+        if (report.admissions or report.deltas or report.aborted or report.kv or report.spec
+                or queue != self._last_queue or now - self._last_sent >= HEARTBEAT_SECONDS):
             report.time = now
             report.num_waiting, report.num_running, report.kv_cache_usage = queue
             self._last_queue, self._last_sent = queue, now

@@ -37,6 +37,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--async-scheduling", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
         help="launch each decode step before the host reads the last one's tokens (auto: on a GPU)",
     )  # fmt: skip
+    model.add_argument(
+        "--speculative-config", type=_speculative_config,
+        help="""speculative decoding, as JSON (vLLM's flag): '{"method": "mtp", "num_speculative_tokens": 2}' """
+             "drafts 2 tokens a step with the checkpoint's MTP layer; \"disable_by_batch_size\": N drafts only "
+             "while at most N requests run",
+    )  # fmt: skip
     par = parser.add_argument_group("parallelism and memory")
     par.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                      help="ranks one replica runs on (GPUs; over all its nodes), one process each")
@@ -115,6 +121,15 @@ def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
         action.default = converted
 
 
+def _speculative_config(value: str):
+    from engine.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(
         served_model_name=args.served_model_name or args.model,
@@ -151,7 +166,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         "tensor_parallel_size": args.tensor_parallel_size, "enable_expert_parallel": args.enable_expert_parallel,
         "nnodes": args.nnodes, "node_rank": args.node_rank, "dist_init_addr": args.dist_init_addr,
         "gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_memory": args.kv_cache_memory,
-        "num_kv_blocks": args.num_gpu_blocks_override,
+        "num_kv_blocks": args.num_gpu_blocks_override, "speculative_config": args.speculative_config,
         "kv_secret": read_kv_secret(args.kv_secret_file) if args.kv_secret_file else None,
     }  # fmt: skip
     # Unset: the engine's own defaults.

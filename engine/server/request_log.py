@@ -20,6 +20,10 @@ def summarize(out: RequestOutput) -> str:
     if m.finished_time is not None and num_generated > 1:
         # The first token comes out of the prefill; decode speed counts the tokens after it.
         line += f" decode={_rate(num_generated - 1, m.finished_time - m.first_token_time)} tok/s"
+    if m.num_verify_steps:
+        # speculative decoding: drafts accepted of those verified, and tokens gained per verification
+        line += (f" spec_accepted={m.num_accepted_tokens}/{m.num_draft_tokens}"
+                 f" accepted_len={(m.num_accepted_tokens + m.num_verify_steps) / m.num_verify_steps:.2f}")
     return line
 
 

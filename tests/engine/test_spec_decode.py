@@ -268,3 +268,30 @@ def test_on_the_gpu_graphs_give_the_plain_tokens(tiny_prompts, k):
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     one = llm.generate([tiny_prompts[3]], GREEDY)[0]  # one stream: the (k + 1)-row graphs
     assert one.token_ids == LLM("deepseek-tiny", dtype="float32").generate([tiny_prompts[3]], GREEDY)[0].token_ids
+
+
+def test_served_with_the_flag_through_the_official_client(tmp_path, tiny_prompts, plain_tokens):
+    """`deepseek-engine serve --speculative-config ...` answers the official client with the plain greedy
+    text, streamed and whole, counts drafts in /metrics and logs each request's accepted length."""
+    import openai
+
+    from tests.engine.conftest_server import MODEL_NAME, ServerProcess
+
+    server = ServerProcess(resolve_model_path("deepseek-tiny"), tmp_path / "server.log",
+                           "--speculative-config", json.dumps(spec(2))).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        whole = client.completions.create(model=MODEL_NAME, prompt=tiny_prompts[0], max_tokens=40, temperature=0)
+        stream = client.completions.create(model=MODEL_NAME, prompt=tiny_prompts[1], max_tokens=40, temperature=0,
+                                           stream=True)
+        streamed = "".join(chunk.choices[0].text for chunk in stream)
+        tok = LLM("deepseek-tiny", dtype="float32", num_kv_blocks=8).tokenizer
+        for text, ids in [(whole.choices[0].text, plain_tokens[0]), (streamed, plain_tokens[1])]:
+            stop = ids.index(1) if 1 in ids else len(ids)  # the server stops at EOS
+            assert text == tok.decode(ids[:stop])
+        metrics = server.metrics()
+        drafts = metrics["deepseek_engine_spec_decode_draft_tokens_total"]
+        assert drafts > 0 and 0 < metrics["deepseek_engine_spec_decode_accepted_tokens_total"] <= drafts
+        assert "spec_accepted=" in server.log() and "accepted_len=" in server.log()
+    finally:
+        server.stop()
