@@ -123,6 +123,9 @@ def test_rendered_engine_command_serves_a_chat_completion(path: Path, tmp_path: 
                                                messages=[{"role": "user", "content": "Hello!"}])
         assert reply.choices[0].message.content and reply.usage.completion_tokens > 0
         assert tp == 1 or f"{tp} ranks ready" in (tmp_path / "engine.log").read_text()
+        if "--speculative-config" in args:  # extraArgs reached the engine: its MTP layer drafted
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            assert re.search(r"^deepseek_engine_spec_decode_draft_tokens_total [1-9]", metrics, re.M), metrics
         # the rendered directory URL (its password from the Secret) reached Redis: the replica registered
         url = next(v for v in env.values() if v.startswith("redis://"))
         keys = redis_lib.Redis.from_url(url).keys("*replica:*")

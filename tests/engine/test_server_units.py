@@ -241,6 +241,7 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
         "NNODES": "2", "NODE_RANK": "1", "DIST_INIT_ADDR": "leader:29500", "GPU_MEMORY_UTILIZATION": "0.8",
         "KV_CACHE_MEMORY": "2GiB", "NUM_GPU_BLOCKS_OVERRIDE": "64", "KV_SECRET_FILE": str(tmp_path / "kv-secret"),
         "ENGINE_HEARTBEAT_TIMEOUT": "4", "MAX_REQUEST_BODY_SIZE": "1MiB",
+        "SPECULATIVE_CONFIG": '{"method": "mtp", "num_speculative_tokens": 2}',
     }  # fmt: skip
     (tmp_path / "kv-secret").write_text("0123456789abcdef0123456789abcdef\n")
     env["TENSOR_PARALLEL_SIZE"] = "4"
@@ -256,6 +257,7 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
     assert (s.engine_silence_timeout, s.max_body_bytes) == (4.0, 2**20)
     c = engine_config(args)
     assert (c.model, c.dtype, c.max_model_len, c.max_num_seqs) == (str(tmp_path), "bfloat16", 8192, 8)
+    assert c.num_speculative_tokens == 2
     assert (c.replica_id, c.advertise_host, c.kv_directory, c.kv_transport, c.kv_transfer_port) == (
         "pod-0", "10.0.0.7", "redis://dir:6379/0", "rdma", 8101,
     )  # fmt: skip
