@@ -77,34 +77,45 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
 
 
 def real_model(args: argparse.Namespace) -> list[dict]:
+    """Per batch size: one engine per setting (plain, then each k), warmed up, then the rounds run
+    setting after setting (interleaved, so a drift of the machine's speed touches every setting alike)."""
     rows = []
+    ks = [0] + [int(x) for x in args.k.split(",")]
     for streams in [int(s) for s in args.streams.split(",")]:
-        plain = None
-        for k in [0] + [int(x) for x in args.k.split(",")]:
+        engines = {}
+        for k in ks:
             spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
-            engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(streams, 1),
-                                            speculative_config=spec, show_progress=False))
-            run_engine(engine, chat_prompts(engine, streams, 99), 16)  # warm-up
-            tokens, seconds, decoded = [], 0.0, 0
-            for r in range(args.rounds):
-                t, s, d = run_engine(engine, chat_prompts(engine, streams, r * streams), args.max_tokens)
-                tokens += t
-                seconds += s
-                decoded += d
-            entry = {"streams": streams, "k": k, "decode_tok_s": decoded / seconds}
+            engines[k] = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=streams,
+                                                speculative_config=spec, show_progress=False))
+            run_engine(engines[k], chat_prompts(engines[k], streams, 99), args.max_tokens)  # every shape once
             if k:
-                s = engine.speculator
+                engines[k].speculator.num_draft_tokens = engines[k].speculator.num_accepted_tokens = 0
+        tokens = {k: [] for k in ks}
+        seconds = dict.fromkeys(ks, 0.0)
+        decoded = dict.fromkeys(ks, 0)
+        for r in range(args.rounds):
+            for k, engine in engines.items():
+                t, sec, d = run_engine(engine, chat_prompts(engine, streams, r * streams), args.max_tokens)
+                tokens[k] += t
+                seconds[k] += sec
+                decoded[k] += d
+        plain = decoded[0] / seconds[0]
+        for k in ks:
+            entry = {"streams": streams, "k": k, "decode_tok_s": decoded[k] / seconds[k]}
+            if k:
+                s = engines[k].speculator
                 entry["accepted_per_draft"] = s.num_accepted_tokens / max(1, s.num_draft_tokens)
                 entry["tokens_per_step"] = 1 + k * entry["accepted_per_draft"]
-                entry["same_tokens_as_plain"] = sum(a == b for a, b in zip(tokens, plain)) / len(tokens)
-                entry["speedup"] = entry["decode_tok_s"] / rows_plain["decode_tok_s"]
-            else:
-                plain, rows_plain = tokens, entry
+                # bf16: a verification's rows and a one-row decode can round a near tie apart
+                entry["same_tokens_as_plain"] = sum(a == b for a, b in zip(tokens[k], tokens[0])) / len(tokens[0])
+                entry["speedup"] = entry["decode_tok_s"] / plain
             rows.append(entry)
             print(json.dumps(entry), flush=True)
+        for engine in engines.values():
             engine.shutdown()
-            del engine
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        del engines
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return rows
 
 

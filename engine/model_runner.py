@@ -175,8 +175,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.draft_graphs: DraftGraphs | None = None
         self.warmed_up = False
-        # the last step's rows for the MTP draft after it: (plan, positions, its metadata, hidden [T, hidden])
-        self.last_step: tuple[StepPlan, torch.Tensor, AttentionMetadata, torch.Tensor] | None = None
+        # the last step's rows for the MTP draft after it: (plan, positions [T], block tables [T, width],
+        # its metadata (None after a replayed step: built if the draft runs eagerly), hidden [T, hidden])
+        self.last_step: tuple | None = None
 
     # -- the KV pool ---------------------------------------------------------------------------------
     @property
@@ -279,6 +280,10 @@ class ModelRunner:
                 # every row lands in the scratch block (the scratch slot's table)
                 plan = StepPlan([scratch], [prefix], [n], 1, [0] * n, [n - 1])
                 self._run_eager(plan)  # what the graphs do not take
+                # and the MTP draft after it (eager after a prefill), where its positions fit the rope table
+                if self.num_speculative_tokens and prefix + n + self.num_speculative_tokens <= self.max_model_len:
+                    self.propose(DraftPlan(self.num_speculative_tokens, [n - 1], [scratch]),
+                                 torch.zeros(n, dtype=torch.long, device=self.device), None)
         if self.backend == "triton" and isinstance(self.model, DeepseekV3ForCausalLM):
             # every slice count the decode attention may take
             attn = self.model.attention_layers()[0]
@@ -339,7 +344,7 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(plan, inputs)
         hidden = self.model(input_ids, positions, meta)
         if self.num_speculative_tokens:
-            self.last_step = (plan, positions, meta, hidden)
+            self.last_step = (plan, positions, meta.block_tables, meta, hidden)
         if plan.collect_logits:
             all_logits = self.model.compute_logits(hidden)
             logits = all_logits[plan.sample_indices] if plan.sample_indices else None
@@ -351,12 +356,10 @@ class ModelRunner:
         are rows of their own (the eager step they replace costs ~75 PyTorch operations a layer)."""
         self.graphs.load(plan, inputs)
         hidden, logits, _ = self.graphs.replay(plan.num_tokens)
-        if self.num_speculative_tokens:  # the graph's rows are one-token decodes at their positions
+        if self.num_speculative_tokens:  # the graph's rows: one-token decodes at their positions
             n = plan.num_tokens
-            # the graph steps its positions on after the step: the rows' own are one less
-            meta, positions = decode_rows_metadata(self.graphs.positions[:n] - 1, self.graphs.block_tables[:n],
-                                                   self.block_size)
-            self.last_step = (plan, positions, meta, hidden)
+            # (the graph steps its positions on after the step: the rows' own are one less)
+            self.last_step = (plan, self.graphs.positions[:n] - 1, self.graphs.block_tables[:n], None, hidden)
         rows = plan.sample_indices
         if not rows:
             return StepResult(None)
@@ -371,16 +374,20 @@ class ModelRunner:
         drafting sequence, from its row `draft.rows[i] + accepted[i]` (its last accepted one) the drafts
         one after another, the layer fed its own output for the tokens past the first (as SGLang and vLLM
         reuse one MTP layer for several) -> [S, num_drafts] int64, or None where nobody drafts."""
-        plan, positions, meta, hidden = self.last_step
+        plan, positions, tables, meta, hidden = self.last_step
         self.last_step = None
-        rows = to_device(draft.rows, torch.long, positions.device) if draft.num_drafts and draft.rows else None
+        rows = draft_tables = None
+        if draft.num_drafts and draft.rows:
+            packed = to_device(draft.rows + draft.slots, torch.long, positions.device)  # one copy for both
+            rows, draft_tables = packed[: len(draft.rows)], self.tables.table.index_select(0, packed[len(draft.rows) :])
+        graphs = self.draft_graphs
+        if plan.use_graph and graphs is not None and rows is not None and graphs.has(plan.num_tokens, len(rows)):
+            return graphs.replay(next_ids, positions, tables, hidden, rows, accepted, draft_tables)
+        if meta is None:  # a replayed step's rows, drafted eagerly
+            meta, _ = decode_rows_metadata(positions, tables, self.block_size)
         if rows is not None and accepted is not None:
             rows = rows + accepted
-        tables = self.tables.rows(draft.slots) if rows is not None else None
-        graphs = self.draft_graphs
-        if plan.use_graph and graphs is not None and graphs.has(plan.num_tokens, len(draft.rows)):
-            return graphs.replay(next_ids, positions, meta.block_tables, hidden, rows, tables)
-        return self._draft(next_ids, positions, meta, hidden, rows, tables, draft.num_drafts)
+        return self._draft(next_ids, positions, meta, hidden, rows, draft_tables, draft.num_drafts)
 
     def _draft(self, next_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor,
                rows: torch.Tensor | None, tables: torch.Tensor | None, num_drafts: int) -> torch.Tensor | None:
@@ -441,6 +448,7 @@ class DraftGraphs:
         self.tables = torch.full((n, width), decode.scratch_block, dtype=torch.int32, device=dev)
         self.hidden = torch.zeros(n, hidden_size, dtype=runner.dtype, device=dev)
         self.rows = torch.zeros(n, dtype=torch.long, device=dev)
+        self.accepted = torch.zeros(n, dtype=torch.long, device=dev)
         self.draft_tables = torch.full((n, width), decode.scratch_block, dtype=torch.int32, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -457,8 +465,8 @@ class DraftGraphs:
         rows, drafting = key
         bs = self.runner.block_size
         meta, pos = decode_rows_metadata(self.positions[:rows], self.tables[:rows], bs)
-        return self.runner._draft(self.next_ids[:rows], pos, meta, self.hidden[:rows], self.rows[:drafting],
-                                  self.draft_tables[:drafting], self.k)
+        return self.runner._draft(self.next_ids[:rows], pos, meta, self.hidden[:rows],
+                                  self.rows[:drafting] + self.accepted[:drafting], self.draft_tables[:drafting], self.k)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -479,9 +487,10 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def replay(self, next_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, hidden: torch.Tensor,
-               rows: torch.Tensor, draft_tables: torch.Tensor) -> torch.Tensor:
+               rows: torch.Tensor, accepted: torch.Tensor | None, draft_tables: torch.Tensor) -> torch.Tensor:
         """The step's rows (next tokens, positions, block tables, hidden states) and the drafting rows
-        (indices into them, block tables) into the buffers, one replay -> drafts [S, k]."""
+        (their first sampled row, drafts accepted there, block tables) into the buffers, one replay ->
+        drafts [S, k]."""
         n, s = next_ids.shape[0], rows.shape[0]
         key = self.key(n, s)
         scratch = self.runner.graphs.scratch_block
@@ -490,6 +499,10 @@ class DraftGraphs:
         self.tables[:n].copy_(tables)
         self.hidden[:n].copy_(hidden)
         self.rows[:s].copy_(rows)
+        if accepted is None:
+            self.accepted[:s].zero_()
+        else:
+            self.accepted[:s].copy_(accepted)
         self.draft_tables[:s].copy_(draft_tables)
         if n < key[0]:  # padding rows: token 0 at position 0 of the scratch block
             self.next_ids[n : key[0]].zero_()
@@ -497,6 +510,7 @@ class DraftGraphs:
             self.tables[n : key[0]].fill_(scratch)
         if s < key[1]:
             self.rows[s : key[1]].zero_()
+            self.accepted[s : key[1]].zero_()
             self.draft_tables[s : key[1]].fill_(scratch)
         self.graphs[key].replay()
         return self.outputs[key][:s].clone()
@@ -521,7 +535,9 @@ class DecodeGraphs:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         # buffers hold the padded size of the largest batch, so every padded() row count fits
-        self.max_batch = self.padded(min(runner.config.max_num_seqs, self.SIZES[-1]))
+        # a verification takes 1 + k rows a request
+        rows = runner.config.max_num_seqs * (1 + runner.num_speculative_tokens)
+        self.max_batch = self.padded(min(rows, self.SIZES[-1]))
         self.width = runner.tables.width  # block-table columns
         self.scratch_block = runner.kv_pool.scratch_block
         dev, n = runner.device, self.max_batch

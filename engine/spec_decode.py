@@ -40,10 +40,11 @@ def accepted_counts(tokens: torch.Tensor, first: list[int], drafts: list[list[in
     dev = tokens.device
     if not width:
         return torch.zeros(len(first), dtype=torch.long, device=dev)
-    padded = to_device([d + [-1] * (width - len(d)) for d in drafts], torch.long, dev)  # -1 never matches
-    index = to_device(first, torch.long, dev)[:, None] + torch.arange(width, device=dev)
-    drawn = tokens[index.clamp(max=tokens.shape[0] - 1)]  # [S, width]
-    return (drawn == padded).long().cumprod(dim=1).sum(dim=1)
+    last = tokens.shape[0] - 1
+    # one copy: the drafts (padded with -1, which never matches) and the draw each is compared with
+    both = to_device([[d + [-1] * (width - len(d)) for d in drafts],
+                      [[min(f + j, last) for j in range(width)] for f in first]], torch.long, dev)  # [2, S, width]
+    return (tokens[both[1]] == both[0]).long().cumprod(dim=1).sum(dim=1)
 
 
 @dataclass

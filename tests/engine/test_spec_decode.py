@@ -72,7 +72,7 @@ def test_the_mtp_layer_drafts_as_it_was_trained():
     length = ids.shape[1]
     runner.tables.apply([(0, 0, [0, 1, 2])])
     runner.run(StepPlan([0], [0], [length], 1, ids[0].tolist(), [length - 1]))
-    _, positions, meta, hidden_ours = runner.last_step
+    _, positions, _, meta, hidden_ours = runner.last_step
     with torch.inference_mode():
         next_ids = torch.cat([ids[0, 1:], ids[0, :1]])  # the last row's next token is not compared
         got = runner.model.compute_logits(runner.model.draft(next_ids, positions, hidden_ours, meta))[:-1]
