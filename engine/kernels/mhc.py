@@ -155,6 +155,8 @@ def hc_site(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         sms = 4 if interpreted(streams) else torch.cuda.get_device_properties(dev).multi_processor_count
         num_splits = max(1, min(sms // tiles, MAX_TILE_SPLITS // block_t, triton.cdiv(num_k, 2 * block_k)))
         num_splits = 1 << (num_splits.bit_length() - 1)  # a power of two at most that
+        if tiles > tickets.numel():
+            num_splits = 1
     check(num_splits & (num_splits - 1) == 0, f"num_splits must be a power of two, got {num_splits}")
     if num_splits > 1:
         check(tickets.dtype == torch.int32 and tickets.is_contiguous() and tickets.numel() >= tiles
