@@ -91,6 +91,35 @@ def measure_v4_layers(runner: ModelRunner, pool: BlockPool, context: int, vocab:
     return out
 
 
+@torch.inference_mode()
+def measure_hc_sites(runner: ModelRunner, token_counts: list[int]) -> list[dict]:
+    """Layer 0's attention-site mHC (weights and collapse) at each token count, graph-replayed: the fused
+    kernel against the PyTorch path, with the kernel's error against it and its bytes floor (fn once,
+    the streams read, the collapsed input written)."""
+    from engine.bench.timing import time_replayed as replayed
+
+    cfg, dev, block = runner.model_config, runner.device, runner.model.layers[0]
+    n, hidden = cfg.hc_mult, cfg.hidden_size
+    g = torch.Generator(dev).manual_seed(1)
+    out = []
+    for t in token_counts:
+        h = torch.randn(t, n, hidden, generator=g, device=dev, dtype=runner.dtype)
+        times, results = {}, {}
+        for path, on in (("kernel", True), ("torch", False)):
+            block.use_kernels = on
+            times[path] = replayed(lambda: block.collapse(h, "attn"), dev, calls=10)
+            results[path] = block.collapse(h, "attn")
+        block.use_kernels = True
+        err = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
+        elem = h.element_size()
+        floor_bytes = block.hc_attn_fn.numel() * 4 + t * n * hidden * elem + t * hidden * elem
+        out.append(dict(tokens=t, kernel_s=times["kernel"], torch_s=times["torch"],
+                        speedup=times["torch"] / times["kernel"], bytes=floor_bytes,
+                        error_x=err(results["kernel"][0], results["torch"][0]),
+                        error_comb=err(results["kernel"][2], results["torch"][2])))
+    return out
+
+
 def _guard(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
@@ -134,6 +163,12 @@ def run_v4(opts, hf_config: dict, cfg: DeepseekV4Config, name: str) -> dict:
             entry.update(fractions(entry["seconds"], *costs.decode_layer(entry["layer"], 1, opts.decode_context + 1),
                                    ceilings, False))
             entry["ratio_to_bandwidth_floor"] = entry["seconds"] / entry["bandwidth_floor_s"]
+    hc_sites = None  # the kernel runs where the Triton backend does
+    if runner.backend == "triton":
+        hc_sites = _guard(measure_hc_sites, runner, sorted({1, 8, 64, *opts.concurrency, *opts.prompt_lens}))
+    if isinstance(hc_sites, list):
+        for entry in hc_sites:
+            entry["bandwidth_floor_s"] = entry["bytes"] / ceilings.copy_bytes_per_s
     summary = lambda d, k: {n: m.get(k) for n, m in d.items()}
     result = dict(
         preset=name, command=opts.command, gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -142,7 +177,7 @@ def run_v4(opts, hf_config: dict, cfg: DeepseekV4Config, name: str) -> dict:
         backend=runner.backend, cuda_graphs=runner.graphs is not None, num_layers=cfg.num_hidden_layers,
         layer_kinds=[cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)], max_model_len=max_len,
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
-        prefill=prefill_r, decode=decode_r, layers=layers,
+        prefill=prefill_r, decode=decode_r, layers=layers, hc_sites=hc_sites,
         prefill_tok_s=summary(prefill_r, "tok_s"), decode_tok_s=summary(decode_r, "tok_s"),
     )
     write_json(result, opts.out_dir)

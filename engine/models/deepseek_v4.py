@@ -393,6 +393,10 @@ class Block(nn.Module):
     streams collapse by `pre` into the sublayer's input; its output y spreads back by `post` and the
     streams mix by `comb`: stream_k = post_k * y + sum_j comb[j, k] * stream_j."""
 
+    use_kernels = False  # each site's weights and collapse as one Triton kernel; set by the model runner
+    # tiles of tokens whose K the site kernel splits (more tiles fill the GPU unsplit): the tickets it keeps
+    hc_split_tiles = 256
+
     def __init__(self, cfg: DeepseekV4Config, layer: int, ropes: dict[str, Rope], par: ParallelContext = SINGLE,
                  max_position: int = 0):
         super().__init__()
@@ -406,11 +410,23 @@ class Block(nn.Module):
             setattr(self, f"hc_{site}_fn", _fp32((2 + n) * n, n * cfg.hidden_size))
             setattr(self, f"hc_{site}_base", _fp32((2 + n) * n))
             setattr(self, f"hc_{site}_scale", _fp32(3))
+        # the site kernel's split-K tickets (zero between launches; both sites run in turn, so they share)
+        self.register_buffer("hc_tickets", torch.zeros(self.hc_split_tiles, dtype=torch.int32), persistent=False)
+
+    def collapse(self, h: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The site's mHC weights and the sublayer's input: h [T, n, hidden] -> (x = sum_i pre_i h_i
+        [T, hidden], post [T, n], comb [T, n, n])."""
+        fn, base, scale = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
+        if self.use_kernels:
+            from engine.kernels.mhc import hc_site  # first use: Triton picks compiled or interpreted then
+
+            return hc_site(h, fn, base, scale, *self.hc[1:], self.hc_tickets)
+        pre, post, comb = hc_weights(h, fn, base, scale, *self.hc)
+        return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype), post, comb
 
     def _site(self, h: torch.Tensor, site: str, sublayer) -> torch.Tensor:
-        fn, base, scale = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
-        pre, post, comb = hc_weights(h, fn, base, scale, *self.hc)
-        y = sublayer((pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype))
+        x, post, comb = self.collapse(h, site)
+        y = sublayer(x)
         return post.to(h.dtype).unsqueeze(-1) * y.unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb.to(h.dtype), h)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, input_ids: torch.Tensor,

@@ -478,6 +478,73 @@ def test_gemv_checks_its_contract():
         gemv(torch.zeros(1, 8, device=DEV), torch.zeros(4, 8, device=DEV).to(FP8))
 
 
+# -- DeepSeek-V4's mHC site -----------------------------------------------------------------------
+def _hc_case(num_tokens, n, hidden, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    num_mix = (2 + n) * n
+    streams = torch.randn(num_tokens, n, hidden, generator=g).to(DEV, dtype)  # [T, n, hidden]
+    fn = (torch.randn(num_mix, n * hidden, generator=g) * 0.05).to(DEV)
+    base, scale = (torch.randn(num_mix, generator=g) * 0.5).to(DEV), (0.5 + torch.rand(3, generator=g)).to(DEV)
+    return streams, fn, base, scale
+
+
+def _hc_reference(streams, fn, base, scale, iters):
+    """The model's torch path: hc_weights, then the collapse by pre (kept in float32 here)."""
+    from engine.models.deepseek_v4 import hc_weights
+
+    pre, post, comb = hc_weights(streams, fn, base, scale, streams.shape[1], iters, 1e-6, 1e-6)
+    return (pre.unsqueeze(-1) * streams.float()).sum(dim=1), post, comb
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens, n, hidden, splits, block_t", [
+    (1, 4, 48, None, None), (3, 4, 48, None, None), (3, 4, 48, 1, None), (5, 2, 40, 4, None),
+    (16, 4, 48, 2, 16), (21, 4, 48, None, None), (37, 2, 40, 4, 16)])
+def test_hc_site_matches_the_torch_path(num_tokens, n, hidden, splits, block_t, dtype):
+    """Token counts of 1 and off powers of two, split K or not, a token a program or tiles of 16 (tl.dot);
+    the tickets are left at zero for the next launch."""
+    from engine.kernels.mhc import hc_site
+
+    streams, fn, base, scale = _hc_case(num_tokens, n, hidden, dtype, seed=40 + num_tokens)
+    tickets = torch.zeros(8, dtype=torch.int32, device=DEV)
+    for _ in range(2):  # the second launch reuses the tickets the first left behind
+        x, post, comb = hc_site(streams, fn, base, scale, 20, 1e-6, 1e-6, tickets, splits, block_t)
+    want_x, want_post, want_comb = _hc_reference(streams, fn, base, scale, 20)
+    assert x.dtype == dtype and x.shape == (num_tokens, hidden)
+    assert rel_err(post, want_post) < F32_TOL and rel_err(comb, want_comb) < F32_TOL
+    assert rel_err(x, want_x) < (F32_TOL if dtype == torch.float32 else 1e-2)
+    assert torch.allclose(comb.sum(dim=-2), torch.ones(num_tokens, n, device=DEV), atol=1e-5)  # Sinkhorn's last
+    assert not tickets.any()
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
+def test_hc_site_v4_flash_shape(num_tokens):
+    from engine.kernels.mhc import hc_site
+
+    streams, fn, base, scale = _hc_case(num_tokens, 4, 4096, torch.bfloat16, seed=46)
+    tickets = torch.zeros(256, dtype=torch.int32, device=DEV)
+    x, post, comb = hc_site(streams, fn, base, scale, 20, 1e-6, 1e-6, tickets)
+    want_x, want_post, want_comb = _hc_reference(streams, fn, base, scale, 20)
+    assert rel_err(post, want_post) < 1e-4 and rel_err(comb, want_comb) < 1e-4 and rel_err(x, want_x) < 1e-2
+    assert not tickets.any()
+
+
+def test_hc_site_checks_its_contract():
+    from engine.kernels.mhc import hc_site
+
+    streams, fn, base, scale = _hc_case(3, 4, 16, torch.float32, seed=47)
+    tickets = torch.zeros(4, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="contiguous"):
+        hc_site(streams.transpose(1, 2).contiguous().transpose(1, 2), fn, base, scale, 20, 1e-6, 1e-6, tickets)
+    with pytest.raises(ValueError, match="fn must be"):
+        hc_site(streams, fn[:, :32], base, scale, 20, 1e-6, 1e-6, tickets)
+    with pytest.raises(ValueError, match="float32"):
+        hc_site(streams, fn.double(), base, scale, 20, 1e-6, 1e-6, tickets)
+    with pytest.raises(ValueError, match="tickets"):
+        hc_site(streams, fn, base, scale, 20, 1e-6, 1e-6, tickets.long(), num_splits=2)
+
+
 # -- the engine's batched sampler (kernels.sampling through engine.sampler.draw_on_device) -----------------
 def _sampling_seqs(n: int, **params):
     from engine.sampling_params import SamplingParams
