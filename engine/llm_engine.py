@@ -55,6 +55,7 @@ class LaunchedStep(NamedTuple):
     draws: Draws | None
     prefill_timer: "StepTimer | None" = None  # how long its prefill took, read once its tokens are
     spec: SpecStep | None = None  # its verifications and the drafts after it (speculative decoding)
+    logits: torch.Tensor | None = None  # a step launched ahead with guided rows: sampled once the last is read
 
 
 class StepTimer:
@@ -272,7 +273,12 @@ class LLMEngine:
                 return []
             self.inflight = self._launch(batch)
         current, self.inflight = self.inflight, self._launch_ahead(self.inflight)
-        return self._resolve(current)
+        outputs = self._resolve(current)
+        if self.inflight is not None and self.inflight.logits is not None:
+            # guided rows: the forward runs while the host read the last step and advanced the grammars;
+            # now their masks are computed and the step's draws queued
+            self.inflight = self._sample(self.inflight)
+        return outputs
 
     def _launch(self, batch: ScheduledBatch, inputs: torch.Tensor | None = None) -> LaunchedStep:
         """Queue the model and the draws of a step on the device. inputs: a decode batch's token ids on
@@ -298,6 +304,10 @@ class LLMEngine:
                 groups.append((seq, 1))
             offset += n
             seq.num_computed_tokens += n
+        if inputs is not None and any(seq.guide is not None for seq, _ in groups):
+            # launched ahead: a guided row's mask needs the token in flight, so it samples after that
+            # step is read (`_sample`), while this step's forward runs
+            return LaunchedStep(batch, groups, None, timer, logits=logits)
         row_seqs = [seq for seq, rows in groups for _ in range(rows)]
         drafts_before = [seq.draft_token_ids[:j] for seq, rows in groups for j in range(rows)] if verifying else None
         draws = self.sampler.sample(logits, row_seqs, inputs, drafts_before) if groups else None
@@ -316,8 +326,8 @@ class LLMEngine:
             return None
         if step.spec is not None and step.spec.seqs:
             return None  # verified or drafted: how many tokens each sequence gained is read first
-        if any(seq.guide is not None for seq, _ in step.groups):
-            return None  # a guided row's next mask needs the token in flight: this step is read first
+        if self.speculator is not None and any(seq.guide is not None for seq, _ in step.groups):
+            return None  # the MTP pass after a step needs its draws at once: a guided row's wait for its mask
         if self.scheduler.can_admit_next():
             return None  # admit it first (one that cannot be admitted yet does not hold everyone back)
         row = {id(seq): i for i, (seq, _) in enumerate(step.groups)}
@@ -339,6 +349,24 @@ class LLMEngine:
         if rows != list(range(len(step.groups))):
             inputs = inputs.index_select(0, to_device(rows, torch.long, inputs.device))
         return self._launch(batch, inputs)
+
+    def _sample(self, step: LaunchedStep) -> LaunchedStep:
+        """Queue the draws of a step launched ahead with guided rows, after the step before it was read
+        (its tokens are in the sequences now, so nothing is pending). A row whose request ended meanwhile
+        is drawn unguided and dropped when read."""
+        seqs = [seq for seq, _ in step.groups]
+        guides = [seq.guide for seq in seqs]
+        for seq in seqs:
+            if seq.is_finished:
+                seq.guide = None
+        try:
+            draws = self.sampler.sample(step.logits, seqs)
+        finally:
+            for seq, guide in zip(seqs, guides):
+                seq.guide = guide
+        for seq in seqs:
+            seq.num_inflight_tokens += 1
+        return step._replace(draws=draws, logits=None)
 
     def _ends_at_inflight_tokens(self, seq: Sequence) -> bool:
         """Whether the tokens in flight take `seq` to its max_tokens or the context length."""

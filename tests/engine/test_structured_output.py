@@ -60,15 +60,26 @@ def test_json_object_and_a_lark_grammar(llm):
 
 
 def test_guided_and_free_requests_share_batches(tmp_path):
-    """Async scheduling on: a guided row is read before its next step (its mask needs the token), the
-    free rows beside it get exactly the tokens they get alone."""
-    llm = LLM("deepseek-tiny", dtype="float32", device="cpu", show_progress=False, async_scheduling="on")
-    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    alone = llm.generate(["The capital of France"], free)[0]
-    guided = SamplingParams(temperature=1.0, seed=3, max_tokens=64, structured_output=StructuredOutput(json_schema=SCHEMA))
-    outs = llm.generate(["The capital of France", "A person as JSON:", "The capital of France"], [free, guided, free])
-    assert outs[0].token_ids == outs[2].token_ids == alone.token_ids
-    jsonschema.validate(json.loads(outs[1].text), SCHEMA)
+    """Async scheduling on: a step with guided rows goes ahead on the tokens in flight (its forward runs
+    while the host reads the last step and advances the grammars; its masks and draws follow), and every
+    request gets the tokens the synchronous loop gives it: the free rows those they get alone."""
+    def run(mode: str):
+        llm = LLM("deepseek-tiny", dtype="float32", device="cpu", show_progress=False, async_scheduling=mode)
+        free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        alone = llm.generate(["The capital of France"], free)[0]
+        guided = SamplingParams(temperature=1.0, seed=3, max_tokens=64,
+                                structured_output=StructuredOutput(json_schema=SCHEMA))
+        launch, ahead = llm.engine._launch, []
+        llm.engine._launch = lambda batch, inputs=None: ahead.append(
+            inputs is not None and any(s.guide is not None for s in batch.decodes)) or launch(batch, inputs)
+        outs = llm.generate(["The capital of France", "A person as JSON:", "The capital of France"],
+                            [free, guided, free])
+        assert outs[0].token_ids == outs[2].token_ids == alone.token_ids
+        jsonschema.validate(json.loads(outs[1].text), SCHEMA)
+        return [o.token_ids for o in outs], ahead.count(True)
+
+    (sync, _), (async_, guided_ahead) = run("off"), run("on")
+    assert async_ == sync and guided_ahead >= 5
 
 
 def test_a_preempted_guided_request_still_matches(tmp_path):
