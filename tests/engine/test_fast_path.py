@@ -29,6 +29,13 @@ ON_GPU = torch.cuda.is_available()
 NEW_TOKENS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 gpu = pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+# two layers: the dense one and an MoE one, each kind of layer and every kernel of the path once (a third
+# layer would only run the MoE layer's kernels again)
+LAYERS = 2
+
+
+def v3_model(seed: int, **overrides):
+    return build_hf_model(seed=seed, num_hidden_layers=LAYERS, **overrides)
 
 
 @pytest.fixture(params=["float32", "bfloat16"] if ON_GPU else ["float32"])
@@ -54,14 +61,17 @@ def pair(path, dtype="float32", **engine_args) -> tuple[LLM, LLM]:
     return ref, fast
 
 
-def assert_same_where_clear(ref: LLM, fast: LLM, batch: list[list[int]], dtype: str) -> None:
+def assert_same_where_clear(ref: LLM, fast: LLM, batch: list[list[int]], dtype: str) -> list[torch.Tensor]:
+    """Returns the fast path's logits for the batch (what fast.score(batch) gives)."""
     if dtype == "bfloat16":
         return assert_bf16_as_good(ref, fast, batch)
-    for ids, want, got in zip(batch, ref.score(batch), fast.score(batch)):
+    by_fast = fast.score(batch)
+    for ids, want, got in zip(batch, ref.score(batch), by_fast):
         diff = (want - got).abs().max().item()
         print(f"logits: max |diff| {diff:.3g}, max |ref| {want.abs().max().item():.3g}")
         assert diff <= LOGIT_TOL, f"max |logit diff| {diff:.3g} > {LOGIT_TOL}"
     assert_tokens_where_clear(ref, fast, batch, LOGIT_TOL)
+    return by_fast
 
 
 def assert_tokens_where_clear(ref: LLM, fast: LLM, batch: list[list[int]], margin: float) -> None:
@@ -77,7 +87,7 @@ def assert_tokens_where_clear(ref: LLM, fast: LLM, batch: list[list[int]], margi
         assert (top2[0] - top2[1]).item() < margin, f"fast path chose {f.token_ids[j]} over a clear {r.token_ids[j]}"
 
 
-def assert_bf16_as_good(ref: LLM, fast: LLM, batch: list[list[int]]) -> None:
+def assert_bf16_as_good(ref: LLM, fast: LLM, batch: list[list[int]]) -> list[torch.Tensor]:
     """bf16 rounds at different points on the two paths: the fast path rounds the absorbed query and
     the attention's latent output to bf16 (as production MLA kernels do) where the reference path keeps
     float32, and on these small random models (weights of std 0.15, near-tied experts) rounding alone
@@ -96,10 +106,11 @@ def assert_bf16_as_good(ref: LLM, fast: LLM, batch: list[list[int]]) -> None:
           f"max |logit move| {noise:.3g}")
     assert err_fast <= max(1.5 * err_ref, 0.2), f"fast path error {err_fast:.3g} vs reference path {err_ref:.3g}"
     assert_tokens_where_clear(ref, fast, batch, max(2 * noise, 0.1))
+    return by_fast
 
 
 def test_fast_path_matches_reference(tmp_path, dtype):
-    hf = build_hf_model(seed=21, rope_parameters=YARN)
+    hf = v3_model(21, rope_parameters=YARN)
     ref, fast = pair(save_hf_checkpoint(hf, tmp_path / "ckpt"), dtype)
     assert_same_where_clear(ref, fast, prompts(21, [7, 21]), dtype)
 
@@ -118,7 +129,7 @@ def test_fast_path_over_two_ranks_matches_one_rank_reference(tmp_path):
     """The kernels on each rank's slice (split heads; whole experts, the pairs routed elsewhere weighing
     0; the split experts' kernels are the one-rank kernels at other shapes), gloo collectives between the
     two processes (interpreted: the one parallel fast-path case the suite's time allows)."""
-    hf = build_hf_model(seed=27, rope_parameters=YARN)
+    hf = v3_model(27, rope_parameters=YARN)
     path = save_hf_checkpoint(hf, tmp_path / "ckpt")
     ref = LLM(str(path), dtype="float32", attention_backend="torch", enable_prefix_caching=False)
     fast = LLM(str(path), dtype="float32", attention_backend="triton", enable_prefix_caching=False, device="cpu",
@@ -130,7 +141,7 @@ def test_fast_path_over_two_ranks_matches_one_rank_reference(tmp_path):
 
 
 def test_small_batch_experts_as_gemvs_match_reference(tmp_path, dtype):
-    hf = build_hf_model(seed=25)
+    hf = v3_model(25)
     ref, fast = pair(save_hf_checkpoint(hf, tmp_path / "ckpt"), dtype)
     experts = [m for m in fast.engine.runner.model.modules() if type(m).__name__ == "FusedExperts"]
     for m in experts:
@@ -139,14 +150,15 @@ def test_small_batch_experts_as_gemvs_match_reference(tmp_path, dtype):
 
 
 def test_fast_path_chunked_prefill_over_cached_prefix(tmp_path, dtype):
-    hf = build_hf_model(seed=22, rope_parameters=YARN)
-    # a 7-token budget splits every prompt into chunks that attend to their cached prefix
-    ref, fast = pair(save_hf_checkpoint(hf, tmp_path / "ckpt"), dtype, max_num_batched_tokens=7, block_size=4)
-    assert_same_where_clear(ref, fast, prompts(22, [16, 9]), dtype)
+    hf = v3_model(22, rope_parameters=YARN)
+    # a 3-token budget splits every prompt into chunks that attend to their cached prefix (the 7-token
+    # prompt into three, the later two starting mid-block)
+    ref, fast = pair(save_hf_checkpoint(hf, tmp_path / "ckpt"), dtype, max_num_batched_tokens=3, block_size=4)
+    assert_same_where_clear(ref, fast, prompts(22, [7, 4]), dtype)
 
 
 def test_fp8_checkpoint_keeps_blocks_and_matches_reference(tmp_path, dtype):
-    hf = build_hf_model(seed=23, rope_parameters=YARN)
+    hf = v3_model(23, rope_parameters=YARN)
     path = save_hf_checkpoint(hf, tmp_path / "ckpt")
     block = (16, 16)
     save_file(quantize_checkpoint(load_file(str(path / "model.safetensors")), block), str(path / "model.safetensors"),
@@ -165,10 +177,10 @@ def test_fp8_checkpoint_keeps_blocks_and_matches_reference(tmp_path, dtype):
     for module in emulated.engine.runner.model.modules():
         if getattr(module, "block", None) is not None:
             module.use_kernels = False
-    batch = prompts(23, [9, 12])
-    assert_same_where_clear(emulated, fast, batch, dtype)
+    batch = prompts(23, [9, 8])  # prefill chunks of at most 16 tokens: the absorbed attention path
+    by_fast = assert_same_where_clear(emulated, fast, batch, dtype)
     # against bf16-style dequantized weights the activation rounding shows, but stays bounded
-    for want, got in zip(dequantized.score(batch), fast.score(batch)):
+    for want, got in zip(dequantized.score(batch), by_fast):
         assert ((want - got).norm() / want.norm()).item() < 0.5
 
 
@@ -205,9 +217,9 @@ class UncapturedGraphs:
 
 
 def test_graph_steps_prefill_and_decode_as_eager_steps_do(tmp_path):
-    path = save_hf_checkpoint(build_hf_model(seed=28), tmp_path / "ckpt")
+    path = save_hf_checkpoint(v3_model(28), tmp_path / "ckpt")
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
-    batch = prompts(28, [5, 8])
+    batch = prompts(28, [3, 4])  # 7 prefill rows: a graph step of 8, one of them padding
     eager = LLM(str(path), dtype="float32", attention_backend="triton", block_size=4,
                 extra={"enforce_eager": True, "capture_graphs_at_start": False})
     graphed = LLM(str(path), dtype="float32", attention_backend="triton", block_size=4,
@@ -252,9 +264,9 @@ def test_short_prefill_steps_replay_the_decode_graphs(tmp_path, dtype):
 def test_warm_up_runs_the_fast_path_and_every_decode_slice_count(tmp_path):
     from engine.kernels.mla_decode import SPLIT_CHOICES, default_num_splits
 
-    hf = build_hf_model(seed=26)
+    hf = v3_model(26)
     llm = LLM(str(save_hf_checkpoint(hf, tmp_path / "ckpt")), dtype="float32", attention_backend="triton",
-              max_num_batched_tokens=8, enable_prefix_caching=False)
+              max_num_batched_tokens=4, enable_prefix_caching=False)
     runner = llm.engine.runner
     for layer in runner.model.attention_layers():
         layer.kv_cache[-1].zero_()  # graph capture at start may have written the scratch block already

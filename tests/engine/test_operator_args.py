@@ -116,7 +116,7 @@ def test_rendered_engine_command_serves_a_chat_completion(path: Path, tmp_path: 
         while not _ready(port):
             assert proc.poll() is None, (tmp_path / "engine.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "not ready in time"
-            time.sleep(0.5)
+            time.sleep(0.1)
         key = API_KEY if "--api-key-file" in args else "unused"
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key)
         reply = client.chat.completions.create(model=parent.spec.model.name, max_tokens=8,
@@ -182,7 +182,7 @@ def test_a_rendered_multi_node_replica_serves_across_its_pods(tmp_path: Path) ->
         while not _ready(port):
             assert all(p.poll() is None for p in procs), (tmp_path / "pod-0.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "not ready in time"
-            time.sleep(0.5)
+            time.sleep(0.1)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         reply = client.chat.completions.create(model=parent.spec.model.name, max_tokens=6,
                                                messages=[{"role": "user", "content": "Hello!"}])
