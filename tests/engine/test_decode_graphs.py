@@ -14,12 +14,18 @@ from engine.step_plan import StepPlan
 SCRATCH = 99
 
 
-def graphs() -> DecodeGraphs:
+def graphs(num_speculative_tokens: int = 0) -> DecodeGraphs:
     tables = BlockTables(8, 8, SCRATCH, torch.device("cpu"))
     runner = SimpleNamespace(config=SimpleNamespace(max_num_seqs=8), max_model_len=128, block_size=16,
                              kv_pool=SimpleNamespace(scratch_block=SCRATCH), tables=tables,
-                             device=torch.device("cpu"))
+                             device=torch.device("cpu"), num_speculative_tokens=num_speculative_tokens)
     return DecodeGraphs(runner)
+
+
+def test_the_graphs_hold_every_request_verifying_its_drafts():
+    """max_num_seqs requests of 1 + k rows each (speculative decoding's verifications) replay a graph."""
+    assert graphs().max_batch == 8
+    assert graphs(num_speculative_tokens=2).max_batch == 24
 
 
 def decode_plan(g: DecodeGraphs, rows: list[tuple[int, list[int], int]], fresh: bool = True) -> StepPlan:
