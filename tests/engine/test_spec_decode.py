@@ -247,6 +247,9 @@ def test_speculative_config_is_parsed_and_checked():
                      ('{"num_speculative_tokens": 1, "draft_model": "x"}', "unknown"), ("{", "not valid JSON")]:
         with pytest.raises(ValueError, match=why):
             SpeculativeConfig.parse(bad)
+    v4 = ModelConfig.from_hf(preset_config("v4-tiny"))
+    with pytest.raises(ValueError, match="not implemented for DeepseekV4ForCausalLM"):
+        ModelRunner(EngineConfig(model="v4", dtype="float32", device="cpu", speculative_config=spec(1)), v4, None, 64)
     no_mtp = ModelConfig.from_hf(preset_config("tiny"))  # num_nextn_predict_layers 0
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
         ModelRunner(EngineConfig(model="tiny", dtype="float32", device="cpu", speculative_config=spec(1)), no_mtp,
