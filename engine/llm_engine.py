@@ -293,13 +293,13 @@ class LLMEngine:
         if timer is not None:
             timer.stop()  # read when the step's tokens are: the prefill rate the pull policy weighs
         items = batch.items
-        offset, groups, verifying = 0, [], False
+        verifying = {id(seq) for seq in batch.verifies}
+        offset, groups = 0, []
         for seq, n in items:
             if seq.collect_logits:
                 seq.prompt_logits.append(result.all_logits[offset : offset + n])
-            if seq.draft_token_ids and seq.num_computed_tokens + 1 == seq.num_tokens:
+            if id(seq) in verifying:
                 groups.append((seq, n))  # a verification: each of its rows samples (the plan's order)
-                verifying = True
             elif seq.num_computed_tokens + n == seq.num_drawn_tokens:  # sampled by the plan (its rows' order)
                 groups.append((seq, 1))
             offset += n

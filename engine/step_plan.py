@@ -81,6 +81,7 @@ class PlanBuilder:
         items = batch.items
         self._release_idle()
         slots, deltas, computed, lens, ids, sample = [], [], [], [], [], []
+        verifying = {id(seq) for seq in batch.verifies}
         end = 0
         for seq, n in items:
             slot, sent = self._slot(seq)
@@ -91,7 +92,7 @@ class PlanBuilder:
             slots.append(slot)
             computed.append(start)
             lens.append(n)
-            drafts = seq.draft_token_ids if start + 1 == seq.num_tokens else []
+            drafts = seq.draft_token_ids if id(seq) in verifying else []
             if not inputs_on_device:
                 ids += seq.token_ids(start, start + n - len(drafts)) + drafts
             end += n
