@@ -15,3 +15,18 @@ def redis_server(tmp_path):
     server = RedisServer(tmp_path).start()
     yield server
     server.stop()
+
+
+def pytest_collection_finish(session):
+    """The interpreted kernel tests run in a process of their own for minutes: start it now, beside the
+    rest of the run, and check its result last."""
+    chosen = [item for item in session.items if item.name == "test_kernel_and_fast_path_tests_pass_under_the_interpreter"]
+    if not chosen:
+        return
+    from tests.engine.test_kernels_interpreted import ON_GPU, interpreter_run
+
+    for item in chosen:
+        session.items.remove(item)
+        session.items.append(item)
+    if not ON_GPU:
+        interpreter_run()
