@@ -46,6 +46,18 @@ class VisionConfig:
                              "no head width the 2D rope splits into row and column pairs")
         return config
 
+    @classmethod
+    def from_checkpoint(cls, path) -> "VisionConfig | None":
+        """The vision config of a checkpoint directory's config.json; None when it has none."""
+        import json
+        from pathlib import Path
+
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        vision = cfg.get("vision_config")
+        if not vision:
+            return None
+        return cls.from_dict(vision, cfg.get("image_token_id"))
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
