@@ -18,9 +18,10 @@ import numpy as np
 from engine.sequence import Sequence
 
 
-def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
-    """Chained hash: a block's key covers every token before it too."""
-    return hashlib.blake2b(parent + np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=16).digest()
+def block_hash(parent: bytes, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """Chained hash: a block's key covers every token before it too. extra: the content of the images
+    whose spans the block covers (their placeholder ids alone would make every image alike)."""
+    return hashlib.blake2b(parent + np.asarray(token_ids, dtype=np.int64).tobytes() + extra, digest_size=16).digest()
 
 
 @dataclass
@@ -71,7 +72,7 @@ class BlockManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
             tokens = seq.token_ids(i * self.block_size, (i + 1) * self.block_size)
-            parent = block_hash(parent, tokens)
+            parent = self._hash(seq, i, parent, tokens)
             block_id = self.hash_to_block.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
@@ -130,7 +131,7 @@ class BlockManager:
         new = []
         for i in range(done, full):
             tokens = seq.token_ids(i * self.block_size, (i + 1) * self.block_size)
-            parent = block_hash(parent, tokens)
+            parent = self._hash(seq, i, parent, tokens)
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids = parent, tokens
             if self.hash_to_block.setdefault(parent, block.block_id) == block.block_id:
@@ -143,9 +144,14 @@ class BlockManager:
         """Chained hashes of the sequence's full blocks, leaving at least its last token out."""
         hashes, parent = [], self.root_hash
         for i in range((seq.num_tokens - 1) // self.block_size):
-            parent = block_hash(parent, seq.token_ids(i * self.block_size, (i + 1) * self.block_size))
+            parent = self._hash(seq, i, parent, seq.token_ids(i * self.block_size, (i + 1) * self.block_size))
             hashes.append(parent)
         return hashes
+
+    def _hash(self, seq: Sequence, i: int, parent: bytes, tokens: list[int]) -> bytes:
+        """Block i's chained hash: its tokens and the images it covers."""
+        extra = seq.image_key(i * self.block_size, (i + 1) * self.block_size) if seq.images else b""
+        return block_hash(parent, tokens, extra)
 
     def install(self, hashes: list[bytes], token_ids: list[list[int]]) -> list[int] | None:
         """Take free blocks for content that arrived from elsewhere (a peer), cached under `hashes` and

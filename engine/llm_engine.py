@@ -23,6 +23,8 @@ from engine.config import EngineConfig, ModelConfig, model_fingerprint, required
 from engine.copies import to_device
 from engine.executor import create_executor
 from engine.model_runner import ModelRunner
+from engine.models.deepseek_vit import VisionConfig
+from engine.multimodal import ImageInput, check_spans
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampler import Draws, Sampler
@@ -172,9 +174,16 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self.pending_pulls)
 
     # -- requests -----------------------------------------------------------------------------------
+    @property
+    def vision_config(self) -> VisionConfig | None:
+        """The model's vision tower settings; None for a text-only model."""
+        return getattr(self.runner.model, "vision_config", None)
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    collect_logits: bool = False) -> None:
-        """Queue a request; raises ValueError (PromptTooLongError for length) naming the problem."""
+                    collect_logits: bool = False, images: list[ImageInput] | None = None) -> None:
+        """Queue a request; raises ValueError (PromptTooLongError for length) naming the problem.
+        images: the prompt's images (engine.multimodal), each already placed on its span of
+        placeholder ids (`place_images`)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.validate()
@@ -184,6 +193,10 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if images:
+            if self.vision_config is None:
+                raise ValueError(f"the model {self.model_config.architecture} has no vision tower: it takes no images")
+            check_spans(ids, images, self.vision_config.image_token_id)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens, but this model's context length (max_model_len) is "
@@ -192,7 +205,7 @@ class LLMEngine:
             gen = torch.Generator().manual_seed(params.seed)
         else:
             gen = torch.Generator().manual_seed(self._rng.getrandbits(63))
-        seq = Sequence(request_id, ids, params, gen)
+        seq = Sequence(request_id, ids, params, gen, images)
         if params.structured_output is not None:
             seq.guide = Guide(self._guide_tokenizer(), params.structured_output)  # StructuredOutputError: a ValueError
         seq.collect_logits = collect_logits

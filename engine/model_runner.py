@@ -21,6 +21,7 @@ from engine.layers.fp8 import quantize_fp8_block
 from engine.loader import load_weights
 from engine.models import model_class
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.models.deepseek_vit import ImageEmbeds
 from engine.parallel import SINGLE, ParallelContext
 from engine.step_plan import DraftPlan, StepPlan, StepResult
 
@@ -178,6 +179,9 @@ class ModelRunner:
         # the last step's rows for the MTP draft after it: (plan, positions [T], block tables [T, width],
         # its metadata (None after a replayed step: built if the draft runs eagerly), hidden [T, hidden])
         self.last_step: tuple | None = None
+        # image key -> its span's embeddings [span, hidden], kept from the step that reaches the image to
+        # the one that reaches its end (engine.step_plan.PlanImage)
+        self.image_embeds: dict[str, torch.Tensor] = {}
 
     # -- the KV pool ---------------------------------------------------------------------------------
     @property
@@ -305,6 +309,8 @@ class ModelRunner:
         scores a prompt (every position's logits)."""
         if not getattr(self.model, "graph_prefill_rows", True) and plan.num_prefills:
             return False  # the model's graphs take decode rows only
+        if plan.images:
+            return False  # the graphs embed token ids only
         return self.graphs is not None and plan.num_tokens <= self.graphs.max_batch and not plan.collect_logits
 
     def _prepare(self, plan: StepPlan, inputs: torch.Tensor | None = None
@@ -336,13 +342,18 @@ class ModelRunner:
     def run(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepResult:
         """inputs: the step's token ids on the device (drawn by a step the host has not read yet), where
         the plan carries none."""
+        for key in plan.drop_images:
+            self.image_embeds.pop(key, None)
         if plan.use_graph:
             return self._replay(plan, inputs)
         return self._run_eager(plan, inputs)
 
     def _run_eager(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepResult:
         input_ids, positions, meta = self._prepare(plan, inputs)
-        hidden = self.model(input_ids, positions, meta)
+        if plan.images:
+            hidden = self.model(input_ids, positions, meta, image_embeds=self._image_embeds(plan))
+        else:
+            hidden = self.model(input_ids, positions, meta)
         if self.num_speculative_tokens:
             self.last_step = (plan, positions, meta.block_tables, meta, hidden)
         if plan.collect_logits:
@@ -350,6 +361,21 @@ class ModelRunner:
             logits = all_logits[plan.sample_indices] if plan.sample_indices else None
             return StepResult(logits, all_logits)
         return StepResult(self.model.compute_logits(hidden[plan.sample_indices]) if plan.sample_indices else None)
+
+    def _image_embeds(self, plan: StepPlan) -> ImageEmbeds:
+        """The step's image tokens: each image's span embedded by the model's tower on the step that
+        reaches it, kept until the step that reaches its end."""
+        index, rows = [], []
+        for image in plan.images:
+            if image.pixel_values is not None:
+                self.image_embeds[image.key] = self.model.embed_image(image.pixel_values.to(self.device), image.grid)
+            span = self.image_embeds.pop(image.key) if image.last else self.image_embeds[image.key]
+            rows.append(span[image.first : image.first + image.count])
+            index += range(image.index, image.index + image.count)
+        index = to_device(index, torch.long, self.device)
+        is_image = torch.zeros(plan.num_tokens, dtype=torch.bool, device=self.device)
+        is_image[index] = True
+        return ImageEmbeds(index, torch.cat(rows).to(self.dtype), is_image)
 
     def _replay(self, plan: StepPlan, inputs: torch.Tensor | None) -> StepResult:
         """A step of at most `graphs.max_batch` tokens through a decode graph: a prefill chunk's tokens

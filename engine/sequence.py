@@ -4,6 +4,7 @@ live in the output processor)."""
 import enum
 import time
 
+import numpy as np
 import torch
 
 from engine.outputs import RequestMetrics
@@ -18,9 +19,11 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, images: list | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        # engine.multimodal.ImageInput of the prompt, each on its span of placeholder ids, in order
+        self.images = list(images or ())
         self.output_token_ids: list[int] = []
         self.params = params
         self.status = SequenceStatus.WAITING
@@ -57,6 +60,16 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    def image_key(self, start: int, end: int) -> bytes:
+        """What the prefix cache keys tokens [start, end) by besides their ids: the content hash of each
+        image whose span they cover, with where the span starts relative to `start` (b"" for text)."""
+        key = b""
+        for image in self.images:
+            first, stop = image.span
+            if first < end and stop > start:
+                key += image.content_hash + np.int64(first - start).tobytes()
+        return key
 
     def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
         n_prompt = len(self.prompt_token_ids)

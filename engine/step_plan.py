@@ -16,6 +16,22 @@ from engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
+class PlanImage:
+    """Part of an image's span that a step's tokens cover: span positions [first, first + count) land on
+    the step's flat tokens [index, index + count). The first plan to reach an image (since its sequence
+    was admitted) carries its patches; the worker keeps the span's embeddings until the plan with
+    `last` (or its key in `drop_images`), so the tower runs once per image however chunks split it."""
+
+    key: str  # request id and the image's place in the prompt
+    index: int
+    first: int
+    count: int
+    last: bool  # this step reaches the span's end: the worker drops the embeddings after it
+    pixel_values: torch.Tensor | None = None  # [h*w, 3*p*p] on the first plan, None after
+    grid: tuple[int, int] = (0, 0)
+
+
+@dataclass
 class StepPlan:
     slots: list[int]  # per row: its sequence's row in the block tables (prefill chunks first, then decodes)
     num_computed: list[int]  # per row: tokens already in the cache (the chunk's first position)
@@ -28,6 +44,8 @@ class StepPlan:
     replicate_blocks: list[int] = field(default_factory=list)  # rank 0's blocks to copy to every rank first
     collect_logits: bool = False  # every token's logits too (scoring a prompt)
     use_graph: bool = False  # set by rank 0's worker: replay a CUDA graph
+    images: list[PlanImage] = field(default_factory=list)  # image tokens of this step (always run eagerly)
+    drop_images: list[str] = field(default_factory=list)  # keys whose embeddings the workers forget first
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +90,8 @@ class PlanBuilder:
         # seen as a new table even when no plan saw it leave
         self.held: dict[int, tuple[Sequence, int, list[int], int]] = {}
         self._replicate: list[int] = []
+        self.images_sent: dict[int, set[str]] = {}  # id(seq) -> keys of images whose patches the workers hold
+        self._drop_images: list[str] = []
 
     def replicate(self, block_ids: list[int]) -> None:
         """Blocks written on rank 0 only (pulled from a peer): the next plan copies them to every rank."""
@@ -80,7 +100,7 @@ class PlanBuilder:
     def build(self, batch: ScheduledBatch, inputs_on_device: bool = False) -> StepPlan:
         items = batch.items
         self._release_idle()
-        slots, deltas, computed, lens, ids, sample = [], [], [], [], [], []
+        slots, deltas, computed, lens, ids, sample, images = [], [], [], [], [], [], []
         verifying = {id(seq) for seq in batch.verifies}
         end = 0
         for seq, n in items:
@@ -100,9 +120,33 @@ class PlanBuilder:
                 sample += range(end - n, end)
             elif start + n == seq.num_drawn_tokens:  # the chunk reaches the end: it samples
                 sample.append(end - 1)
+            if seq.images and start < seq.images[-1].span[1]:
+                images += self._images(seq, start, n, end - n)
         replicate, self._replicate = self._replicate, []
+        drop, self._drop_images = self._drop_images, []
         return StepPlan(slots, computed, lens, batch.num_chunks, None if inputs_on_device else ids, sample,
-                        deltas, replicate, collect_logits=any(seq.collect_logits for seq, _ in items))
+                        deltas, replicate, collect_logits=any(seq.collect_logits for seq, _ in items),
+                        images=images, drop_images=drop)
+
+    def _images(self, seq: Sequence, start: int, n: int, index: int) -> list[PlanImage]:
+        """The parts of seq's image spans that its tokens [start, start + n) cover (flat from `index`)."""
+        sent = self.images_sent.setdefault(id(seq), set())
+        out = []
+        for i, image in enumerate(seq.images):
+            first, stop = image.span
+            lo, hi = max(start, first), min(start + n, stop)
+            if lo >= hi:
+                continue
+            key = f"{seq.request_id}#{i}"
+            new = key not in sent
+            last = hi == stop
+            if last:
+                sent.discard(key)
+            elif new:
+                sent.add(key)
+            out.append(PlanImage(key, index + lo - start, lo - first, hi - lo, last,
+                                 image.pixel_values if new else None, image.grid))
+        return out
 
     def _slot(self, seq: Sequence) -> tuple[int, int]:
         """-> (its slot, table entries already sent: 0 for a new slot or a new table, which resets it)."""
@@ -124,3 +168,5 @@ class PlanBuilder:
             if seq.status is not SequenceStatus.RUNNING or not seq.block_table:
                 del self.held[key]
                 self.free_slots.append(slot)
+                # left in the middle of an image (preempted, aborted): its patches go again when it is back
+                self._drop_images += sorted(self.images_sent.pop(key, ()))

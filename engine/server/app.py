@@ -56,7 +56,7 @@ def create_app(settings: ServerSettings, engine: AsyncEngine) -> FastAPI:
     _with_request_schemas(app, [ChatCompletionRequest, CompletionRequest])
     app.state.settings = settings
     app.state.engine = engine
-    app.state.chat = ChatServing(engine, settings.served_model_name)
+    app.state.chat = ChatServing(engine, settings.served_model_name, settings.images)
     app.state.completions = CompletionServing(engine, settings.served_model_name)
     install_error_handlers(app)
 

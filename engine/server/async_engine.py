@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.metrics import EngineMetrics
+from engine.models.deepseek_vit import VisionConfig
 from engine.sampling_params import SamplingParams
 from engine.server.command_pipe import CommandPipe
 from engine.server.engine_messages import (
@@ -57,6 +58,7 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self.tokenizer: Any = None  # set when ready
         self.max_model_len = 0  # set when ready
+        self.vision: VisionConfig | None = None  # the model's vision_config, when ready (None: text only)
         self.error: str | None = None  # why the engine died, if it did
         self.draining = False
         self.failed = asyncio.Event()  # set if the engine died
@@ -147,9 +149,10 @@ class AsyncEngine:
         return len(self._active)
 
     def submit(
-        self, request_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
+        self, request_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams], images: list | None = None
     ) -> RequestStream:
-        """Hands one API request's choices to the engine; await `stream.admitted()` before reading it."""
+        """Hands one API request's choices to the engine; await `stream.admitted()` before reading it.
+        images: the prompts' images (every choice shares one prompt when there are images)."""
         if self.draining:
             raise ServiceUnavailable("The server is draining and accepts no new requests.")
         if not self.is_ready:
@@ -176,7 +179,8 @@ class AsyncEngine:
         self._active.add(stream)
         self._idle.clear()
         self._num_unacked += len(prompts)
-        self._commands.send(AddRequests(request_id, list(zip(stream.sub_request_ids, prompts, params))))
+        self._commands.send(AddRequests(request_id, [(rid, prompt, p, images or None) for rid, prompt, p in
+                                                     zip(stream.sub_request_ids, prompts, params)]))
         return stream
 
     def abort_all(self, error: BaseException) -> None:
@@ -216,6 +220,11 @@ class AsyncEngine:
             tokenizer = await asyncio.to_thread(self._load_tokenizer, ready.model_path)
         except Exception as exc:  # noqa: BLE001 - same outcome as an engine that cannot start
             self._on_failed(f"loading the tokenizer failed: {type(exc).__name__}: {exc}")
+            return
+        try:
+            self.vision = VisionConfig.from_checkpoint(ready.model_path)
+        except (OSError, ValueError) as exc:
+            self._on_failed(f"reading the vision config failed: {type(exc).__name__}: {exc}")
             return
         self.tokenizer, self.max_model_len, self.max_num_seqs = tokenizer, ready.max_model_len, ready.max_num_seqs
         self._ready.set()

@@ -18,7 +18,8 @@ class AddRequests:
     """One API request's choices: all admitted, or none."""
 
     batch_id: str
-    requests: list[tuple[str, list[int], SamplingParams]]  # (request id, prompt token ids, params)
+    # (request id, prompt token ids, params, the prompt's images (engine.multimodal.ImageInput) or None)
+    requests: list[tuple[str, list[int], SamplingParams, list | None]]
 
 
 @dataclass

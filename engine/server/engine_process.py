@@ -127,8 +127,8 @@ class EngineLoop:
     def _add(self, command: AddRequests) -> Admission:
         added = []
         try:
-            for request_id, prompt, params in command.requests:
-                self.engine.add_request(request_id, prompt, params)
+            for request_id, prompt, params, images in command.requests:
+                self.engine.add_request(request_id, prompt, params, images=images)
                 added.append(request_id)
         except ValueError as exc:
             # All choices or none: a half-admitted request would hold KV blocks nobody reads.

@@ -14,7 +14,9 @@ from engine.metrics import EngineMetrics
 from engine.server.app import create_app
 from engine.server.async_engine import AsyncEngine
 from engine.server.engine_process import build_llm_engine
+from engine.multimodal import ImageLimits
 from engine.server.errors import ServiceUnavailable
+from engine.server.images import ImageSettings
 from engine.server.settings import ServerSettings
 from engine.tokenizer import Tokenizer
 
@@ -76,6 +78,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--engine-heartbeat-timeout", type=_positive_float, default=10.0,
         help="/health fails once the engine process has been silent this long (it reports every second)",
     )
+    images = parser.add_argument_group("image input (models with a vision tower)")
+    images.add_argument("--enable-image-urls", action="store_true",
+                        help="fetch http(s) image URLs of image_url parts (off: only inline data: URLs are taken)")
+    images.add_argument("--image-fetch-timeout", type=_positive_float, default=10.0,
+                        help="seconds a fetch of an image URL may take")
+    images.add_argument("--max-image-size", type=_bytes, default=20 << 20,
+                        help="larger images (encoded) get a 400 (default 20MiB; units as for --kv-cache-memory)")
+    images.add_argument("--max-image-pixels", type=_positive_int, default=50_000_000,
+                        help="images of more pixels (width x height, decoded) get a 400")
+    images.add_argument("--max-images-per-request", type=_positive_int, default=16)
     fleet = parser.add_argument_group("fleet (set by the operator)")
     fleet.add_argument("--replica-id", help="this replica's name in the KV directory (the pod name)")
     fleet.add_argument("--advertise-host", help="address peers pull KV blocks from (the pod IP; default 127.0.0.1)")
@@ -140,6 +152,12 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         drain_timeout=args.drain_timeout,
         engine_silence_timeout=args.engine_heartbeat_timeout,
         max_body_bytes=args.max_request_body_size,
+        images=ImageSettings(
+            fetch_urls=args.enable_image_urls,
+            fetch_timeout=args.image_fetch_timeout,
+            limits=ImageLimits(max_bytes=args.max_image_size, max_pixels=args.max_image_pixels,
+                               max_images=args.max_images_per_request),
+        ),
     )
 
 

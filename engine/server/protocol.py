@@ -22,10 +22,14 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str  # data:image/png;base64,... or, when the server fetches them, an http(s) URL
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's own resize plan applies
+
+
 class ImagePart(_Strict):
-    # Parsed only to answer with a clear "no vision input" error.
     type: Literal["image_url"]
-    image_url: Any
+    image_url: ImageURL
 
 
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]

@@ -119,11 +119,12 @@ class Serving:
                                  f"{num_choices}.", param="n")
 
     async def submit(
-        self, request_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams], raw: Request, what: str
+        self, request_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams], raw: Request, what: str,
+        images: list | None = None,
     ) -> RequestStream:
         """Hands the choices to the engine; the engine's refusal becomes a 400 about `what` (the prompt)."""
         self.check_choices(len(prompts))
-        stream = self.engine.submit(request_id, prompts, params)
+        stream = self.engine.submit(request_id, prompts, params, images)
         try:
             await until_disconnected(raw, stream.admitted())
         except PromptTooLong as exc:

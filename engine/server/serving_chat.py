@@ -8,8 +8,10 @@ from collections.abc import AsyncIterator, Sequence
 from fastapi import Request
 from fastapi.responses import Response
 
+from engine.multimodal import ImageError, ImageInput, place_images
 from engine.outputs import RequestOutput
 from engine.server.errors import InvalidRequest
+from engine.server.images import ImageLoader, ImageSettings
 from engine.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -37,8 +39,17 @@ from engine.server.tool_format import ToolFormat
 from engine.server.tool_parser import ToolCallParser
 
 
+# how an image part is written into the prompt text when the tokenizer has no token for the model's
+# image_token_id (V4.1's spelling); the text is split there, so the spelling only has to be unusual
+IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
+
+
 class ChatServing(Serving):
     """Chat completions, streamed or whole, with DeepSeek's reasoning split out of the answer."""
+
+    def __init__(self, engine, served_model_name: str, image_settings: ImageSettings = ImageSettings()) -> None:
+        super().__init__(engine, served_model_name)
+        self.images = ImageLoader(image_settings)
 
     async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(request.model)
@@ -49,9 +60,10 @@ class ChatServing(Serving):
         n = request.n or 1
         self.check_choices(n)  # before templating a long history
         size = sum(_text_size(m) for m in request.messages) + sum(len(repr(t)) for t in request.tools or ())
-        prompt = await self.off_the_loop(self.render, request, size=size)
+        prompt, image_parts = await self.off_the_loop(self.render, request, size=size)
+        images = await self.load_images(image_parts)
         # the template wrote BOS; encode() does not repeat it
-        prompt_ids = await self.off_the_loop(self.tokenizer.encode, prompt, size=len(prompt))
+        prompt_ids = await self.off_the_loop(self.encode, prompt, images, size=len(prompt))
         max_tokens = request.max_completion_tokens or request.max_tokens
         max_tokens = self.check_context(len(prompt_ids), max_tokens, "messages")
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -61,7 +73,7 @@ class ChatServing(Serving):
             think_tokens=self.think_tokens,
         )
         params = [self.sampling_params(request, max_tokens, num_logprobs, i, constraint) for i in range(n)]
-        stream = await self.submit(f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids] * n, params, raw, "messages")
+        stream = await self.submit(f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids] * n, params, raw, "messages", images)
         parse_calls = request.tools is not None and tool_choice != "none"
         max_calls = None if request.parallel_tool_calls is not False else 1
         reply = _Reply(self, stream.request_id, prompt, n, num_logprobs, self.tool_format if parse_calls else None,
@@ -103,19 +115,57 @@ class ChatServing(Serving):
             )
         return "auto" if choice is None else choice
 
-    def render(self, request: ChatCompletionRequest) -> str:
-        messages = []
+    @property
+    def image_placeholder(self) -> str:
+        """The text an image part becomes in the rendered prompt (the image token's, where it has one)."""
+        return self.tokenizer.id_to_token(self.engine.vision.image_token_id) or IMAGE_PLACEHOLDER
+
+    async def load_images(self, parts: list[tuple[str, str]]) -> list[ImageInput]:
+        """(param, url) of each image part -> the images, decoded and cut into patches; a 400 naming the part
+        that fails, and why."""
+        if not parts:
+            return []
+        try:
+            return await self.images.load([url for _, url in parts], self.engine.vision)
+        except ImageError as exc:
+            index = getattr(exc, "index", None)
+            raise InvalidRequest(f"Invalid image: {exc}.", param=parts[index][0] if index is not None else "messages",
+                                 code="invalid_image") from None
+
+    def encode(self, prompt: str, images: list[ImageInput]) -> list[int]:
+        """Prompt ids; each image placeholder in the text becomes its image's span of image token ids."""
+        if not images:
+            return self.tokenizer.encode(prompt)
+        pieces = prompt.split(self.image_placeholder)
+        if len(pieces) != len(images) + 1:
+            raise InvalidRequest(f"The messages' text contains the image placeholder {self.image_placeholder} "
+                                 "itself; it may only come from image_url parts.", param="messages")
+        token = self.engine.vision.image_token_id
+        ids = self.tokenizer.encode(pieces[0])
+        for piece in pieces[1:]:
+            ids += [token] + self.tokenizer.encode(piece, add_bos=False)
+        return place_images(ids, images, token)
+
+    def render(self, request: ChatCompletionRequest) -> tuple[str, list[tuple[str, str]]]:
+        """The prompt text, and (param, url) of each image part in the order they appear in it."""
+        messages, images = [], []
         for i, message in enumerate(request.messages):
             content = message.content
             if content is not None and not isinstance(content, str):
+                texts = []
                 for j, part in enumerate(content):
                     if isinstance(part, ImagePart):
-                        raise InvalidRequest(
-                            f"The served model `{self.served_model_name}` has no vision input; "
-                            "image content parts are not supported.",
-                            param=f"messages[{i}].content[{j}]",
-                        )
-                content = "\n".join(part.text for part in content)
+                        if self.engine.vision is None:
+                            raise InvalidRequest(
+                                f"The served model `{self.served_model_name}` has no vision input; "
+                                "image content parts are not supported.",
+                                param=f"messages[{i}].content[{j}]",
+                            )
+                        images.append((f"messages[{i}].content[{j}]", part.image_url.url))
+                        texts.append(self.image_placeholder)
+                    else:
+                        texts.append(part.text)
+                content = "\n".join(texts)
             role = "system" if message.role == "developer" else message.role
             rendered = {"role": role, "content": content}
             if role == "assistant" and message.tool_calls:
@@ -133,7 +183,7 @@ class ChatServing(Serving):
                 last_system = max((i for i, m in enumerate(messages) if m["role"] == "system"), default=-1)
                 messages.insert(last_system + 1, {"role": "system", "content": self.tool_format.tools_prompt(tools)})
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs), images
         except Exception as exc:  # noqa: BLE001 - a template error (jinja, bad kwargs) is the request's fault
             raise InvalidRequest(
                 f"The chat template could not render these messages: {type(exc).__name__}: {exc}",

@@ -1,6 +1,8 @@
 """The server's own settings (the engine's, cross-replica KV reuse included, are in EngineConfig)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from engine.server.images import ImageSettings
 
 
 @dataclass(frozen=True)
@@ -15,3 +17,4 @@ class ServerSettings:
     # silent this long: a wedged process gets restarted; a single step longer than this is the cost
     engine_silence_timeout: float = 10.0
     max_body_bytes: int = 32 << 20  # a request body beyond this is a 413 (a 1M-token prompt is ~4-8 MB)
+    images: ImageSettings = field(default_factory=ImageSettings)  # image content parts (vision models)

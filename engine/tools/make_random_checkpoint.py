@@ -124,6 +124,36 @@ def make_random_checkpoint(out: str | Path, seed: int = 0, fp8: bool = False, ma
     return out
 
 
+# a vision tower small enough for CPU tests (V4.1's layout: 14-pixel patches in the release, 2 here)
+TINY_VISION = dict(model_type="deepseek_v41_vision", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                   num_attention_heads=2, patch_size=2, downsample_ratio=3, rope_theta=10000.0,
+                   max_image_tokens=64, min_pixels=24 * 24, max_wh_ratio=None)
+
+
+def add_random_vision(out: str | Path, image_token_id: int, seed: int = 0, vision: dict | None = None,
+                      std: float = 0.1) -> Path:
+    """Give a checkpoint directory a random vision tower: `vision.safetensors` (`vision.*`, `aligner.*`,
+    `image_start/end/newline`) and `vision_config` + `image_token_id` in its config.json."""
+    from engine.models.deepseek_vit import Aligner, DeepseekViT, VisionConfig
+
+    out = Path(out)
+    cfg = json.loads((out / "config.json").read_text())
+    vision = {**TINY_VISION, **(vision or {})}
+    text = cfg.get("text_config", cfg)
+    config = VisionConfig.from_dict(vision, image_token_id)
+    gen = torch.Generator().manual_seed(seed)
+    modules = {"vision": DeepseekViT(config), "aligner": Aligner(config, text["hidden_size"])}
+    tensors = {f"{prefix}.{name}": std * torch.randn(p.shape, generator=gen) + name.split(".")[-2].startswith("norm")
+               for prefix, module in modules.items() for name, p in module.named_parameters()}  # norms about 1
+    for name in ("image_start", "image_end", "image_newline"):
+        tensors[name] = torch.randn(text["hidden_size"], generator=gen)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "vision.safetensors"), metadata={"format": "pt"})
+    cfg["vision_config"] = vision
+    cfg["image_token_id"] = image_token_id
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")

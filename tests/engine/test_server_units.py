@@ -241,7 +241,8 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
         "NNODES": "2", "NODE_RANK": "1", "DIST_INIT_ADDR": "leader:29500", "GPU_MEMORY_UTILIZATION": "0.8",
         "KV_CACHE_MEMORY": "2GiB", "NUM_GPU_BLOCKS_OVERRIDE": "64", "KV_SECRET_FILE": str(tmp_path / "kv-secret"),
         "ENGINE_HEARTBEAT_TIMEOUT": "4", "MAX_REQUEST_BODY_SIZE": "1MiB",
-        "SPECULATIVE_CONFIG": '{"method": "mtp", "num_speculative_tokens": 2}',
+        "SPECULATIVE_CONFIG": '{"method": "mtp", "num_speculative_tokens": 2}', "ENABLE_IMAGE_URLS": "true",
+        "IMAGE_FETCH_TIMEOUT": "3", "MAX_IMAGE_SIZE": "2MiB", "MAX_IMAGE_PIXELS": "1000000", "MAX_IMAGES_PER_REQUEST": "4",
     }  # fmt: skip
     (tmp_path / "kv-secret").write_text("0123456789abcdef0123456789abcdef\n")
     env["TENSOR_PARALLEL_SIZE"] = "4"
@@ -255,6 +256,8 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
     s = settings_from_args(args)
     assert (s.served_model_name, s.api_key, s.max_waiting_requests) == ("v3", "secret", 32)
     assert (s.engine_silence_timeout, s.max_body_bytes) == (4.0, 2**20)
+    assert (s.images.fetch_urls, s.images.fetch_timeout) == (True, 3.0)
+    assert (s.images.limits.max_bytes, s.images.limits.max_pixels, s.images.limits.max_images) == (2 << 20, 10**6, 4)
     c = engine_config(args)
     assert (c.model, c.dtype, c.max_model_len, c.max_num_seqs) == (str(tmp_path), "bfloat16", 8192, 8)
     assert c.num_speculative_tokens == 2

@@ -315,7 +315,7 @@ def model_dir_with_template(src: Path, dst: Path, template: str) -> Path:
 
 def our_rendering(model_dir: Path, messages: list[dict], **fields) -> str:
     serving = ChatServing(SimpleNamespace(tokenizer=Tokenizer(model_dir)), "m")
-    return serving.render(ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **fields}))
+    return serving.render(ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **fields}))[0]
 
 
 def transformers_rendering(model_dir: Path, messages: list[dict], **kwargs) -> str:
