@@ -1,7 +1,8 @@
 """What constrained decoding costs per token end to end: the same streams decoded through `LLMEngine.step`
 free, with every row guided by a JSON schema, and with a few rows guided, on a real model.
 
-    python benchmarks/guided_decode.py [--model deepseek-tiny] [--dtype auto] [--streams 32] [--mixed 4]
+    python benchmarks/guided_decode.py [--model deepseek-tiny] [--dtype auto] [--load-format auto]
+        [--streams 32] [--mixed 4]
         [--steps 256] [--repeats 3] [--out FILE]
 
 Every stream has the same prompt, seed and sampling in each variant (temperature 1, ignore_eos), and
@@ -49,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="deepseek-tiny")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: random weights, for a model dir holding only config.json and a tokenizer")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--mixed", type=int, default=4, help="guided rows of the mixed variant")
     p.add_argument("--steps", type=int, default=256, help="decode steps per run (after the prefill step)")
@@ -119,7 +122,8 @@ def main() -> None:
     args = parse_args()
     interleave = args.interleave or ("runs" if torch.cuda.is_available() else "steps")
     variants = {"free": 0, f"{args.mixed} of {args.streams} guided": args.mixed, "all guided": args.streams}
-    config = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(64, args.streams),
+    config = EngineConfig(model=args.model, dtype=args.dtype, load_format=args.load_format,
+                          max_num_seqs=max(64, args.streams),
                           async_scheduling=args.async_scheduling, show_progress=False)
     engines = [LLMEngine(config)] if interleave == "runs" else [LLMEngine(config) for _ in variants]
     engine = engines[0]

@@ -437,6 +437,9 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of rank 0's rendezvous (None: a free local port)
     seed: int = 0
+    # auto: the checkpoint's weights; dummy: random ones from `seed` (vLLM's name), for measuring a
+    # model's shapes from its config.json alone
+    load_format: str = "auto"
     attention_backend: str = "auto"  # auto | torch
     enable_prefix_caching: bool = True
     show_progress: bool = True
@@ -469,6 +472,8 @@ class EngineConfig:
             raise ValueError(f"kv_transfer_streams must be >= 1, got {self.kv_transfer_streams}")
         if self.kv_pull_policy not in ("auto", "always", "never"):
             raise ValueError(f"kv_pull_policy must be auto, always or never, got {self.kv_pull_policy!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.kv_transport not in ("auto", "tcp", "rdma"):

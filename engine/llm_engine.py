@@ -99,7 +99,8 @@ class LLMEngine:
             config = self.config = dataclasses.replace(config, block_size=block_size)
         self.tokenizer = Tokenizer(path)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.executor = create_executor(config, self.model_config, path, self.max_model_len)
+        weights = None if config.load_format == "dummy" else path
+        self.executor = create_executor(config, self.model_config, weights, self.max_model_len)
         self.planner = PlanBuilder(config.max_num_seqs)
         capacity = self.executor.num_blocks * config.block_size
         if self.max_model_len > capacity:

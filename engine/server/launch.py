@@ -32,6 +32,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory, or the embedded deepseek-tiny")
     model.add_argument("--served-model-name", help="name clients send as `model` (default: --model)")
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    model.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                       help="dummy: random weights instead of the checkpoint's (its config.json and tokenizer "
+                            "only), to measure a model's shapes")
     model.add_argument("--max-model-len", type=_positive_int, help="context length (default: the model's)")
     model.add_argument("--max-num-seqs", type=_positive_int, help="most requests decoded together")
     model.add_argument("--max-num-batched-tokens", type=_positive_int, help="token budget of one step (default 2048)")
@@ -177,7 +180,7 @@ def engine_config(args: argparse.Namespace) -> Any:
     from engine.config import EngineConfig, resolve_model_path
 
     kwargs = {
-        "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
+        "model": args.model, "dtype": args.dtype, "load_format": args.load_format, "max_model_len": args.max_model_len,
         "kv_directory": args.kv_directory, "replica_id": args.replica_id, "kv_transport": args.kv_transport,
         "kv_transfer_port": args.kv_transfer_port, "kv_min_prefix_tokens": args.kv_min_prefix_tokens,
         "kv_pull_policy": args.kv_pull_policy, "async_scheduling": args.async_scheduling,

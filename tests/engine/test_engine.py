@@ -125,3 +125,19 @@ def test_score_computes_every_position_even_when_the_prefix_is_cached(llm):
     first, second = llm.score([p, p])
     assert first.shape == second.shape == (21, 512)
     assert (first - second).abs().max().item() == 0.0
+
+
+def test_dummy_load_format_needs_only_the_config_and_tokenizer(random_checkpoint, tmp_path):
+    """load_format="dummy" measures a model's shapes without its weights: random ones from the seed."""
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((random_checkpoint / name).read_bytes())
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with pytest.raises(Exception):
+        LLM(str(tmp_path), dtype="float32", show_progress=False)  # no weights to load
+    first = LLM(str(tmp_path), dtype="float32", load_format="dummy", seed=3).generate([[5, 6, 7]], greedy)
+    again = LLM(str(tmp_path), dtype="float32", load_format="dummy", seed=3).generate([[5, 6, 7]], greedy)
+    loaded = LLM(str(random_checkpoint), dtype="float32").generate([[5, 6, 7]], greedy)
+    assert first[0].token_ids == again[0].token_ids  # the seed decides the weights
+    assert first[0].token_ids != loaded[0].token_ids  # and they are not the checkpoint's
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(str(tmp_path), load_format="pt")
