@@ -99,6 +99,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.executor = create_executor(config, self.model_config, path, self.max_model_len)
         self.planner = PlanBuilder(config.max_num_seqs)
+        if getattr(self.model_config, "engram_layer_ids", ()):  # Engram's n-grams reach before each chunk
+            self.planner.lookback = self.model_config.engram_max_ngram_size - 1
         capacity = self.executor.num_blocks * config.block_size
         if self.max_model_len > capacity:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); lowering it", self.max_model_len, capacity)

@@ -28,6 +28,8 @@ class StepPlan:
     replicate_blocks: list[int] = field(default_factory=list)  # rank 0's blocks to copy to every rank first
     collect_logits: bool = False  # every token's logits too (scoring a prompt)
     use_graph: bool = False  # set by rank 0's worker: replay a CUDA graph
+    # per row, the `PlanBuilder.lookback` token ids before its first new token (-1 before the sequence), flat
+    lookback: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +69,9 @@ class PlanBuilder:
 
     def __init__(self, num_slots: int):
         self.free_slots = list(range(num_slots - 1, -1, -1))
+        # token ids a row needs before its chunk (Engram's n-grams: the model's `lookback`), known on the host:
+        # a step launched ahead lacks only its own inputs
+        self.lookback = 0
         # id(seq) -> (seq, slot, the table list whose entries were sent, how many): BlockManager.release
         # gives a sequence a new list, so a sequence preempted and admitted again between two plans is
         # seen as a new table even when no plan saw it leave
@@ -80,7 +85,7 @@ class PlanBuilder:
     def build(self, batch: ScheduledBatch, inputs_on_device: bool = False) -> StepPlan:
         items = batch.items
         self._release_idle()
-        slots, deltas, computed, lens, ids, sample = [], [], [], [], [], []
+        slots, deltas, computed, lens, ids, sample, back = [], [], [], [], [], [], []
         verifying = {id(seq) for seq in batch.verifies}
         end = 0
         for seq, n in items:
@@ -89,6 +94,11 @@ class PlanBuilder:
                 deltas.append((slot, sent, seq.block_table[sent:]))
                 self.held[id(seq)] = (seq, slot, seq.block_table, len(seq.block_table))
             start = seq.num_computed_tokens
+            if self.lookback:
+                before = seq.token_ids(max(0, start - self.lookback), start)
+                if len(before) != min(start, self.lookback):
+                    raise RuntimeError(f"the {self.lookback} tokens before position {start} are not known yet")
+                back += [-1] * (self.lookback - len(before)) + before
             slots.append(slot)
             computed.append(start)
             lens.append(n)
@@ -102,7 +112,8 @@ class PlanBuilder:
                 sample.append(end - 1)
         replicate, self._replicate = self._replicate, []
         return StepPlan(slots, computed, lens, batch.num_chunks, None if inputs_on_device else ids, sample,
-                        deltas, replicate, collect_logits=any(seq.collect_logits for seq, _ in items))
+                        deltas, replicate, collect_logits=any(seq.collect_logits for seq, _ in items),
+                        lookback=back if self.lookback else None)
 
     def _slot(self, seq: Sequence) -> tuple[int, int]:
         """-> (its slot, table entries already sent: 0 for a new slot or a new table, which resets it)."""
