@@ -241,3 +241,19 @@ def test_serve_a_v41_checkpoint_over_the_openai_api(checkpoints, goldens, tmp_pa
         assert out.choices[0].text.lstrip() == Tokenizer(checkpoints[case]).decode(want)
     finally:
         server.stop()
+
+
+def test_decode_steps_launched_ahead_match_the_reference(engines, goldens, monkeypatch):
+    """Async scheduling launches a decode step before the last draws reach the host: its inputs are on
+    the device, Engram's look-back (the tokens before them) is known on the host already."""
+    from engine.step_plan import PlanBuilder
+
+    ahead = []
+    build = PlanBuilder.build
+    monkeypatch.setattr(PlanBuilder, "build", lambda self, batch, inputs_on_device=False: (
+        ahead.append(inputs_on_device), build(self, batch, inputs_on_device))[1])
+    case = "release_like_all"
+    llm = engines(case, async_scheduling="on")
+    for i, out in enumerate(llm.generate(prompts_of(goldens[case]), GREEDY)):
+        assert out.token_ids == goldens[case][f"prompt{i}.greedy_tokens"][0].tolist()
+    assert sum(ahead) > 20
