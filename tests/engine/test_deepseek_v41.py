@@ -2,10 +2,11 @@
 tiny float32 checkpoints; float32, CPU).
 
 What is asserted of the prompt logits: every position within 1e-5 of the reference in the unquantized
-case; in the quantized cases every position within 0.2 and at least 99% of them within 1e-5. A cache
-value on an FP8/FP4 rounding boundary may round the other way after a float32 rounding difference
-upstream, and the reference itself moves by up to 0.14 at a few positions in float64 (the fixtures'
-README); greedy tokens must be identical everywhere.
+case; in the quantized cases every position within 0.2 and all but at most 3 positions of a prompt
+within 1e-5. A cache value on an FP8/FP4 rounding boundary may round the other way after a float32
+rounding difference upstream (another CPU's matmul blocking is enough), and the reference itself moves
+by up to 0.14 at a few positions in float64 (the fixtures' README); greedy tokens must be identical
+everywhere.
 """
 
 import shutil
@@ -66,11 +67,12 @@ def prompts_of(golden) -> list[list[int]]:
 
 def check_logits(case: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
     per_position = (ours - ref).abs().amax(-1)
+    off = (per_position > 1e-5).nonzero().flatten().tolist()
+    what = f"{case}: max {per_position.max().item():.3g}, positions above 1e-5: {off}"
     if case in QUANTIZED:
-        assert per_position.max().item() <= 0.2
-        assert (per_position <= 1e-5).float().mean().item() >= 0.99
+        assert per_position.max().item() <= 0.2 and len(off) <= 3, what
     else:
-        assert per_position.max().item() <= 1e-5
+        assert not off, what
 
 
 def check_case(llm: LLM, case: str, golden) -> None:
@@ -78,7 +80,7 @@ def check_case(llm: LLM, case: str, golden) -> None:
     for i, ours in enumerate(llm.score(batch)):
         check_logits(case, ours, golden[f"prompt{i}.prompt_logits"][0])
     for i, out in enumerate(llm.generate(batch, GREEDY)):
-        assert out.token_ids == golden[f"prompt{i}.greedy_tokens"][0].tolist()
+        assert out.token_ids == golden[f"prompt{i}.greedy_tokens"][0].tolist(), f"{case} prompt {i}"
 
 
 def test_config_reads_the_composite_and_the_flat_form(checkpoints):
