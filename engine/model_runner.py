@@ -172,7 +172,8 @@ class ModelRunner:
         if self.backend == "triton":
             enable_kernels(self.model)
         self.kv_specs = self.model.kv_cache_specs(self.dtype)
-        self.use_cuda_graphs = (self.backend == "triton" and self.device.type == "cuda" and getattr(M, "cuda_graphs", True)
+        self.use_cuda_graphs = (self.backend == "triton" and self.device.type == "cuda"
+                                and getattr(M, "cuda_graphs", True)  # V4.1: no device-only decode path yet
                                 and not config.extra.get("enforce_eager", False))
         self.kv_pool: KVPool | None = None
         self.tables: BlockTables | None = None

@@ -190,7 +190,8 @@ class Attention(nn.Module):
         self.attn_sink.weight_loader = lambda p, t, _: p.data.copy_(materialize(t.narrow(0, rank * heads, heads)))
         rotary = ropes["compress" if self.ratio else "main"]
         object.__setattr__(self, "rotary", rotary)
-        self.compressor = Compressor(cfg.hidden_size, cfg.head_dim, self.ratio, cfg.rms_norm_eps) if self.is_source else None
+        self.compressor = (Compressor(cfg.hidden_size, cfg.head_dim, self.ratio, cfg.rms_norm_eps)
+                           if self.is_source else None)
         self.indexer = Indexer(cfg, self.is_source, rotary) if self.is_index else None
         q = self.store_quantized
         self.window_codec = CacheCodec(WINDOW_FP8, cfg.head_dim, q)
