@@ -8,7 +8,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV4ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV4ForCausalLM",
+                           "DeepseekV41ForCausalLM")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -89,6 +90,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig | DeepseekV4Config":
+        if hf.get("model_type") in V41_MODEL_TYPES:
+            return DeepseekV41Config.from_hf(hf)
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -98,6 +101,8 @@ class ModelConfig:
             )
         if arch == "DeepseekV4ForCausalLM":
             return DeepseekV4Config.from_hf(hf)
+        if arch == "DeepseekV41ForCausalLM":
+            return DeepseekV41Config.from_hf(hf)
         is_v3 = arch == "DeepseekV3ForCausalLM"
         # DeepSeek publishes `rope_scaling` + `rope_theta`; transformers 5 writes `rope_parameters`.
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -330,6 +335,90 @@ class DeepseekV4Config:
         )
 
 
+V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
+
+
+@dataclass(frozen=True)
+class DeepseekV41Config(DeepseekV4Config):
+    """DeepSeek-V4.1: V4's shape with compressed caches shared by layers. Only `kv_source_layer_ids`
+    compress (ratio 2: gated pooling of 2 tokens, ratio 1: every token); other layers with a ratio read
+    the nearest source at or before them. `index_source_layer_ids` run the sparse indexer (with the
+    keys of their KV source); the other compressed layers reuse the last index source's picks. Index
+    sources after `candidate_source_layer_id` score only inside its top `candidate_topk_blocks` blocks
+    of `candidate_block_size` entries (-1: one level). Engram tables on `engram_layer_ids`."""
+
+    kv_source_layer_ids: tuple[int, ...] = ()
+    index_source_layer_ids: tuple[int, ...] = ()
+    candidate_source_layer_id: int = -1
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    gate_temp: float = 1.0
+    engram_layer_ids: tuple[int, ...] = ()
+    engram_max_ngram_size: int = 4
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_vocab_size: int = 16_000_000
+    engram_compressed_vocab_size: int = 0
+    engram_num_embeddings: tuple[int, ...] = ()
+    engram_pad_id: int = 2
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose compressed cache this one reads (None: window only)."""
+        if not self.compress_ratios[layer]:
+            return None
+        return max(s for s in self.kv_source_layer_ids if s <= layer)
+
+    def layer_kind(self, layer: int) -> str:
+        return "window" if self.compress_ratios[layer] == 0 else "shared"
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "DeepseekV41Config":
+        """The released composite config.json (`text_config` inside) or the flat `deepseek_v41_text` one."""
+        text = dict(hf.get("text_config") or hf)
+        if "compress_ratios" not in text:
+            raise ValueError("a DeepSeek-V4.1 config.json must list compress_ratios (one per layer)")
+        text.pop("layer_types", None)  # V4.1's layer types name the KV sources, the ratios say the rest
+        text.setdefault("num_hash_layers", 0)
+        text.setdefault("head_dim", 512)
+        if "qk_rope_head_dim" not in text:
+            rp = (text.get("rope_parameters") or {}).get("main") or {}
+            text["qk_rope_head_dim"] = int(text["head_dim"] * float(rp.get("partial_rotary_factor", 64 / 512)))
+        base = DeepseekV4Config.from_hf(text)
+        n = base.num_hidden_layers
+        ratios = base.compress_ratios
+        kv = tuple(int(i) for i in text.get("kv_source_layer_ids") or ())
+        index = tuple(int(i) for i in text.get("index_source_layer_ids") or ())
+        for layer in range(n):
+            if ratios[layer] and not any(s <= layer for s in kv):
+                raise ValueError(f"DeepSeek-V4.1 layer {layer} compresses but no KV source comes at or before it")
+            if ratios[layer] and ratios[max(s for s in kv if s <= layer)] != ratios[layer]:
+                raise ValueError(f"DeepSeek-V4.1 layer {layer} reads a KV source of another compression ratio")
+        if not set(kv) <= set(index):
+            raise ValueError("every DeepSeek-V4.1 KV source must be an index source (it owns the indexer keys)")
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        fields.update(architecture="DeepseekV41ForCausalLM", csa_ratio=0)
+        limit = float(text.get("swiglu_limit", 10.0))
+        fields["swiglu_limit"] = limit if limit > 0 else float("inf")
+        engram = tuple(int(i) for i in text.get("engram_layer_ids") or ())
+        return cls(
+            **fields,
+            kv_source_layer_ids=kv,
+            index_source_layer_ids=index,
+            candidate_source_layer_id=int(text.get("candidate_source_layer_id", -1)),
+            candidate_topk_blocks=int(text.get("candidate_topk_blocks", 2048)),
+            candidate_block_size=int(text.get("candidate_block_size", 8)),
+            gate_temp=float(text.get("gate_temp", 1.0)),
+            engram_layer_ids=engram,
+            engram_max_ngram_size=int(text.get("engram_max_ngram_size", 4)),
+            engram_n_heads=int(text.get("engram_n_heads", 8)),
+            engram_head_dim=int(text.get("engram_head_dim", 256)),
+            engram_vocab_size=int(text.get("engram_vocab_size", 16_000_000)),
+            engram_compressed_vocab_size=int(text.get("engram_compressed_vocab_size", 0)),
+            engram_num_embeddings=tuple(int(i) for i in text.get("engram_num_embeddings") or ()),
+            engram_pad_id=int(text.get("engram_pad_id", 2)),
+        )
+
+
 def required_block_size(model_config: "ModelConfig | DeepseekV4Config", block_size: int) -> int:
     """The KV page size a model needs: V4's pages hold whole compression windows (its compressed
     caches have block_size / ratio rows per page), so the least multiple of every ratio."""
@@ -441,6 +530,7 @@ class EngineConfig:
     # model's shapes from its config.json alone
     load_format: str = "auto"
     attention_backend: str = "auto"  # auto | torch
+    engram_tables: str = "device"  # where V4.1's Engram tables live: device | host (pinned; rows copied per step)
     enable_prefix_caching: bool = True
     show_progress: bool = True
     # launch a decode step before the tokens of the one running reach the host: auto = on a CUDA device
@@ -474,6 +564,8 @@ class EngineConfig:
             raise ValueError(f"kv_pull_policy must be auto, always or never, got {self.kv_pull_policy!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.engram_tables not in ("device", "host"):
+            raise ValueError(f"engram_tables must be device or host, got {self.engram_tables!r}")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.kv_transport not in ("auto", "tcp", "rdma"):

@@ -102,6 +102,8 @@ class LLMEngine:
         weights = None if config.load_format == "dummy" else path
         self.executor = create_executor(config, self.model_config, weights, self.max_model_len)
         self.planner = PlanBuilder(config.max_num_seqs)
+        if getattr(self.model_config, "engram_layer_ids", ()):  # Engram's n-grams reach before each chunk
+            self.planner.lookback = self.model_config.engram_max_ngram_size - 1
         capacity = self.executor.num_blocks * config.block_size
         if self.max_model_len > capacity:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); lowering it", self.max_model_len, capacity)

@@ -165,11 +165,16 @@ class ModelRunner:
         else:
             load_weights(self.model, path, model_config.num_hidden_layers, block,
                          config.show_progress and par.tp_rank == 0)
+        if hasattr(self.model, "bind_tokenizer"):  # Engram: ids from the tokenizer's normalized tokens
+            tok = path / "tokenizer.json" if path is not None else None
+            self.model.bind_tokenizer(str(tok) if tok is not None and tok.is_file() else None)
+            self.model.place_engram_tables(config.engram_tables)
         self.model.eval()
         if self.backend == "triton":
             enable_kernels(self.model)
         self.kv_specs = self.model.kv_cache_specs(self.dtype)
         self.use_cuda_graphs = (self.backend == "triton" and self.device.type == "cuda"
+                                and getattr(M, "cuda_graphs", True)  # V4.1: no device-only decode path yet
                                 and not config.extra.get("enforce_eager", False))
         self.kv_pool: KVPool | None = None
         self.tables: BlockTables | None = None
@@ -334,6 +339,8 @@ class ModelRunner:
             query_start_loc_cpu=query_start,
             query_lens_cpu=list(plan.query_lens),
             context_lens_cpu=context_lens,
+            lookback=(to_device(plan.lookback, torch.long, dev).view(len(plan.slots), -1)
+                      if plan.lookback is not None else None),
         )
         input_ids = to_device(plan.input_ids, torch.long, dev) if inputs is None else inputs
         return input_ids, positions, meta

@@ -46,6 +46,8 @@ class StepPlan:
     use_graph: bool = False  # set by rank 0's worker: replay a CUDA graph
     images: list[PlanImage] = field(default_factory=list)  # image tokens of this step (always run eagerly)
     drop_images: list[str] = field(default_factory=list)  # keys whose embeddings the workers forget first
+    # per row, the `PlanBuilder.lookback` token ids before its first new token (-1 before the sequence), flat
+    lookback: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +87,9 @@ class PlanBuilder:
 
     def __init__(self, num_slots: int):
         self.free_slots = list(range(num_slots - 1, -1, -1))
+        # token ids a row needs before its chunk (Engram's n-grams: the model's `lookback`), known on the host:
+        # a step launched ahead lacks only its own inputs
+        self.lookback = 0
         # id(seq) -> (seq, slot, the table list whose entries were sent, how many): BlockManager.release
         # gives a sequence a new list, so a sequence preempted and admitted again between two plans is
         # seen as a new table even when no plan saw it leave
@@ -100,7 +105,7 @@ class PlanBuilder:
     def build(self, batch: ScheduledBatch, inputs_on_device: bool = False) -> StepPlan:
         items = batch.items
         self._release_idle()
-        slots, deltas, computed, lens, ids, sample, images = [], [], [], [], [], [], []
+        slots, deltas, computed, lens, ids, sample, images, back = [], [], [], [], [], [], [], []
         verifying = {id(seq) for seq in batch.verifies}
         end = 0
         for seq, n in items:
@@ -109,6 +114,11 @@ class PlanBuilder:
                 deltas.append((slot, sent, seq.block_table[sent:]))
                 self.held[id(seq)] = (seq, slot, seq.block_table, len(seq.block_table))
             start = seq.num_computed_tokens
+            if self.lookback:
+                before = seq.token_ids(max(0, start - self.lookback), start)
+                if len(before) != min(start, self.lookback):
+                    raise RuntimeError(f"the {self.lookback} tokens before position {start} are not known yet")
+                back += [-1] * (self.lookback - len(before)) + before
             slots.append(slot)
             computed.append(start)
             lens.append(n)
@@ -126,7 +136,7 @@ class PlanBuilder:
         drop, self._drop_images = self._drop_images, []
         return StepPlan(slots, computed, lens, batch.num_chunks, None if inputs_on_device else ids, sample,
                         deltas, replicate, collect_logits=any(seq.collect_logits for seq, _ in items),
-                        images=images, drop_images=drop)
+                        images=images, drop_images=drop, lookback=back if self.lookback else None)
 
     def _images(self, seq: Sequence, start: int, n: int, index: int) -> list[PlanImage]:
         """The parts of seq's image spans that its tokens [start, start + n) cover (flat from `index`)."""

@@ -30,6 +30,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     query_lens_cpu: list[int]
     context_lens_cpu: list[int]
+    lookback: torch.Tensor | None = None  # [B, n] the n token ids before each row's first new one (-1: none)
 
     @property
     def num_decodes(self) -> int:

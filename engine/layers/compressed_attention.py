@@ -170,13 +170,18 @@ def window_mask(t: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Te
     return (diff >= 0) & (diff < window)
 
 
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """The lightning indexer's scores: q [t, h, c], weights [t, h], keys [n, c] shared or [t, n, c] a
+    query each -> [t, n] = sum_h w[t, h] * ReLU(q[t, h] . k[s]) * scale."""
+    k = "nc" if keys.dim() == 2 else "tnc"
+    return (F.relu(torch.einsum(f"thc,{k}->thn", q.float(), keys.float())) * scale * weights.float()[..., None]).sum(1)
+
+
 def indexer_picks(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, top_k: int,
                   scale: float) -> torch.Tensor:
-    """The lightning indexer: q [t, h, c], weights [t, h], keys [n, c] shared or [t, n, c] a query each,
-    visible [t, n] -> the entries [t, min(top_k, n)] of the highest visible scores
-    sum_h w[t, h] * ReLU(q[t, h] . k[s]) * scale (picks of invisible entries are the caller's to mask)."""
-    k = "nc" if keys.dim() == 2 else "tnc"
-    scores = (F.relu(torch.einsum(f"thc,{k}->thn", q.float(), keys.float())) * scale * weights.float()[..., None]).sum(1)
+    """visible [t, n] -> the entries [t, min(top_k, n)] of the highest visible `indexer_scores` (picks
+    of invisible entries are the caller's to mask)."""
+    scores = indexer_scores(q, weights, keys, scale)
     return scores.masked_fill(~visible, NEG_INF).topk(min(top_k, keys.shape[-2]), dim=-1).indices
 
 
