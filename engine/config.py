@@ -155,7 +155,10 @@ class ModelConfig:
             hf = json.loads(cfg.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{cfg} is not valid JSON: {e}") from e
-        return cls.from_hf(hf)
+        config = cls.from_hf(hf)
+        if isinstance(config, DeepseekV41Config) and hf.get("vision_config"):
+            config = config.with_vision(hf, Path(path))
+        return config
 
 
 def _rope(rope: dict, hf: dict) -> tuple[float, "RopeScaling | None"]:
@@ -361,6 +364,22 @@ class DeepseekV41Config(DeepseekV4Config):
     engram_compressed_vocab_size: int = 0
     engram_num_embeddings: tuple[int, ...] = ()
     engram_pad_id: int = 2
+    vision: "object | None" = None  # engine.models.deepseek_vit.VisionConfig: the checkpoint has an image tower
+
+    def with_vision(self, hf: dict, path: Path) -> "DeepseekV41Config":
+        """The released config.json describes a vision tower even where a checkpoint ships none (text-only
+        exports, the reference's text class): build it where its weights are, or where no weights are
+        (random ones, load_format="dummy")."""
+        from engine.loader import CheckpointError, checkpoint_files
+        from engine.models.deepseek_vit import VisionConfig
+
+        try:
+            names = checkpoint_files(path)
+        except CheckpointError:
+            names = None
+        if names is not None and not any(name.startswith("vision.") for name in names):
+            return self
+        return dataclasses.replace(self, vision=VisionConfig.from_dict(hf["vision_config"], hf.get("image_token_id")))
 
     def kv_source(self, layer: int) -> int | None:
         """The layer whose compressed cache this one reads (None: window only)."""

@@ -124,7 +124,7 @@ def load_weights(model: nn.Module, path: Path, num_hidden_layers: int, block_siz
         return None
 
     M = type(model)
-    rename = getattr(M, "checkpoint_name", lambda n: n)
+    rename = getattr(model, "checkpoint_name", lambda n: n)
     expert_pattern = getattr(M, "expert_pattern", _EXPERT)
     companions = {n for n in files if n.endswith("weight_scale_inv")
                   or (n.endswith(".scale") and n.removesuffix("scale") + "weight" in files)}

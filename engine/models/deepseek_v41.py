@@ -46,6 +46,7 @@ from engine.layers.linear import (
 from engine.layers.moe import FusedExperts
 from engine.loader import materialize
 from engine.models.deepseek_v4 import Expert, RMSNorm, Rope, _fp32, hc_weights
+from engine.models.deepseek_vit import ImageEmbeds, VisionLanguageModel
 from engine.parallel import SINGLE, ParallelContext, divide
 
 
@@ -387,7 +388,7 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * h.float()).sum(dim=1).to(h.dtype)
 
 
-class DeepseekV41ForCausalLM(nn.Module):
+class DeepseekV41ForCausalLM(nn.Module, VisionLanguageModel):
     expert_pattern = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight()$")
     expert_params = {"w1": ("w13", "w1"), "w3": ("w13", "w3"), "w2": ("w2", "w2")}
     stacked_params: dict = {}
@@ -416,18 +417,20 @@ class DeepseekV41ForCausalLM(nn.Module):
         if cfg.engram_layer_ids:
             self.engram_hash = EngramHash(list(cfg.engram_layer_ids), cfg.engram_max_ngram_size, cfg.engram_n_heads,
                                           cfg.engram_vocab_size, cfg.engram_compressed_vocab_size, cfg.engram_pad_id)
+        if cfg.vision is not None:
+            self.init_vision(cfg.vision, cfg.hidden_size)
 
     @property
     def lookback(self) -> int:
         """Token ids a step needs before each row's first new token (Engram's n-grams); 0 without Engram."""
         return self.engram_hash.context if self.engram_hash is not None else 0
 
-    @staticmethod
-    def checkpoint_name(name: str) -> str | None:
-        """A checkpoint tensor's name as this model spells it; None for what the text model does not use
-        (the DSpark draft layers `mtp.*`, the vision tower `vision.*`, `aligner.*`, `image_*`)."""
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as this model spells it; None for what the model does not use (the
+        DSpark draft layers `mtp.*`; the vision tower `vision.*`, `aligner.*`, `image_*` where the model
+        was built without one)."""
         name = name.removeprefix("model.")
-        if name.startswith(("mtp.", "vision.", "aligner.", "image_")):
+        if name.startswith("mtp.") or (self.config.vision is None and name.startswith(("vision.", "aligner.", "image_"))):
             return None
         name = re.sub(r"^embed_tokens\.", "embed.", name)
         name = re.sub(r"^lm_head\.", "head.", name)
@@ -464,16 +467,22 @@ class DeepseekV41ForCausalLM(nn.Module):
             inside = input_ids[(idx - s).clamp(min=0)]
             before = lookback[row_of, (ctx + j - s).clamp(0, ctx - 1)]
             history.append(torch.where(j >= s, inside, before))
-        rows = self.engram_hash(input_ids, torch.stack(history, 1), is_image)  # [T, L, cols]
+        history = torch.stack(history, 1)  # [T, ctx]
+        if self.config.vision is not None:  # earlier image tokens end an n-gram too: every span position has its id
+            history = history.masked_fill(history == self.config.vision.image_token_id, -1)
+        rows = self.engram_hash(input_ids, history, is_image)  # [T, L, cols]
         return {layer: self.layers[layer].engram.embed(rows[:, k])
                 for k, layer in enumerate(self.config.engram_layer_ids)}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                is_image: torch.Tensor | None = None) -> torch.Tensor:
+                is_image: torch.Tensor | None = None, image_embeds: ImageEmbeds | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; is_image [T] bool (image tokens: the routers' vision bias, dead for
-        Engram) or None (text) -> hidden states [T, hidden]."""
+        Engram) or None (text); image_embeds: the image spans' rows this step covers (their is_image wins)
+        -> hidden states [T, hidden]."""
         meta._v41_shared = {}  # the index sources' picks for the layers after them, this step
         x = self.embed(input_ids)
+        if image_embeds is not None:
+            x, is_image = image_embeds.merge(x), image_embeds.is_image
         h = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, hc_mult, hidden]
         pre = torch.zeros(h.shape[:2], dtype=torch.float32, device=h.device)
         pre[:, 0] = 1.0  # layer 0's attention site reads stream 0

@@ -1,21 +1,25 @@
 """An image through a real server to a tiny random DeepSeek V4.1 checkpoint with a tiny vision tower, with
 the official client: the request succeeds, the image's tokens count in usage, the same image again hits
-the prefix cache. Runs once the V4.1 model (engine.models.deepseek_v41) is part of the engine."""
+the prefix cache; and which V4.1 checkpoints get a tower at all."""
 
 import base64
 import io
 import json
+from pathlib import Path
 
 import openai
 import pytest
 import torch
 from PIL import Image
 
+from engine.models.deepseek_vit import VisionConfig
+from engine.multimodal import ImageProcessor
 from engine.tools.make_random_checkpoint import TINY_VISION, add_random_vision, write_safetensors
 from engine.tools.tokenizer_files import write_tokenizer
+from engine.config import ModelConfig
 from tests.engine.conftest_server import MODEL_NAME, ServerProcess
 
-pytest.importorskip("engine.models.deepseek_v41", reason="the V4.1 text model is not in this tree yet")
+FIXTURES = Path(__file__).parent / "fixtures" / "deepseek-v41"
 
 IMAGE_TOKEN = 380
 # a tiny text model in the released checkpoint's layout: window-only, compressing (sources 1 and 3) and
@@ -74,16 +78,23 @@ def client(tmp_path_factory):
     (path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
                                                   "text_config": TEXT, "tie_word_embeddings": False}))
     write_tokenizer(path, TEXT["vocab_size"])
-    add_random_vision(path, IMAGE_TOKEN, seed=1, vision={**TINY_VISION, "max_image_tokens": 64})
+    add_random_vision(path, IMAGE_TOKEN, seed=1, vision=VISION)
     proc = ServerProcess(path, tmp_path_factory.mktemp("log") / "server.log").wait_ready()
     yield openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0)
     proc.stop()
 
 
-def image_url(color) -> str:
+VISION = {**TINY_VISION, "max_image_tokens": 64}
+
+
+def png(color) -> bytes:
     buf = io.BytesIO()
-    Image.new("RGB", (48, 48), color).save(buf, format="PNG")  # 24 x 24 patches: 8 x 8 tokens, a 74-token span
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    Image.new("RGB", (48, 48), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_url(color) -> str:
+    return "data:image/png;base64," + base64.b64encode(png(color)).decode()
 
 
 def chat(client, url):
@@ -96,7 +107,9 @@ def test_image_request_counts_its_tokens_and_hits_the_cache_again(client):
     text_only = client.chat.completions.create(model=MODEL_NAME, max_tokens=1, temperature=0,
                                                messages=[{"role": "user", "content": "describe\n"}])
     first = chat(client, image_url((200, 20, 20)))
-    span = 8 * 9 + 2
+    # the span budget of 64 (delimiters and newlines included) takes a 7 x 7 grid of this square image
+    span = ImageProcessor(VisionConfig.from_dict(VISION, IMAGE_TOKEN)).process(png((200, 20, 20))).num_tokens
+    assert span == 7 * 8 + 2
     assert first.choices[0].finish_reason in ("length", "stop")
     assert abs(first.usage.prompt_tokens - (text_only.usage.prompt_tokens + span)) <= 2  # the newline's token(s)
     again = chat(client, image_url((200, 20, 20)))
@@ -104,3 +117,15 @@ def test_image_request_counts_its_tokens_and_hits_the_cache_again(client):
     assert again.choices[0].message.content == first.choices[0].message.content
     other = chat(client, image_url((20, 200, 20)))
     assert other.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens_details.cached_tokens
+
+
+def test_a_tower_is_built_only_where_the_checkpoint_has_its_weights(tmp_path):
+    """The released config.json names a vision tower even in text-only exports (the golden fixtures'):
+    those get none (and images a 400), a checkpoint with `vision.*` tensors gets one."""
+    text_only = FIXTURES / "noquant_onelevel_clamp"
+    assert json.loads((text_only / "config.json").read_text()).get("vision_config")
+    assert ModelConfig.from_dir(text_only).vision is None
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((text_only / name).read_bytes())
+    add_random_vision(tmp_path, IMAGE_TOKEN, vision=VISION)
+    assert ModelConfig.from_dir(tmp_path).vision.image_token_id == IMAGE_TOKEN
