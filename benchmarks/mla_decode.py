@@ -9,8 +9,8 @@ replayed, each call on another copy of the cache (at least 512 MB in all, so the
 memory, not from the 60 MB L2, as in a model where every layer has its own cache). Effective bandwidth
 = cache bytes (B x context x 576 x 2) / time per call, split and merge launches included.
 
---sweep also times tile choices (tile rows, pipeline depth, warps, tile loaded one step ahead) and
-slice counts around the default; --check compares every variant with the float32 reference first.
+--sweep also times tile choices (tile rows, pipeline depth, warps, least slice) and slice counts
+around the default; --check compares every variant with the float32 reference first.
 """
 
 import argparse
@@ -29,18 +29,15 @@ from engine.kernels.mla_decode import (  # noqa: E402
 KV_LORA, ROPE, PAGE = 512, 64, 64
 TILE_SWEEP = {
     "default": {},
-    "n64 s3": dict(block_n=64, num_stages=3),
-    "n64 s4": dict(block_n=64, num_stages=4),
+    "n64 s2": dict(block_n=64, num_stages=2),
     "n64 s5": dict(block_n=64, num_stages=5),
-    "n32 s5": dict(block_n=32, num_stages=5),
-    "n32 prefetch w4": dict(block_n=32, num_stages=1, prefetch=True, num_warps=4),
-    "n32 prefetch w8": dict(block_n=32, num_stages=1, prefetch=True, num_warps=8),
-    "n64 prefetch w8": dict(block_n=64, num_stages=1, prefetch=True, num_warps=8),
-    "min chunk 64": dict(min_chunk=64),
+    "n64 s2 w8": dict(block_n=64, num_stages=2, num_warps=8),
+    "n64 s5 w8": dict(block_n=64, num_stages=5, num_warps=8),
+    "n32 s3": dict(block_n=32, num_stages=3, min_chunk=32),
+    "min chunk 256": dict(min_chunk=256),
 }
-HEAD_BLOCK_SWEEP = {"default": {}, "h32": dict(block_h=32), "h32 prefetch": dict(block_h=32, block_n=32, num_stages=1,
-                                                                                   prefetch=True, num_warps=8)}
-SPLIT_SWEEP = ("default", "n32 prefetch w8")  # the variants also timed at other slice counts
+HEAD_BLOCK_SWEEP = {"default": {}, "h32": dict(block_h=32), "h16": dict(block_h=16)}
+SPLIT_SWEEP = ("default", "n64 s2 w8", "n32 s3")  # the variants also timed at other slice counts
 
 
 def _ints(text: str) -> list[int]:
@@ -161,7 +158,7 @@ def main() -> int:
                 if batch * ctx > 64 * 131072:
                     continue
                 default = default_num_splits(batch, heads, result["sms"])
-                splits = [x for x in (default // 4, default // 2, default * 2) if 1 <= x <= 128] if args.sweep else []
+                splits = [x for x in (default // 2, default * 2, default * 4) if 1 <= x <= 256] if args.sweep else []
                 for row in measure(batch, ctx, heads, variants, splits, baseline):
                     result["rows"].append(row)
                     print(json.dumps(row), flush=True)

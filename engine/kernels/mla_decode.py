@@ -13,6 +13,11 @@ MIN_CHUNK tokens, so a short context runs in a few slices and the programs past 
 Each slice writes its normalized partial output and log-sum-exp; a second kernel merges the slices of
 each head. With one slice the first kernel writes the output itself (one launch).
 
+Two regimes (measured on an H200, benchmarks/mla_decode.py): with a few sequences, one program per
+SM, each streaming its tiles through a five-stage pipeline; from batch 5, two programs per SM (two
+stages each), which hide each other's latency. The tile's products take M = 16 heads, so a program
+is bound by its own latency more than by the bytes: more programs in flight is what pays.
+
 Bytes: context_len * 576 * elem per sequence and head block; FLOPs: 4 * heads * context_len * 544.
 """
 
@@ -66,7 +71,7 @@ def _split_kernel(QL, QP, Cache, Tables, Lens, MidO, MidLse, Out,
                   stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2,
                   KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                  DIRECT: tl.constexpr, ONE_PAGE: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr):
+                  DIRECT: tl.constexpr, ONE_PAGE: tl.constexpr, UPCAST: tl.constexpr):
     # head blocks of one slice are neighbours in launch order: they run together and share its tiles in L2
     hb, s, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(Lens + b)
@@ -89,21 +94,10 @@ def _split_kernel(QL, QP, Cache, Tables, Lens, MidO, MidLse, Out,
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
-    if PREFETCH:
-        # the next tile's loads are issued before this tile's products (registers, not the pipeliner's
-        # shared-memory stages, which an indirect page lookup makes shallow)
-        kv, kp, mask_n = _load_tile(Cache, Tables, b, stride_tb, stride_cb, stride_ct, start, end, offs_t, offs_c,
-                                    offs_r, mask_c, mask_r, KV_LORA, PAGE, ONE_PAGE)
-        for n0 in range(start, end, BLOCK_N):
-            kv_n, kp_n, mask_nn = _load_tile(Cache, Tables, b, stride_tb, stride_cb, stride_ct, n0 + BLOCK_N, end,
-                                             offs_t, offs_c, offs_r, mask_c, mask_r, KV_LORA, PAGE, ONE_PAGE)
-            m_i, l_i, acc = _attend_tile(q, qp, kv, kp, mask_n, m_i, l_i, acc, scale_log2, UPCAST)
-            kv, kp, mask_n = kv_n, kp_n, mask_nn
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            kv, kp, mask_n = _load_tile(Cache, Tables, b, stride_tb, stride_cb, stride_ct, n0, end, offs_t, offs_c,
-                                        offs_r, mask_c, mask_r, KV_LORA, PAGE, ONE_PAGE)
-            m_i, l_i, acc = _attend_tile(q, qp, kv, kp, mask_n, m_i, l_i, acc, scale_log2, UPCAST)
+    for n0 in range(start, end, BLOCK_N):
+        kv, kp, mask_n = _load_tile(Cache, Tables, b, stride_tb, stride_cb, stride_ct, n0, end, offs_t, offs_c, offs_r,
+                                    mask_c, mask_r, KV_LORA, PAGE, ONE_PAGE)
+        m_i, l_i, acc = _attend_tile(q, qp, kv, kp, mask_n, m_i, l_i, acc, scale_log2, UPCAST)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     if DIRECT:  # the only slice: the output itself (zeros for an empty context)
@@ -151,22 +145,36 @@ def block_heads(num_heads: int) -> int:
     return min(64, pow2(num_heads))
 
 
+def programs_per_sm(batch: int, num_heads: int, sms: int = 132, block_h: int | None = None) -> int:
+    """Programs each SM runs at once, by the tile choice `_tiles` makes for this batch: one where few
+    sequences leave the slices alone to fill the chip (each program pipelines its tiles deeply), two
+    otherwise (two 94 KB programs per SM hide each other's latency: measured 1.4x at batch 8 and 64);
+    heads blocks of 64 take the whole SM."""
+    block_h = block_h or block_heads(num_heads)
+    if block_h > 16:
+        return 1
+    return 1 if batch * triton.cdiv(num_heads, block_h) * 32 <= sms else 2
+
+
 def default_num_splits(batch: int, num_heads: int, sms: int = 132, block_h: int | None = None) -> int:
-    """Slices per sequence so that (sequence, head block, slice) programs fill the SMs once, a power
-    of two (each count is a compiled merge variant) at most MAX_SPLITS; from the batch alone, since
-    the context lives on the device. The programs size their slices from the context themselves."""
-    programs = batch * triton.cdiv(num_heads, block_h or block_heads(num_heads))
-    fill = max(1, sms // programs)
+    """Slices per sequence so that (sequence, head block, slice) programs fill every SM's program slots
+    once, a power of two (each count is a compiled merge variant) at most MAX_SPLITS; from the batch
+    alone, since the context lives on the device. The programs size their slices from the context."""
+    block_h = block_h or block_heads(num_heads)
+    programs = batch * triton.cdiv(num_heads, block_h)
+    fill = max(1, programs_per_sm(batch, num_heads, sms, block_h) * sms // programs)
     return min(MAX_SPLITS, 1 << (fill.bit_length() - 1))
 
 
-@functools.lru_cache(maxsize=None)
-def _tiles(block_c: int, block_h: int, elem: int) -> dict:
-    """Tile, pipeline depth and warps: 64 tokens a tile (a 72 KB bf16 tile of 576-wide rows) two deep,
-    which keeps ~70 KB per SM in flight."""
+def _tiles(block_c: int, block_h: int, elem: int, deep: bool) -> dict:
+    """64 tokens a tile (a 72 KB bf16 tile of 576-wide rows). Deep: five pipeline stages (two tiles in
+    flight, 168 KB: one program per SM), for batches the slices alone spread over the chip (measured at
+    batch 1: 2.9 vs 2.5 TB/s at 128k); else two stages (94 KB: two programs per SM). Slices of at
+    least one tile (64 tokens: at batch 1 and 1k-16k context, 1.3-2x faster than 256)."""
     block_n = 64 if block_c * elem <= 1024 else 32
-    return dict(block_n=block_n, num_stages=2, num_warps=4 if block_h <= 16 else 8, min_chunk=256, block_h=block_h,
-                prefetch=False)
+    stages = 5 if deep and block_h <= 16 and block_c * elem <= 1024 else 2
+    return dict(block_n=block_n, num_stages=stages, num_warps=4 if block_h <= 16 else 8, min_chunk=block_n,
+                block_h=block_h)
 
 
 def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -178,7 +186,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
 
     Never reads context_lens on the host, so a CUDA graph can replay it with new lengths. num_splits:
     slices per sequence (default from the batch and the SM count); tiles: override of `_tiles`
-    (block_n, num_stages, num_warps, min_chunk, block_h, prefetch), for benchmarks and tests."""
+    (block_n, num_stages, num_warps, min_chunk, block_h), for benchmarks and tests."""
     check(q_latent.dim() == 3 and q_pe.dim() == 3 and kv_cache.dim() == 3, "q_latent, q_pe, kv_cache must be 3-D")
     batch, num_heads, kv_lora = q_latent.shape
     rope = q_pe.shape[2]
@@ -191,10 +199,12 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
           "block_tables and context_lens must be int32")
     check(block_tables.shape[0] == batch and context_lens.shape == (batch,), "one block table and length per sequence")
     check(block_tables.stride(-1) == 1, "block_tables must be contiguous in its last dimension")
-    cfg = dict(_tiles(pow2(kv_lora), block_heads(num_heads), kv_cache.element_size()), **(tiles or {}))
-    block_h = cfg["block_h"]
+    sms = num_sms(q_latent.device)
+    block_h = (tiles or {}).get("block_h") or block_heads(num_heads)
+    deep = programs_per_sm(batch, num_heads, sms, block_h) == 1
+    cfg = dict(_tiles(pow2(kv_lora), block_h, kv_cache.element_size(), deep), **(tiles or {}))
     if num_splits is None:
-        num_splits = default_num_splits(batch, num_heads, num_sms(q_latent.device), block_h)
+        num_splits = default_num_splits(batch, num_heads, sms, block_h)
     check(num_splits >= 1, "num_splits must be >= 1")
     if out is None:
         out = torch.empty(batch, num_heads, kv_lora, dtype=q_latent.dtype, device=q_latent.device)
@@ -213,7 +223,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
                         num_heads, num_splits, softmax_scale * LOG2E,
                         KV_LORA=kv_lora, ROPE=rope, BLOCK_C=block_c, BLOCK_R=pow2(rope), BLOCK_H=block_h,
                         BLOCK_N=cfg["block_n"], PAGE=kv_cache.shape[1], MIN_CHUNK=cfg["min_chunk"], DIRECT=direct,
-                        ONE_PAGE=kv_cache.shape[1] % cfg["block_n"] == 0, PREFETCH=cfg["prefetch"],
+                        ONE_PAGE=kv_cache.shape[1] % cfg["block_n"] == 0,
                         UPCAST=interpreted(kv_cache), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if not direct:
         # columns per merge program from the slice count alone (no variant per batch size): ~2K partial
