@@ -297,12 +297,15 @@ class ModelRunner:
             # every slice count the decode attention may take
             attn = self.model.attention_layers()[0]
             cache, dev = attn.kv_cache, attn.kv_cache.device
-            q = torch.zeros(1, attn.num_heads, attn.kv_lora_rank, dtype=cache.dtype, device=dev)
-            q_pe = torch.zeros(1, attn.num_heads, attn.qk_rope_head_dim, dtype=cache.dtype, device=dev)
-            table = torch.full((1, 1), self.kv_pool.scratch_block, dtype=torch.int32, device=dev)
-            for splits in SPLIT_CHOICES:
-                mla_decode_attention(q, q_pe, cache, table, torch.ones(1, dtype=torch.int32, device=dev),
-                                     attn.softmax_scale, num_splits=splits)
+            # and both tile choices: one long sequence's (deeply pipelined) and a full batch's (nothing
+            # compiles under the interpreter)
+            for batch in (1, 64) if dev.type == "cuda" else (1,):
+                q = torch.zeros(batch, attn.num_heads, attn.kv_lora_rank, dtype=cache.dtype, device=dev)
+                q_pe = torch.zeros(batch, attn.num_heads, attn.qk_rope_head_dim, dtype=cache.dtype, device=dev)
+                table = torch.full((batch, 1), self.kv_pool.scratch_block, dtype=torch.int32, device=dev)
+                for splits in SPLIT_CHOICES:
+                    mla_decode_attention(q, q_pe, cache, table, torch.ones(batch, dtype=torch.int32, device=dev),
+                                         attn.softmax_scale, num_splits=splits)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warmed_up = True

@@ -1,13 +1,27 @@
-"""Weight-absorbed MLA decode over the paged latent cache (flash-decoding).
+"""Weight-absorbed MLA decode over the paged latent cache (flash-decoding, split along the sequence).
 
 All heads share one latent row per token: [c_kv (kv_lora) | k_pe (rope)], 576 values for V3. With
 q_nope already folded through W_UK, a head's score is q_latent . c_kv + q_pe . k_pe and its output is
-the softmax-weighted sum of c_kv rows (W_UV is applied afterwards). A program owns BLOCK_H heads of one
-sequence and one of NUM_SPLITS slices of its context, so the cache is read once per head block even
-for a single long sequence; a second kernel merges the slices by their log-sum-exp.
+the softmax-weighted sum of c_kv rows (W_UV is applied afterwards). So attention is MQA-like: a program
+owns BLOCK_H heads of one sequence (the M of its tensor-core products) and one slice of its context,
+and reads each cache tile once for all of them.
+
+The grid is (head blocks, slices, sequences), fixed per batch size so a CUDA graph replays it; the
+slice count is chosen on the host from the batch and the SM count alone (enough programs to fill the
+chip at batch 1), and each program sizes its slice from its sequence's length on the device: at least
+MIN_CHUNK tokens, so a short context runs in a few slices and the programs past its end exit at once.
+Each slice writes its normalized partial output and log-sum-exp; a second kernel merges the slices of
+each head. With one slice the first kernel writes the output itself (one launch).
+
+Two regimes (measured on an H200, benchmarks/mla_decode.py): with a few sequences, one program per
+SM, each streaming its tiles through a five-stage pipeline; from batch 5, two programs per SM (two
+stages each), which hide each other's latency. The tile's products take M = 16 heads, so a program
+is bound by its own latency more than by the bytes: more programs in flight is what pays.
 
 Bytes: context_len * 576 * elem per sequence and head block; FLOPs: 4 * heads * context_len * 544.
 """
+
+import functools
 
 import torch
 import triton
@@ -18,91 +32,161 @@ from engine.kernels._util import check, check_float, check_last_contiguous, inte
 LOG2E = 1.4426950408889634
 
 
-# the block table's width follows the step's longest sequence (1, a multiple of 16 or neither: three
-# compiled variants per slice count, one met only mid-serving); one variant for all
-@triton.jit(do_not_specialize=["stride_tb"])
-def _split_kernel(QL, QP, Cache, Tables, Lens, MidO, MidLse,
+@triton.jit
+def _load_tile(Cache, Tables, b, stride_tb, stride_cb, stride_ct, n0, end, offs_t, offs_c, offs_r, mask_c, mask_r,
+               KV_LORA: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr):
+    """Tokens [n0, n0 + BLOCK_N) of one sequence, those before `end`: (c_kv [BLOCK_N, BLOCK_C],
+    k_pe [BLOCK_N, BLOCK_R], valid [BLOCK_N]); each row is 576 contiguous values (16-byte loads)."""
+    offs_n = n0 + offs_t
+    mask_n = offs_n < end
+    if ONE_PAGE:  # the tile lies in one page: one table entry, rows at a fixed stride
+        page = tl.load(Tables + b * stride_tb + n0 // PAGE, mask=n0 < end, other=0)
+        row = page.to(tl.int64) * stride_cb + ((n0 % PAGE) + offs_t) * stride_ct
+    else:
+        page = tl.load(Tables + b * stride_tb + offs_n // PAGE, mask=mask_n, other=0)
+        row = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_ct
+    kv = tl.load(Cache + row[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
+    kp = tl.load(Cache + row[:, None] + KV_LORA + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+    return kv, kp, mask_n
+
+
+@triton.jit
+def _attend_tile(q, qp, kv, kp, mask_n, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
+    """Online softmax over one tile for every head of the program: -> (m_i, l_i, acc)."""
+    qk = mma(q.to(kv.dtype), tl.trans(kv), UPCAST) + mma(qp.to(kp.dtype), tl.trans(kp), UPCAST)  # [BLOCK_H, BLOCK_N]
+    qk = tl.where(mask_n[None, :], qk * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + mma(p.to(kv.dtype), kv, UPCAST)
+    return m_new, l_i, acc
+
+
+# neither the table's width (it follows the step's longest sequence) nor the slice count (it follows
+# the batch) makes a compiled variant of its own
+@triton.jit(do_not_specialize=["stride_tb", "num_splits"])
+def _split_kernel(QL, QP, Cache, Tables, Lens, MidO, MidLse, Out,
                   stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_cb, stride_ct, stride_tb,
-                  stride_mb, stride_mh, stride_ms, num_heads, scale_log2,
+                  stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2,
                   KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  UPCAST: tl.constexpr):
-    b, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                  DIRECT: tl.constexpr, ONE_PAGE: tl.constexpr, UPCAST: tl.constexpr):
+    # head blocks of one slice are neighbours in launch order: they run together and share its tiles in L2
+    hb, s, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(Lens + b)
-    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = s * split_len
-    end = tl.minimum(start + split_len, ctx)
+    # this slice: a whole number of tiles, at least MIN_CHUNK tokens
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    start = s * chunk
+    end = tl.minimum(start + chunk, ctx)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
+    # an empty slice reads nothing (masked loads move no bytes) and writes only its -inf log-sum-exp
+    read_h = offs_h < tl.where(start < end, num_heads, 0)
     offs_c = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, BLOCK_R)
+    offs_t = tl.arange(0, BLOCK_N)
     mask_c, mask_r = offs_c < KV_LORA, offs_r < ROPE
     q = tl.load(QL + b * stride_qlb + offs_h[:, None] * stride_qlh + offs_c[None, :],
-                mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+                mask=read_h[:, None] & mask_c[None, :], other=0.0)
     qp = tl.load(QP + b * stride_qpb + offs_h[:, None] * stride_qph + offs_r[None, :],
-                 mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+                 mask=read_h[:, None] & mask_r[None, :], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        page = tl.load(Tables + b * stride_tb + offs_n // PAGE, mask=mask_n, other=0)
-        row = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_ct
-        kv = tl.load(Cache + row[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
-        kp = tl.load(Cache + row[:, None] + KV_LORA + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
-                     other=0.0)
-        qk = mma(q.to(kv.dtype), tl.trans(kv), UPCAST) + mma(qp.to(kp.dtype), tl.trans(kp), UPCAST)  # [BLOCK_H, BLOCK_N]
-        qk = tl.where(mask_n[None, :], qk * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + mma(p.to(kv.dtype), kv, UPCAST)
-        m_i = m_new
+        kv, kp, mask_n = _load_tile(Cache, Tables, b, stride_tb, stride_cb, stride_ct, n0, end, offs_t, offs_c, offs_r,
+                                    mask_c, mask_r, KV_LORA, PAGE, ONE_PAGE)
+        m_i, l_i, acc = _attend_tile(q, qp, kv, kp, mask_n, m_i, l_i, acc, scale_log2, UPCAST)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))  # base 2
-    mid = MidO + b * stride_mb + offs_h[:, None] * stride_mh + s * stride_ms + offs_c[None, :]
-    tl.store(mid, out, mask=mask_h[:, None] & mask_c[None, :])
-    tl.store(MidLse + (b * num_heads + offs_h) * NUM_SPLITS + s, lse, mask=mask_h)
+    if DIRECT:  # the only slice: the output itself (zeros for an empty context)
+        tl.store(Out + b * stride_ob + offs_h[:, None] * stride_oh + offs_c[None, :],
+                 out.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_c[None, :])
+    else:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))  # base 2
+        mid = MidO + b * stride_mb + offs_h[:, None] * stride_mh + s * stride_ms + offs_c[None, :]
+        tl.store(mid, out, mask=has[:, None] & mask_h[:, None] & mask_c[None, :])
+        tl.store(MidLse + (b * num_heads + offs_h) * num_splits + s, lse, mask=mask_h)
 
 
-@triton.jit
-def _merge_kernel(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads,
-                  KV_LORA: tl.constexpr, BLOCK_C: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-    b, h = tl.program_id(0), tl.program_id(1)
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_kernel(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits,
+                  KV_LORA: tl.constexpr, BLOCK_CM: tl.constexpr, BLOCK_S: tl.constexpr):
+    # one program per (sequence, head, BLOCK_CM columns): at batch 1 the merge still spreads over the chip
+    b, h, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_c = tl.arange(0, BLOCK_C)
-    mask_s, mask_c = offs_s < NUM_SPLITS, offs_c < KV_LORA
-    lse = tl.load(MidLse + (b * num_heads + h) * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
+    offs_c = cb * BLOCK_CM + tl.arange(0, BLOCK_CM)
+    mask_c = offs_c < KV_LORA
+    lse = tl.load(MidLse + (b * num_heads + h) * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    live = lse > float("-inf")  # slices past the context wrote no partial output
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # [BLOCK_S], 0 for empty slices
+    w = tl.where(live, tl.exp2(lse - m), 0.0)  # [BLOCK_S]
     o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_c[None, :],
-                mask=mask_s[:, None] & mask_c[None, :], other=0.0)
+                mask=live[:, None] & mask_c[None, :], other=0.0)
     total = tl.sum(w, axis=0)
     res = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_c, res.to(Out.dtype.element_ty), mask=mask_c)
 
 
-SPLIT_CHOICES = (1, 2, 4, 8, 16, 32)  # powers of two: the slice count is a compile-time constant
+MAX_SPLITS = 128
+# every slice count default_num_splits gives (powers of two): each is one merge variant to warm up
+SPLIT_CHOICES = tuple(1 << i for i in range(MAX_SPLITS.bit_length()))
 
 
-def default_num_splits(batch: int, num_heads: int, num_sms: int = 132, block_h: int = 16) -> int:
-    """Enough (sequence, head block, slice) programs to fill the GPU twice over, at most 32 slices,
-    rounded up to a power of two so that serving meets six compiled variants, not one per batch size."""
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def block_heads(num_heads: int) -> int:
+    """Heads per program: the M of its products, at most 64 (one warpgroup's tile)."""
+    return min(64, pow2(num_heads))
+
+
+def programs_per_sm(batch: int, num_heads: int, sms: int = 132, block_h: int | None = None) -> int:
+    """Programs each SM runs at once, by the tile choice `_tiles` makes for this batch: one where few
+    sequences leave the slices alone to fill the chip (each program pipelines its tiles deeply), two
+    otherwise (two 94 KB programs per SM hide each other's latency: measured 1.4x at batch 8 and 64);
+    heads blocks of 64 take the whole SM."""
+    block_h = block_h or block_heads(num_heads)
+    if block_h > 16:
+        return 1
+    return 1 if batch * triton.cdiv(num_heads, block_h) * 32 <= sms else 2
+
+
+def default_num_splits(batch: int, num_heads: int, sms: int = 132, block_h: int | None = None) -> int:
+    """Slices per sequence so that (sequence, head block, slice) programs fill every SM's program slots
+    once, a power of two (each count is a compiled merge variant) at most MAX_SPLITS; from the batch
+    alone, since the context lives on the device. The programs size their slices from the context."""
+    block_h = block_h or block_heads(num_heads)
     programs = batch * triton.cdiv(num_heads, block_h)
-    return min(32, triton.next_power_of_2(max(1, triton.cdiv(2 * num_sms, programs))))
+    fill = max(1, programs_per_sm(batch, num_heads, sms, block_h) * sms // programs)
+    return min(MAX_SPLITS, 1 << (fill.bit_length() - 1))
+
+
+def _tiles(block_c: int, block_h: int, elem: int, deep: bool) -> dict:
+    """64 tokens a tile (a 72 KB bf16 tile of 576-wide rows). Deep: five pipeline stages (two tiles in
+    flight, 168 KB: one program per SM), for batches the slices alone spread over the chip (measured at
+    batch 1: 2.9 vs 2.5 TB/s at 128k); else two stages (94 KB: two programs per SM). Slices of at
+    least one tile (64 tokens: at batch 1 and 1k-16k context, 1.3-2x faster than 256)."""
+    block_n = 64 if block_c * elem <= 1024 else 32
+    stages = 5 if deep and block_h <= 16 and block_c * elem <= 1024 else 2
+    return dict(block_n=block_n, num_stages=stages, num_warps=4 if block_h <= 16 else 8, min_chunk=block_n,
+                block_h=block_h)
 
 
 def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
-                         num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                         num_splits: int | None = None, out: torch.Tensor | None = None,
+                         tiles: dict | None = None) -> torch.Tensor:
     """q_latent: [B, H, kv_lora], q_pe: [B, H, rope], kv_cache: [num_blocks, page, kv_lora + rope],
     block_tables: [B, max_blocks] int32, context_lens: [B] int32 -> latent output [B, H, kv_lora].
 
-    Never reads context_lens on the host, so a CUDA graph can replay it with new lengths."""
+    Never reads context_lens on the host, so a CUDA graph can replay it with new lengths. num_splits:
+    slices per sequence (default from the batch and the SM count); tiles: override of `_tiles`
+    (block_n, num_stages, num_warps, min_chunk, block_h), for benchmarks and tests."""
     check(q_latent.dim() == 3 and q_pe.dim() == 3 and kv_cache.dim() == 3, "q_latent, q_pe, kv_cache must be 3-D")
     batch, num_heads, kv_lora = q_latent.shape
     rope = q_pe.shape[2]
@@ -115,37 +199,49 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
           "block_tables and context_lens must be int32")
     check(block_tables.shape[0] == batch and context_lens.shape == (batch,), "one block table and length per sequence")
     check(block_tables.stride(-1) == 1, "block_tables must be contiguous in its last dimension")
+    sms = num_sms(q_latent.device)
+    block_h = (tiles or {}).get("block_h") or block_heads(num_heads)
+    deep = programs_per_sm(batch, num_heads, sms, block_h) == 1
+    cfg = dict(_tiles(pow2(kv_lora), block_h, kv_cache.element_size(), deep), **(tiles or {}))
     if num_splits is None:
-        num_splits = default_num_splits(batch, num_heads)
+        num_splits = default_num_splits(batch, num_heads, sms, block_h)
     check(num_splits >= 1, "num_splits must be >= 1")
-    block_h = min(16, pow2(num_heads))
-    mid_o = torch.empty(batch, num_heads, num_splits, kv_lora, dtype=torch.float32, device=q_latent.device)
-    mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q_latent.device)
     if out is None:
         out = torch.empty(batch, num_heads, kv_lora, dtype=q_latent.dtype, device=q_latent.device)
     if batch == 0:
         return out
     block_c = pow2(kv_lora)
-    grid = (batch, triton.cdiv(num_heads, block_h), num_splits)
-    _split_kernel[grid](q_latent, q_pe, kv_cache, block_tables, context_lens, mid_o, mid_lse,
+    direct = num_splits == 1
+    shape = (0,) * 4 if direct else (batch, num_heads, num_splits, kv_lora)
+    mid_o = torch.empty(shape, dtype=torch.float32, device=q_latent.device)
+    mid_lse = torch.empty(shape[:3], dtype=torch.float32, device=q_latent.device)
+    grid = (triton.cdiv(num_heads, block_h), num_splits, batch)
+    _split_kernel[grid](q_latent, q_pe, kv_cache, block_tables, context_lens, mid_o, mid_lse, out,
                         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
                         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
-                        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), num_heads, softmax_scale * LOG2E,
+                        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), out.stride(0), out.stride(1),
+                        num_heads, num_splits, softmax_scale * LOG2E,
                         KV_LORA=kv_lora, ROPE=rope, BLOCK_C=block_c, BLOCK_R=pow2(rope), BLOCK_H=block_h,
-                        BLOCK_N=32 if block_c <= 512 else 16, PAGE=kv_cache.shape[1], NUM_SPLITS=num_splits,
-                        UPCAST=interpreted(kv_cache), num_warps=4, num_stages=2)
-    _merge_kernel[(batch, num_heads)](mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-                                      out.stride(0), out.stride(1), num_heads, KV_LORA=kv_lora, BLOCK_C=block_c,
-                                      NUM_SPLITS=num_splits, BLOCK_S=pow2(num_splits, 2))
+                        BLOCK_N=cfg["block_n"], PAGE=kv_cache.shape[1], MIN_CHUNK=cfg["min_chunk"], DIRECT=direct,
+                        ONE_PAGE=kv_cache.shape[1] % cfg["block_n"] == 0,
+                        UPCAST=interpreted(kv_cache), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if not direct:
+        # columns per merge program from the slice count alone (no variant per batch size): ~2K partial
+        # values each, so batch 1's 16 heads still make hundreds of programs
+        block_s = pow2(num_splits, 2)
+        block_cm = max(16, min(block_c, 2048 // block_s))
+        _merge_kernel[(batch, num_heads, triton.cdiv(kv_lora, block_cm))](
+            mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), out.stride(0), out.stride(1),
+            num_heads, num_splits, KV_LORA=kv_lora, BLOCK_CM=block_cm, BLOCK_S=block_s)
     return out
 
 
 def reference_mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, context_lens, softmax_scale):
-    """Plain PyTorch, float32, one sequence at a time."""
+    """Plain PyTorch, float32, one sequence at a time (an empty context gives zeros)."""
     page, kv_lora = kv_cache.shape[1], q_latent.shape[2]
     outs = []
     for b, n in enumerate(context_lens.tolist()):
         rows = kv_cache[block_tables[b, : -(-n // page)].long()].flatten(0, 1)[:n].float()  # [n, kv_lora + rope]
         scores = (q_latent[b].float() @ rows[:, :kv_lora].T + q_pe[b].float() @ rows[:, kv_lora:].T) * softmax_scale
-        outs.append(scores.softmax(-1) @ rows[:, :kv_lora])
+        outs.append(scores.softmax(-1) @ rows[:, :kv_lora] if n else torch.zeros_like(q_latent[b], dtype=torch.float32))
     return torch.stack(outs).to(q_latent.dtype)

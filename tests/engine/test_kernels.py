@@ -111,10 +111,44 @@ def test_mla_decode_small(num_splits, dtype):
     assert rel_err(out, ref) < (F32_TOL if dtype == torch.float32 else 2e-2)
 
 
+# slices of 16-token tiles, at least min_chunk tokens each: contexts off every multiple, a sequence
+# spanning many slices, one shorter than a slice, one empty; pages smaller than a tile and pages of
+# whole tiles (one table entry a tile)
+@pytest.mark.parametrize("num_splits,min_chunk,page", [(2, 16, 4), (5, 16, 16), (8, 32, 4), (16, 16, 32)])
+def test_mla_decode_split_slices(num_splits, min_chunk, page):
+    args = _decode_case([0, 7, 50, 141], heads=3, kv_lora=32, rope=8, page=page, dtype=torch.float32, seed=num_splits)
+    out = torch.full_like(args[0], float("nan"))
+    mla_decode_attention(*args, 0.4, num_splits=num_splits, out=out,
+                         tiles=dict(block_n=16, min_chunk=min_chunk))
+    assert rel_err(out, reference_mla_decode_attention(*args, 0.4)) < F32_TOL
+
+
+def test_mla_decode_head_blocks_share_each_slice():
+    # 20 heads in two blocks of 16, three slices of a context that crosses 16-token pages
+    args = _decode_case([45, 90], heads=20, kv_lora=32, rope=16, page=16, dtype=torch.float32, seed=11)
+    out = mla_decode_attention(*args, 0.25, num_splits=3, tiles=dict(block_n=16, min_chunk=16, block_h=16))
+    assert rel_err(out, reference_mla_decode_attention(*args, 0.25)) < F32_TOL
+
+
 def test_mla_decode_more_slices_than_tokens():
     args = _decode_case([2, 5], heads=4, kv_lora=32, rope=8, page=2, dtype=torch.float32, seed=4)
-    out = mla_decode_attention(*args, 0.5, num_splits=8)  # most slices are empty
+    out = mla_decode_attention(*args, 0.5, num_splits=8, tiles=dict(block_n=16, min_chunk=16))  # most slices empty
     assert rel_err(out, reference_mla_decode_attention(*args, 0.5)) < F32_TOL
+
+
+def test_mla_decode_slice_count_fills_the_chip_at_batch_one():
+    from engine.kernels.mla_decode import MAX_SPLITS, SPLIT_CHOICES, default_num_splits
+
+    assert default_num_splits(1, 16, 132) == 128 and default_num_splits(1, 128, 132) == 64  # two head blocks
+    # from batch 5 two programs share an SM (measured faster there), so twice the slices
+    assert default_num_splits(4, 16, 132) == 32 and default_num_splits(8, 16, 132) == 32
+    assert default_num_splits(64, 16, 132) == 4
+    assert default_num_splits(256, 16, 132) == 1  # the batch alone fills the chip: one launch, no merge
+    for b in range(1, 300):
+        for h in (16, 128):
+            n = default_num_splits(b, h, 132)
+            programs = b * (-(-h // 64) if h > 16 else 1)
+            assert n in SPLIT_CHOICES and n <= MAX_SPLITS and n * programs <= max(2 * 132, programs)
 
 
 @gpu

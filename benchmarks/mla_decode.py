@@ -1,0 +1,178 @@
+"""MLA decode attention alone (`engine.kernels.mla_decode`): effective bandwidth over the latent cache.
+
+    python benchmarks/mla_decode.py [--heads 16] [--batches 1,8,64] [--contexts 1024,...,131072]
+                                    [--sweep] [--check] [--out results.json]
+
+For each (batch, context): B sequences of `context` tokens in a paged bf16 cache (64-token pages,
+shuffled), all heads of one layer (16: DeepSeek-V2-Lite, 128: V3), timed as a CUDA graph of calls
+replayed, each call on another copy of the cache (at least 512 MB in all, so the latents come from
+memory, not from the 60 MB L2, as in a model where every layer has its own cache). Effective bandwidth
+= cache bytes (B x context x 576 x 2) / time per call, split and merge launches included.
+
+--sweep also times tile choices (tile rows, pipeline depth, warps, least slice) and slice counts
+around the default; --check compares every variant with the float32 reference first.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.kernels.mla_decode import (  # noqa: E402
+    default_num_splits, mla_decode_attention, num_sms, reference_mla_decode_attention,
+)
+
+KV_LORA, ROPE, PAGE = 512, 64, 64
+TILE_SWEEP = {
+    "default": {},
+    "n64 s2": dict(block_n=64, num_stages=2),
+    "n64 s5": dict(block_n=64, num_stages=5),
+    "n64 s2 w8": dict(block_n=64, num_stages=2, num_warps=8),
+    "n64 s5 w8": dict(block_n=64, num_stages=5, num_warps=8),
+    "n32 s3": dict(block_n=32, num_stages=3, min_chunk=32),
+    "min chunk 256": dict(min_chunk=256),
+}
+HEAD_BLOCK_SWEEP = {"default": {}, "h32": dict(block_h=32), "h16": dict(block_h=16)}
+SPLIT_SWEEP = ("default", "n64 s2 w8", "n32 s3")  # the variants also timed at other slice counts
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def make_case(batch: int, context: int, heads: int, copies: int, lens: list[int] | None = None):
+    g = torch.Generator(device="cuda").manual_seed(batch * 7 + context)
+    lens = lens or [context] * batch
+    per_seq = -(-max(lens) // PAGE)
+    blocks = batch * per_seq
+    caches = [torch.randn(blocks, PAGE, KV_LORA + ROPE, generator=g, device="cuda").to(torch.bfloat16)
+              for _ in range(copies)]
+    tables = torch.randperm(blocks, generator=g, device="cuda").view(batch, per_seq).int()
+    q = torch.randn(batch, heads, KV_LORA, generator=g, device="cuda").to(torch.bfloat16)
+    q_pe = torch.randn(batch, heads, ROPE, generator=g, device="cuda").to(torch.bfloat16)
+    return q, q_pe, caches, tables, torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+def time_calls(calls, repeats: int = 5) -> float:
+    """Seconds per call: the calls captured in one graph, replayed; median of `repeats` replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls[:2]:
+            c()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+def measure(batch: int, context: int, heads: int, variants: dict, split_sweep: list[int], baseline=None) -> list[dict]:
+    n_bytes = batch * context * (KV_LORA + ROPE) * 2
+    copies = max(1, min(128, -(-(512 << 20) // n_bytes)))
+    q, q_pe, caches, tables, lens = make_case(batch, context, heads, copies)
+    rows = []
+    runs = [(name, tiles, s) for name, tiles in variants.items()
+            for s in [None] + (split_sweep if name in SPLIT_SWEEP else [])]
+    if baseline is not None:
+        runs.insert(0, ("before", None, None))
+    for name, tiles, s in runs:
+        if name == "before":
+            run = lambda c: baseline(q, q_pe, c, tables, lens, 0.1)
+        else:
+            run = lambda c, s=s, tiles=tiles: mla_decode_attention(q, q_pe, c, tables, lens, 0.1, num_splits=s,
+                                                                   tiles=tiles)
+        try:
+            sec = time_calls([lambda c=c: run(c) for c in caches])
+        except Exception as e:  # a variant over the chip's shared memory, say: reported, not fatal
+            rows.append(dict(batch=batch, context=context, heads=heads, variant=name, splits=s, error=str(e)[:200]))
+            continue
+        used = s or (None if tiles is None else
+                     default_num_splits(batch, heads, num_sms(q.device), tiles.get("block_h")))
+        rows.append(dict(batch=batch, context=context, heads=heads, variant=name, splits=used, us=sec * 1e6,
+                         tb_s=n_bytes / sec / 1e12))
+    del caches
+    torch.cuda.empty_cache()
+    return rows
+
+
+def check(variants: dict, heads: int) -> list[str]:
+    """Every variant against the float32 reference on mixed lengths (bf16: rel. error < 1e-2)."""
+    failures = []
+    for lens in ([1, 700, 4096, 63, 20000], [3000, 17]):
+        q, q_pe, caches, tables, lens_t = make_case(len(lens), max(lens), heads, 1, lens)
+        ref = reference_mla_decode_attention(q, q_pe, caches[0], tables, lens_t, 192**-0.5).double()
+        for name, tiles in variants.items():
+            for s in (None, 1, 3, 128):
+                try:
+                    out = mla_decode_attention(q, q_pe, caches[0], tables, lens_t, 192**-0.5, num_splits=s, tiles=tiles)
+                except Exception as e:  # noqa: BLE001 -- reported with the variant
+                    failures.append(f"{name} splits={s}: {str(e)[:200]}")
+                    continue
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                if not err < 1e-2:
+                    failures.append(f"{name} splits={s} heads={heads} lens={lens}: rel err {err:.3g}")
+    return failures
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--heads", type=_ints, default=[16])
+    p.add_argument("--batches", type=_ints, default=[1, 8, 64])
+    p.add_argument("--contexts", type=_ints, default=[1024, 4096, 16384, 32768, 65536, 131072])
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--baseline", type=Path, help="a module file whose mla_decode_attention is timed beside (before)")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    baseline = None
+    if args.baseline:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("mla_decode_before", args.baseline)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        baseline = module.mla_decode_attention
+    result = dict(gpu=torch.cuda.get_device_name(), sms=num_sms(torch.device("cuda")), rows=[], failures=[])
+    for heads in args.heads:
+        variants = (TILE_SWEEP if heads <= 16 else HEAD_BLOCK_SWEEP) if args.sweep else {"default": {}}
+        if args.check:
+            result["failures"] += check(variants, heads)
+            print(f"check, {heads} heads: {len(result['failures'])} failures so far", flush=True)
+        for batch in args.batches:
+            for ctx in args.contexts:
+                if batch * ctx > 64 * 131072:
+                    continue
+                default = default_num_splits(batch, heads, result["sms"])
+                splits = [x for x in (default // 2, default * 2, default * 4) if 1 <= x <= 256] if args.sweep else []
+                for row in measure(batch, ctx, heads, variants, splits, baseline):
+                    result["rows"].append(row)
+                    print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    print(f"\n{result['gpu']}, {result['sms']} SMs: MLA decode, TB/s effective (cache bytes / time per call)")
+    for row in result["rows"]:
+        if row["variant"] in ("default", "before") and "tb_s" in row:
+            print(f"  H={row['heads']:<3} B={row['batch']:<3} ctx={row['context']:<7} {row['variant']:8s} "
+                  f"splits={row['splits']!s:<4} {row['us']:9.1f} us {row['tb_s']:6.2f} TB/s")
+    for f in result["failures"]:
+        print("FAIL", f)
+    return 1 if result["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
