@@ -333,11 +333,14 @@ class ModelRunner:
         return input_ids, positions, meta
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepResult:
+    def run(self, plan: StepPlan, inputs: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> StepResult:
         """inputs: the step's token ids on the device (drawn by a step the host has not read yet), where
-        the plan carries none."""
+        the plan carries none; offsets: [T] on the device, added to the plan's positions where it is
+        `shifted` (launched before a speculative step's accepted counts were read)."""
         if plan.use_graph:
-            return self._replay(plan, inputs)
+            return self._replay(plan, inputs, offsets)
+        if offsets is not None:
+            plan = resolve_offsets(plan, offsets)
         return self._run_eager(plan, inputs)
 
     def _run_eager(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepResult:
@@ -351,10 +354,10 @@ class ModelRunner:
             return StepResult(logits, all_logits)
         return StepResult(self.model.compute_logits(hidden[plan.sample_indices]) if plan.sample_indices else None)
 
-    def _replay(self, plan: StepPlan, inputs: torch.Tensor | None) -> StepResult:
+    def _replay(self, plan: StepPlan, inputs: torch.Tensor | None, offsets: torch.Tensor | None = None) -> StepResult:
         """A step of at most `graphs.max_batch` tokens through a decode graph: a prefill chunk's tokens
         are rows of their own (the eager step they replace costs ~75 PyTorch operations a layer)."""
-        self.graphs.load(plan, inputs)
+        self.graphs.load(plan, inputs, offsets)
         hidden, logits, _ = self.graphs.replay(plan.num_tokens)
         if self.num_speculative_tokens:  # the graph's rows: one-token decodes at their positions
             n = plan.num_tokens
@@ -405,6 +408,17 @@ class ModelRunner:
             step_meta, pos = decode_rows_metadata(pos + 1, tables, self.block_size)
             h = self.model.draft(drafts[-1], pos, h, step_meta)
         return torch.stack(drafts, dim=1)
+
+
+def resolve_offsets(plan: StepPlan, offsets: torch.Tensor) -> StepPlan:
+    """A shifted plan with its offsets read (each row's first token's: a row's tokens share theirs) -> the
+    plan at its real positions. The eager path's attention takes its lengths from the host: on a CPU
+    reading them costs nothing, on a GPU it waits for the step in flight (the graph path adds the
+    offsets on the device instead)."""
+    host = offsets.tolist()
+    firsts = itertools.accumulate([0, *plan.query_lens[:-1]])
+    return dataclasses.replace(plan, num_computed=[c + host[f] for c, f in zip(plan.num_computed, firsts)],
+                               shifted=False)
 
 
 def decode_rows_metadata(positions: torch.Tensor, tables: torch.Tensor, block_size: int
@@ -554,10 +568,11 @@ class DecodeGraphs:
     def padded(self, batch: int) -> int:
         return next(s for s in self.SIZES if s >= batch)
 
-    def load(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> None:
+    def load(self, plan: StepPlan, inputs: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> None:
         """Copy a plan's rows into the static buffers (a prefill chunk's tokens as rows of their own, at
         consecutive positions of its sequence's table); rows past it decode into the scratch block.
-        inputs: the step's token ids already on the device (else the plan's own)."""
+        inputs: the step's token ids already on the device (else the plan's own); offsets: [T] added to
+        the positions on the device (a shifted plan: the graph derives slots and lengths from them)."""
         n = plan.num_tokens
         padded = self.padded(n)
         dev = self.input_ids.device
@@ -567,6 +582,8 @@ class DecodeGraphs:
         slots += [tables.scratch_slot] * (padded - n)
         self.input_ids[:n].copy_(to_device(plan.input_ids, torch.long, dev) if inputs is None else inputs)
         self.positions[:n].copy_(to_device(plan.positions(), torch.long, dev))
+        if offsets is not None:
+            self.positions[:n].add_(offsets)
         self.block_tables[:padded].copy_(tables.rows(slots))
         if n < padded:  # padding rows decode token 0 at position 0 into the scratch block
             self.input_ids[n:padded].zero_()

@@ -28,6 +28,9 @@ class StepPlan:
     replicate_blocks: list[int] = field(default_factory=list)  # rank 0's blocks to copy to every rank first
     collect_logits: bool = False  # every token's logits too (scoring a prompt)
     use_graph: bool = False  # set by rank 0's worker: replay a CUDA graph
+    # launched ahead of a speculative step: each token's position is num_computed's plus an offset known
+    # only on the device (`offsets` [T] next to the plan: the drafts that step accepts for its sequence)
+    shifted: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -77,7 +80,7 @@ class PlanBuilder:
         """Blocks written on rank 0 only (pulled from a peer): the next plan copies them to every rank."""
         self._replicate += block_ids
 
-    def build(self, batch: ScheduledBatch, inputs_on_device: bool = False) -> StepPlan:
+    def build(self, batch: ScheduledBatch, inputs_on_device: bool = False, shifted: bool = False) -> StepPlan:
         items = batch.items
         self._release_idle()
         slots, deltas, computed, lens, ids, sample = [], [], [], [], [], []
@@ -92,17 +95,18 @@ class PlanBuilder:
             slots.append(slot)
             computed.append(start)
             lens.append(n)
-            drafts = seq.draft_token_ids if id(seq) in verifying else []
+            verifies = id(seq) in verifying
             if not inputs_on_device:
-                ids += seq.token_ids(start, start + n - len(drafts)) + drafts
+                ids += seq.token_ids(start, start + 1) + seq.draft_token_ids if verifies else seq.token_ids(start, start + n)
             end += n
-            if drafts:  # a verification: every position samples (its last token's, then each draft's)
+            if verifies:  # a verification: every position samples (its last token's, then each draft's)
                 sample += range(end - n, end)
             elif start + n == seq.num_drawn_tokens:  # the chunk reaches the end: it samples
                 sample.append(end - 1)
         replicate, self._replicate = self._replicate, []
         return StepPlan(slots, computed, lens, batch.num_chunks, None if inputs_on_device else ids, sample,
-                        deltas, replicate, collect_logits=any(seq.collect_logits for seq, _ in items))
+                        deltas, replicate, collect_logits=any(seq.collect_logits for seq, _ in items),
+                        shifted=shifted)
 
     def _slot(self, seq: Sequence) -> tuple[int, int]:
         """-> (its slot, table entries already sent: 0 for a new slot or a new table, which resets it)."""
