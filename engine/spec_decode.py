@@ -43,6 +43,14 @@ def accepted_counts(tokens: torch.Tensor, first: list[int], num_drafts: list[int
     dev = tokens.device
     if not width:
         return torch.zeros(len(first), dtype=torch.long, device=dev)
+    rows = width + 1
+    if (tokens.shape[0] == len(first) * rows and all(n == width for n in num_drafts)
+            and first == list(range(0, tokens.shape[0], rows))
+            and (drafts is not None or (inputs.shape[0] == tokens.shape[0] and input_first == first))):
+        # every row is a verification of `width` drafts, back to back (one stream, or all alike): views
+        want = (to_device([d[:width] for d in drafts], torch.long, dev) if drafts is not None
+                else inputs.view(-1, rows)[:, 1:])
+        return (tokens.view(-1, rows)[:, :width] == want).long().cumprod(dim=1).sum(dim=1)
     last = tokens.shape[0] - 1
     draws = [[min(f + j, last) for j in range(width)] for f in first]
     if drafts is not None:
@@ -118,13 +126,16 @@ class Speculator:
         id(seq) -> the drafts the step before verifies, every one of which may be accepted (its rows
         may lie that much further on)."""
         # the token after each row: known on the host (prompt, earlier output), or drawn at the row itself
-        next_ids: list[int] = []
-        for (seq, n), start in zip(items, plan.num_computed):
-            known = seq.token_ids(start + 1, min(start + n + 1, seq.num_tokens)) if start + 1 < seq.num_tokens else []
-            next_ids += known + [0] * (n - len(known))
-        next_dev = to_device(next_ids, torch.long, device)
-        if tokens is not None:
-            next_dev.index_copy_(0, to_device(plan.sample_indices, torch.long, device), tokens)
+        if tokens is not None and len(plan.sample_indices) == plan.num_tokens:
+            next_dev = tokens  # every row sampled (decodes and verifications): its draw comes after it
+        else:
+            next_ids: list[int] = []
+            for (seq, n), start in zip(items, plan.num_computed):
+                known = seq.token_ids(start + 1, min(start + n + 1, seq.num_tokens)) if start + 1 < seq.num_tokens else []
+                next_ids += known + [0] * (n - len(known))
+            next_dev = to_device(next_ids, torch.long, device)
+            if tokens is not None:
+                next_dev.index_copy_(0, to_device(plan.sample_indices, torch.long, device), tokens)
         drafting_now = self.drafts_at(num_running)
         seqs, first, verified, drafting, rows, slots = [], [], [], [], [], []
         slot_of = {id(seq): slot for (seq, _), slot in zip(items, plan.slots)}
