@@ -7,6 +7,8 @@ asynchronously, in queue order; torch's caching host allocator keeps a pinned bu
 queued on it are done, so fresh ones can be taken every step.
 """
 
+import functools
+
 import torch
 
 
@@ -15,6 +17,15 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=512)
+def index_to_device(values: tuple, device: torch.device) -> torch.Tensor:
+    """An int64 index (a tuple, nested for several rows) on `device`, kept there by value: a batch's
+    slots and rows, and the gathers of a step launched ahead, repeat step after step while its requests
+    run, so each is copied over once (a copy is a pinned buffer and a transfer: host time every step).
+    Shared: read it, never write into it."""
+    return to_device(values, torch.long, device)
 
 
 class ToHost:

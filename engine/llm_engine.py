@@ -20,7 +20,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, model_fingerprint, required_block_size, resolve_model_path
-from engine.copies import to_device
+from engine.copies import index_to_device, to_device
 from engine.executor import create_executor
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
@@ -394,7 +394,7 @@ class LLMEngine:
             source += [num_drawn + drafted.get(id(seq), 0) * k + j for j in range(n - 1)]
             count += [c] * n
             moves += [1] + [0] * (n - 1)
-        index = to_device([source, count, moves], torch.long, tokens.device)
+        index = index_to_device((tuple(source), tuple(count), tuple(moves)), tokens.device)
         pool = tokens if spec.drafts is None else torch.cat([tokens, spec.drafts.flatten()])
         offsets = torch.cat([spec.counts.new_zeros(1), spec.counts]).index_select(0, index[1])
         inputs = pool.index_select(0, index[0] + offsets * index[2])

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.copies import to_device
+from engine.copies import index_to_device, to_device
 from engine.kv_pool import KVPool, block_bytes
 from engine.layers.attention import AttentionMetadata
 from engine.layers.fp8 import quantize_fp8_block
@@ -118,7 +118,7 @@ class BlockTables:
 
     def rows(self, slots: list[int]) -> torch.Tensor:
         """[len(slots), max_blocks] int32: the tables of these slots."""
-        return self.table.index_select(0, to_device(slots, torch.long, self.table.device))
+        return self.table.index_select(0, index_to_device(tuple(slots), self.table.device))
 
 
 class ModelRunner:
@@ -175,8 +175,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.draft_graphs: DraftGraphs | None = None
         self.warmed_up = False
-        # the last step's rows for the MTP draft after it: (plan, positions [T], block tables [T, width],
-        # its metadata (None after a replayed step: built if the draft runs eagerly), hidden [T, hidden])
+        # the last step's rows for the MTP draft after it: (plan, positions [T], block tables [T, width], its
+        # metadata, hidden [T, hidden]); after a replayed step only plan and hidden (the rest is in the
+        # decode graph's buffers)
         self.last_step: tuple | None = None
 
     # -- the KV pool ---------------------------------------------------------------------------------
@@ -359,10 +360,8 @@ class ModelRunner:
         are rows of their own (the eager step they replace costs ~75 PyTorch operations a layer)."""
         self.graphs.load(plan, inputs, offsets)
         hidden, logits, _ = self.graphs.replay(plan.num_tokens)
-        if self.num_speculative_tokens:  # the graph's rows: one-token decodes at their positions
-            n = plan.num_tokens
-            # (the graph steps its positions on after the step: the rows' own are one less)
-            self.last_step = (plan, self.graphs.positions[:n] - 1, self.graphs.block_tables[:n], None, hidden)
+        if self.num_speculative_tokens:  # the graph's rows, in its buffers: the draft reads them there
+            self.last_step = (plan, None, None, None, hidden)
         rows = plan.sample_indices
         if not rows:
             return StepResult(None)
@@ -381,12 +380,15 @@ class ModelRunner:
         self.last_step = None
         rows = draft_tables = None
         if draft.num_drafts and draft.rows:
-            packed = to_device(draft.rows + draft.slots, torch.long, positions.device)  # one copy for both
+            packed = index_to_device((*draft.rows, *draft.slots), self.device)  # one copy for both
             rows, draft_tables = packed[: len(draft.rows)], self.tables.table.index_select(0, packed[len(draft.rows) :])
         graphs = self.draft_graphs
         if plan.use_graph and graphs is not None and rows is not None and graphs.has(plan.num_tokens, len(rows)):
-            return graphs.replay(next_ids, positions, tables, hidden, rows, accepted, draft_tables)
-        if meta is None:  # a replayed step's rows, drafted eagerly
+            return graphs.replay(next_ids, rows, accepted, draft_tables)
+        if meta is None:  # a replayed step's rows, drafted eagerly: one-token decodes at their positions
+            n = plan.num_tokens
+            # (the graph steps its positions on after the step: the rows' own are one less)
+            positions, tables = self.graphs.positions[:n] - 1, self.graphs.block_tables[:n]
             meta, _ = decode_rows_metadata(positions, tables, self.block_size)
         if rows is not None and accepted is not None:
             rows = rows + accepted
@@ -447,8 +449,10 @@ def decode_rows_metadata(positions: torch.Tensor, tables: torch.Tensor, block_si
 class DraftGraphs:
     """The MTP draft after a verification step replayed from a decode graph, as CUDA graphs too: one per
     (rows of the step, drafting sequences), both padded, captured at start for the steps where every
-    running request verifies k drafts (k + 1 rows each). Other shapes (a prefill's first draft, mixed
-    steps) run eagerly. Padding rows attend in the scratch block, as the decode graphs' do."""
+    running request verifies k drafts (k + 1 rows each). Each reads the step's rows where the decode
+    graph of its row count left them (positions, block tables, hidden states: nothing copied), so it is
+    replayed right after that graph. Other shapes (a prefill's first draft, mixed steps) run eagerly.
+    Padding rows attend in the scratch block, as the decode graphs' do."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
@@ -456,11 +460,7 @@ class DraftGraphs:
         decode = runner.graphs
         self.max_rows = decode.max_batch
         dev, n, width = runner.device, decode.max_batch, decode.width
-        hidden_size = runner.model_config.hidden_size
         self.next_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.tables = torch.full((n, width), decode.scratch_block, dtype=torch.int32, device=dev)
-        self.hidden = torch.zeros(n, hidden_size, dtype=runner.dtype, device=dev)
         self.rows = torch.zeros(n, dtype=torch.long, device=dev)
         self.accepted = torch.zeros(n, dtype=torch.long, device=dev)
         self.draft_tables = torch.full((n, width), decode.scratch_block, dtype=torch.int32, device=dev)
@@ -477,16 +477,23 @@ class DraftGraphs:
 
     def _draft(self, key: tuple[int, int]) -> torch.Tensor:
         rows, drafting = key
-        bs = self.runner.block_size
-        meta, pos = decode_rows_metadata(self.positions[:rows], self.tables[:rows], bs)
-        return self.runner._draft(self.next_ids[:rows], pos, meta, self.hidden[:rows],
+        decode = self.runner.graphs
+        # the decode graph steps its positions on after the step: the rows' own are one less
+        meta, pos = decode_rows_metadata(decode.positions[:rows] - 1, decode.block_tables[:rows], self.runner.block_size)
+        return self.runner._draft(self.next_ids[:rows], pos, meta, decode.outputs[rows][0],
                                   self.rows[:drafting] + self.accepted[:drafting], self.draft_tables[:drafting], self.k)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Steps where every one of S requests verifies k drafts: (S * (k + 1) rows, S drafting)."""
+        decode = self.runner.graphs
         keys = {self.key(s * (self.k + 1), s) for s in DecodeGraphs.SIZES if s * (self.k + 1) <= self.max_rows}
         for key in sorted(keys, reverse=True):  # largest first: the smaller ones reuse its pool
+            if key[0] not in decode.graphs:
+                decode._capture(key[0])  # its buffers are the draft's inputs
+            # rows one past position 0 (of the scratch block) as a replayed step leaves them; the next
+            # step's load rewrites them
+            decode.positions[: key[0]].clamp_(min=1)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # compile and let cuBLAS choose outside the capture
@@ -500,32 +507,26 @@ class DraftGraphs:
         logger.info("captured %d CUDA graphs for MTP drafts of %d tokens", len(self.graphs), self.k)
 
     @torch.inference_mode()
-    def replay(self, next_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, hidden: torch.Tensor,
-               rows: torch.Tensor, accepted: torch.Tensor | None, draft_tables: torch.Tensor) -> torch.Tensor:
-        """The step's rows (next tokens, positions, block tables, hidden states) and the drafting rows
+    def replay(self, next_ids: torch.Tensor, rows: torch.Tensor, accepted: torch.Tensor | None,
+               draft_tables: torch.Tensor) -> torch.Tensor:
+        """After the decode graph of the step's rows: the token after each row, and the drafting rows
         (their first sampled row, drafts accepted there, block tables) into the buffers, one replay ->
         drafts [S, k]."""
         n, s = next_ids.shape[0], rows.shape[0]
         key = self.key(n, s)
-        scratch = self.runner.graphs.scratch_block
         self.next_ids[:n].copy_(next_ids)
-        self.positions[:n].copy_(positions)
-        self.tables[:n].copy_(tables)
-        self.hidden[:n].copy_(hidden)
         self.rows[:s].copy_(rows)
         if accepted is None:
             self.accepted[:s].zero_()
         else:
             self.accepted[:s].copy_(accepted)
         self.draft_tables[:s].copy_(draft_tables)
-        if n < key[0]:  # padding rows: token 0 at position 0 of the scratch block
+        if n < key[0]:  # padding rows: token 0 (the decode graph put them at position 0 of the scratch block)
             self.next_ids[n : key[0]].zero_()
-            self.positions[n : key[0]].zero_()
-            self.tables[n : key[0]].fill_(scratch)
         if s < key[1]:
             self.rows[s : key[1]].zero_()
             self.accepted[s : key[1]].zero_()
-            self.draft_tables[s : key[1]].fill_(scratch)
+            self.draft_tables[s : key[1]].fill_(self.runner.graphs.scratch_block)
         self.graphs[key].replay()
         return self.outputs[key][:s].clone()
 

@@ -13,7 +13,7 @@ by inverse transform (the same distribution, another random stream).
 
 import torch
 
-from engine.copies import ToHost, to_device
+from engine.copies import ToHost, index_to_device, to_device
 from engine.sequence import Sequence
 from engine.structured_output import apply_guides
 
@@ -197,7 +197,7 @@ class Sampler:
             return Draws(draw_on_device(logits, seqs, ahead, offsets), seqs, raw_logprobs)
         chosen = logits.argmax(dim=-1)
         if drawn:
-            rows = to_device(drawn, torch.long, dev)
+            rows = index_to_device(tuple(drawn), dev)
             if self.on_device:
                 chosen[rows] = draw_on_device(logits.index_select(0, rows), [seqs[i] for i in drawn],
                                               [ahead[i] for i in drawn] if ahead else None,
