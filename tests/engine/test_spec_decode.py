@@ -223,6 +223,39 @@ def test_async_speculative_preemption_and_penalties_keep_the_sync_tokens(tiny_pr
     assert outs["on"] == outs["off"] and outs["on"][0] == plain_tokens[0]
 
 
+class EagerGraph:
+    """A captured CUDA graph's stand-in on a CPU: replaying it runs what the capture would have recorded."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+def test_the_graph_path_on_a_cpu_places_rows_by_their_offsets(monkeypatch, tiny_prompts, plain_tokens):
+    """The decode and draft graphs' host side (buffers loaded, positions shifted on the device by the
+    accepted counts, the draft reading the verification's rows from the decode graph's buffers) with each
+    graph's function run where its replay would be: greedy tokens are the plain ones."""
+    import engine.kernels.sampling
+    from engine.model_runner import DecodeGraphs, DraftGraphs
+
+    # the graph's own draw is not read (the engine samples its logits); greedy stands in for the kernel
+    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, **kwargs: logits.argmax(-1))
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, batch: self.graphs.__setitem__(
+        batch, EagerGraph(lambda: self.outputs.__setitem__(batch, self._step(batch)))))
+    llm = LLM("deepseek-tiny", dtype="float32", max_num_seqs=4, async_scheduling="on", speculative_config=spec(2))
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(runner)
+    runner.graphs.capture_all()
+    drafts = runner.draft_graphs = DraftGraphs(runner)
+    for key in {drafts.key(s * 3, s) for s in (1, 2, 4)}:
+        drafts.graphs[key] = EagerGraph(lambda key=key: drafts.outputs.__setitem__(key, drafts._draft(key)))
+    launches = record_launches(llm.engine)
+    replays = []
+    replay = drafts.replay
+    drafts.replay = lambda *args: replays.append(args[0].shape[0]) or replay(*args)
+    assert [o.token_ids for o in llm.generate(tiny_prompts, GREEDY)] == plain_tokens
+    assert launches.count(True) == len(launches) - 2 and len(replays) > 10
+
+
 def test_device_noise_keys_are_the_hosts():
     """A row launched before its position is known keys its noise on the device: the same 63-bit keys."""
     import random
