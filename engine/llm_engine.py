@@ -319,13 +319,16 @@ class LLMEngine:
         # penalties count the drafts a row follows; a step launched ahead has none (its drafts are on the device)
         drafts_before = ([seq.draft_token_ids[:j] for seq, rows in groups for j in range(rows)]
                          if drafts_of and inputs is None else None)
-        draws = self.sampler.sample(logits, row_seqs, inputs, drafts_before, ahead, offsets) if groups else None
+        draws = None
+        if groups:  # with drafts, the copy to the host waits for the accepted counts and drafts to join it
+            draws = self.sampler.sample(logits, row_seqs, inputs, drafts_before, ahead, offsets,
+                                        send=self.speculator is None)
         for seq, _ in groups:
             seq.num_inflight_tokens += 1
         spec = None
         if self.speculator is not None:
             spec = self.speculator.launch(plan, items, groups, draws.tokens if draws else None,
-                                          len(self.scheduler.running), self.runner.device, inputs, unresolved)
+                                          len(self.scheduler.running), self.runner.device, inputs, unresolved, draws)
         return LaunchedStep(batch, groups, draws, timer, spec)
 
     def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:

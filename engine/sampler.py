@@ -137,20 +137,29 @@ class Draws:
     """One step's tokens: on the device at once (where the next step can read them as its inputs), on
     the host from `result()`, which waits for this step's copies only."""
 
-    def __init__(self, tokens: torch.Tensor, seqs: list[Sequence], raw_logprobs: torch.Tensor | None):
+    def __init__(self, tokens: torch.Tensor, seqs: list[Sequence], raw_logprobs: torch.Tensor | None,
+                 send: bool = True):
         self.tokens = tokens  # [R] int64 on the logits' device
         self.top_n = [s.params.logprobs for s in seqs]  # None: no logprobs for the row
-        parts = [tokens]
+        self.parts = [tokens]
         if raw_logprobs is not None:
-            parts.append(raw_logprobs.gather(1, tokens[:, None])[:, 0])
+            self.parts.append(raw_logprobs.gather(1, tokens[:, None])[:, 0])
             k = max(n or 0 for n in self.top_n)
             if k:
                 top = raw_logprobs.topk(k)
-                parts += [top.values, top.indices]
-        self.copy = ToHost(*parts)
+                self.parts += [top.values, top.indices]
+        self.copy: ToHost | None = None
+        if send:
+            self.send()
+
+    def send(self, *more: torch.Tensor) -> int:
+        """Start the copy to the host, with more of the step's tensors after the draws' own (one copy, one
+        wait) -> where those begin in `copy.get()`."""
+        self.copy = ToHost(*self.parts, *more)
+        return len(self.parts)
 
     def result(self) -> tuple[list[int], list[dict[int, float] | None]]:
-        host = [t.tolist() for t in self.copy.get()]
+        host = [t.tolist() for t in self.copy.get()[: len(self.parts)]]
         tokens = host[0]
         logprobs: list[dict[int, float] | None] = []
         for i, (token, n) in enumerate(zip(tokens, self.top_n)):
@@ -176,14 +185,15 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None,
                drafts_before: list[list[int]] | None = None, ahead: list[int] | None = None,
-               offsets: torch.Tensor | None = None) -> Draws:
+               offsets: torch.Tensor | None = None, send: bool = True) -> Draws:
         """Queue one step's draws; logits: [B, vocab] float32 for the rows that sample this step, seqs
         their sequences (one several times where a row verifies drafts). pending: [B] the tokens drawn
         for them by the step still in flight (async scheduling), on the device: the penalties count them
         too. drafts_before: per row, the drafts a verification's row follows: it samples that many
         positions further on, as if they had been generated (a row past a rejected draft is discarded).
         ahead: those counts where the drafts are on the device (then no row has penalties); offsets: [B]
-        on the device, positions further still (`draw_on_device`)."""
+        on the device, positions further still (`draw_on_device`). send: False where the caller starts
+        the copy to the host itself (`Draws.send`), with more of the step's tensors."""
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = logits.log_softmax(dim=-1)  # the model's distribution, before masks and penalties
@@ -194,7 +204,7 @@ class Sampler:
         if ahead is None and drafts_before:
             ahead = [len(d) for d in drafts_before]
         if drawn and self.on_device and len(drawn) == len(seqs):  # every row samples: no argmax
-            return Draws(draw_on_device(logits, seqs, ahead, offsets), seqs, raw_logprobs)
+            return Draws(draw_on_device(logits, seqs, ahead, offsets), seqs, raw_logprobs, send)
         chosen = logits.argmax(dim=-1)
         if drawn:
             rows = index_to_device(tuple(drawn), dev)
@@ -206,4 +216,4 @@ class Sampler:
                 probs = scaled_and_filtered(logits[drawn], [seqs[i] for i in drawn]).softmax(-1).cpu()
                 picks = [draw_inverse_cdf(row, seqs[i].generator) for row, i in zip(probs, drawn)]
                 chosen[rows] = to_device(picks, torch.long, dev)
-        return Draws(chosen, seqs, raw_logprobs)
+        return Draws(chosen, seqs, raw_logprobs, send)

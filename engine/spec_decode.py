@@ -27,6 +27,7 @@ import torch
 
 from engine.config import SpeculativeConfig
 from engine.copies import ToHost, to_device
+from engine.sampler import Draws
 from engine.sequence import Sequence
 from engine.step_plan import DraftPlan, StepPlan
 
@@ -72,15 +73,16 @@ class SpecStep:
     seqs: list[Sequence]  # the sequences that verified drafts or draft now
     num_verified: list[int]  # drafts each verified this step (0: none)
     drafting: list[bool]  # whether each drafts for the next step
-    copy: ToHost | None  # (accepted counts [S], drafts [S', k]) on their way to the host
+    copy: ToHost | None  # (accepted counts [S], drafts [S', k]) on their way to the host, from `offset` on
     counts: torch.Tensor | None = None  # the same on the device: a step launched ahead reads them there
     drafts: torch.Tensor | None = None
+    offset: int = 0
 
     def result(self) -> tuple[list[int], list[list[int]]]:
         """-> (accepted drafts per sequence, next drafts per drafting sequence)."""
-        if self.copy is None:
+        if self.counts is None:
             return [0] * len(self.seqs), []
-        host = self.copy.get()
+        host = self.copy.get()[self.offset :]
         counts = host[0].tolist()
         return counts, host[1].tolist() if len(host) > 1 else []
 
@@ -118,13 +120,15 @@ class Speculator:
 
     def launch(self, plan: StepPlan, items: list[tuple[Sequence, int]], groups: list[tuple[Sequence, int]],
                tokens: torch.Tensor | None, num_running: int, device: torch.device,
-               inputs: torch.Tensor | None = None, unresolved: dict[int, int] | None = None) -> SpecStep:
+               inputs: torch.Tensor | None = None, unresolved: dict[int, int] | None = None,
+               draws: Draws | None = None) -> SpecStep:
         """After a step's draws are queued: verify its drafts, run the MTP layer over its rows and draft.
         items: the batch's (sequence, rows); groups: (sequence, sampled rows) in the draws' order;
         tokens: the draws [R] on the device (None: nothing sampled). A step launched ahead of the one
         that drafted: inputs [T] its token ids on the device (the drafts among them), unresolved:
         id(seq) -> the drafts the step before verifies, every one of which may be accepted (its rows
-        may lie that much further on)."""
+        may lie that much further on). draws: the step's, whose copy to the host this starts with the
+        accepted counts and drafts (one copy a step)."""
         # the token after each row: known on the host (prompt, earlier output), or drawn at the row itself
         if tokens is not None and len(plan.sample_indices) == plan.num_tokens:
             next_dev = tokens  # every row sampled (decodes and verifications): its draw comes after it
@@ -166,4 +170,7 @@ class Speculator:
             draft_counts = counts.index_select(0, to_device(keep, torch.long, device)) if keep else None
         drafts = self.executor.propose(DraftPlan(self.k if rows else 0, rows, slots), next_dev, draft_counts)
         parts = [t for t in (counts, drafts) if t is not None]
+        if draws is not None:
+            offset = draws.send(*parts)
+            return SpecStep(seqs, verified, drafting, draws.copy, counts, drafts, offset)
         return SpecStep(seqs, verified, drafting, ToHost(*parts) if parts else None, counts, drafts)
