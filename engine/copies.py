@@ -36,9 +36,19 @@ class ToHost:
         if tensors[0].device.type != "cuda":
             self.host, self.ready = [t.cpu() for t in tensors], None
             return
-        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-        for host, t in zip(self.host, tensors):
-            host.copy_(t, non_blocking=True)
+        if len(tensors) > 1 and all(t.dtype == tensors[0].dtype for t in tensors):
+            # one buffer, one transfer (a speculative step's tokens, accepted counts and drafts)
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            buffer = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            buffer.copy_(flat, non_blocking=True)
+            self.host, start = [], 0
+            for t in tensors:
+                self.host.append(buffer[start : start + t.numel()].view(t.shape))
+                start += t.numel()
+        else:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, t in zip(self.host, tensors):
+                host.copy_(t, non_blocking=True)
         self.ready = torch.cuda.Event()
         self.ready.record()
 

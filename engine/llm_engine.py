@@ -372,7 +372,7 @@ class LLMEngine:
         flight were accepted. A sequence that turns out to have finished has its rows dropped when read."""
         spec, k = step.spec, self.speculator.k
         verified = {id(seq): n for seq, n in zip(spec.seqs, spec.num_verified)}
-        counted = {id(seq): i + 1 for i, seq in enumerate(spec.seqs)}  # 0: no count (nothing verified)
+        counted = {id(seq): i for i, seq in enumerate(spec.seqs)}  # its accepted count's index
         drafted = {id(seq): i for i, seq in enumerate(s for s, d in zip(spec.seqs, spec.drafting) if d)}
         first, index = {}, 0
         for seq, num_rows in step.groups:
@@ -391,15 +391,17 @@ class LLMEngine:
         # per token of the new step: where its input is (a draw, or a draft past the draws), whose count
         # shifts it, and whether the count moves its input too (the bonus token's row is the accepted one)
         source, count, moves = [], [], []
+        none = len(spec.seqs)  # a sequence without a count (it verified nothing) reads a zero appended there
         for seq, n in batch.items:
-            c = counted.get(id(seq), 0)
+            c = counted.get(id(seq), none)
             source.append(first[id(seq)])
             source += [num_drawn + drafted.get(id(seq), 0) * k + j for j in range(n - 1)]
             count += [c] * n
             moves += [1] + [0] * (n - 1)
         index = index_to_device((tuple(source), tuple(count), tuple(moves)), tokens.device)
         pool = tokens if spec.drafts is None else torch.cat([tokens, spec.drafts.flatten()])
-        offsets = torch.cat([spec.counts.new_zeros(1), spec.counts]).index_select(0, index[1])
+        counts = spec.counts if none not in count else torch.cat([spec.counts, spec.counts.new_zeros(1)])
+        offsets = counts.index_select(0, index[1])
         inputs = pool.index_select(0, index[0] + offsets * index[2])
         return self._launch(batch, inputs, offsets, dict(zip(map(id, seqs), unresolved)))
 
