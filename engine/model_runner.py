@@ -116,9 +116,9 @@ class BlockTables:
         values = [b for _, _, ids in deltas for b in ids]
         self.table.view(-1).index_copy_(0, to_device(index, torch.long, dev), to_device(values, torch.int32, dev))
 
-    def rows(self, slots: list[int]) -> torch.Tensor:
-        """[len(slots), max_blocks] int32: the tables of these slots."""
-        return self.table.index_select(0, index_to_device(tuple(slots), self.table.device))
+    def rows(self, slots: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """[len(slots), max_blocks] int32: the tables of these slots (into `out` where given)."""
+        return torch.index_select(self.table, 0, index_to_device(tuple(slots), self.table.device), out=out)
 
 
 class ModelRunner:
@@ -585,7 +585,7 @@ class DecodeGraphs:
         self.positions[:n].copy_(to_device(plan.positions(), torch.long, dev))
         if offsets is not None:
             self.positions[:n].add_(offsets)
-        self.block_tables[:padded].copy_(tables.rows(slots))
+        tables.rows(slots, out=self.block_tables[:padded])
         if n < padded:  # padding rows decode token 0 at position 0 into the scratch block
             self.input_ids[n:padded].zero_()
             self.positions[n:padded].zero_()
