@@ -5,7 +5,9 @@ step still running: its inputs are those tokens on the device. The host's work f
 loading the batch, turning tokens into text and outputs, the server's report) then runs while the
 device computes the next one, instead of between the two. A request that ends at a step (an EOS token,
 a stop string) was already given a row in the next one; that row's token is dropped. Length limits are
-known ahead and cost nothing.
+known ahead and cost nothing. With speculative decoding the step after a verification goes ahead the
+same way, before its accepted counts are read: its rows are placed and fed on the device
+(`_launch_after_drafts`).
 """
 
 import dataclasses
