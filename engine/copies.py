@@ -7,6 +7,8 @@ asynchronously, in queue order; torch's caching host allocator keeps a pinned bu
 queued on it are done, so fresh ones can be taken every step.
 """
 
+import functools
+
 import torch
 
 
@@ -17,6 +19,15 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+@functools.lru_cache(maxsize=512)
+def index_to_device(values: tuple, device: torch.device) -> torch.Tensor:
+    """An int64 index (a tuple, nested for several rows) on `device`, kept there by value: a batch's
+    slots and rows, and the gathers of a step launched ahead, repeat step after step while its requests
+    run, so each is copied over once (a copy is a pinned buffer and a transfer: host time every step).
+    Shared: read it, never write into it."""
+    return to_device(values, torch.long, device)
+
+
 class ToHost:
     """Device tensors copied to the host behind the work queued before them; `get()` waits for those
     copies only (not for anything queued later)."""
@@ -25,9 +36,19 @@ class ToHost:
         if tensors[0].device.type != "cuda":
             self.host, self.ready = [t.cpu() for t in tensors], None
             return
-        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-        for host, t in zip(self.host, tensors):
-            host.copy_(t, non_blocking=True)
+        if len(tensors) > 1 and all(t.dtype == tensors[0].dtype for t in tensors):
+            # one buffer, one transfer (a speculative step's tokens, accepted counts and drafts)
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            buffer = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            buffer.copy_(flat, non_blocking=True)
+            self.host, start = [], 0
+            for t in tensors:
+                self.host.append(buffer[start : start + t.numel()].view(t.shape))
+                start += t.numel()
+        else:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, t in zip(self.host, tensors):
+                host.copy_(t, non_blocking=True)
         self.ready = torch.cuda.Event()
         self.ready.record()
 

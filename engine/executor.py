@@ -42,9 +42,10 @@ class InProcessExecutor:
     def runner(self) -> ModelRunner:
         return self.driver.runner
 
-    def execute(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepResult:
+    def execute(self, plan: StepPlan, inputs: torch.Tensor | None = None,
+                offsets: torch.Tensor | None = None) -> StepResult:
         plan.use_graph = self.runner.takes_graph(plan)
-        return self.driver.execute(plan, inputs)
+        return self.driver.execute(plan, inputs, offsets)
 
     def propose(self, draft: DraftPlan, next_ids: torch.Tensor, accepted: torch.Tensor | None) -> torch.Tensor | None:
         """The MTP draft after the step just executed -> [S, num_drafts] on rank 0's device, or None."""
@@ -84,10 +85,11 @@ class MultiprocExecutor(InProcessExecutor):
         logger.info("%d ranks ready (tensor parallel%s, %d node(s))", config.tensor_parallel_size,
                     " + expert parallel" if config.enable_expert_parallel else "", config.nnodes)
 
-    def execute(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepResult:
+    def execute(self, plan: StepPlan, inputs: torch.Tensor | None = None,
+                offsets: torch.Tensor | None = None) -> StepResult:
         plan.use_graph = self.runner.takes_graph(plan)
         dist.broadcast_object_list([plan], src=0, group=self.control)
-        return self.driver.execute(plan, inputs)
+        return self.driver.execute(plan, inputs, offsets)
 
     def propose(self, draft: DraftPlan, next_ids: torch.Tensor, accepted: torch.Tensor | None) -> torch.Tensor | None:
         dist.broadcast_object_list([draft], src=0, group=self.control)

@@ -5,7 +5,9 @@ step still running: its inputs are those tokens on the device. The host's work f
 loading the batch, turning tokens into text and outputs, the server's report) then runs while the
 device computes the next one, instead of between the two. A request that ends at a step (an EOS token,
 a stop string) was already given a row in the next one; that row's token is dropped. Length limits are
-known ahead and cost nothing.
+known ahead and cost nothing. With speculative decoding the step after a verification goes ahead the
+same way, before its accepted counts are read: its rows are placed and fed on the device
+(`_launch_after_drafts`).
 """
 
 import dataclasses
@@ -20,7 +22,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, model_fingerprint, required_block_size, resolve_model_path
-from engine.copies import to_device
+from engine.copies import index_to_device, to_device
 from engine.executor import create_executor
 from engine.model_runner import ModelRunner
 from engine.models.deepseek_vit import VisionConfig
@@ -296,43 +298,55 @@ class LLMEngine:
             self.inflight = self._sample(self.inflight)
         return outputs
 
-    def _launch(self, batch: ScheduledBatch, inputs: torch.Tensor | None = None) -> LaunchedStep:
+    def _launch(self, batch: ScheduledBatch, inputs: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+                unresolved: dict[int, int] | None = None) -> LaunchedStep:
         """Queue the model and the draws of a step on the device. inputs: a decode batch's token ids on
-        the device (the draws of the step in flight)."""
+        the device (the draws of the step in flight). offsets: launched ahead of a speculative step, its
+        tokens' positions past the host's (that step's accepted drafts) [T] on the device; unresolved:
+        id(seq) -> the drafts that step verifies."""
         for seq, _ in batch.items:
             if seq.pinned_blocks:  # admitted: its own references now hold the pulled blocks
                 self._unpin(seq)
         timer = StepTimer(self.runner.device) if self.kv is not None and batch.prefills else None
-        plan = self.planner.build(batch, inputs_on_device=inputs is not None)
-        result = self.executor.execute(plan, inputs)
+        plan = self.planner.build(batch, inputs_on_device=inputs is not None, shifted=offsets is not None)
+        result = self.executor.execute(plan, inputs, offsets)
         logits = result.logits
         if timer is not None:
             timer.stop()  # read when the step's tokens are: the prefill rate the pull policy weighs
         items = batch.items
-        verifying = {id(seq) for seq in batch.verifies}
+        drafts_of = {id(seq): d for seq, d in zip(batch.verifies, batch.num_drafts)}
         offset, groups = 0, []
         for seq, n in items:
             if seq.collect_logits:
                 seq.prompt_logits.append(result.all_logits[offset : offset + n])
-            if id(seq) in verifying:
+            drafts = drafts_of.get(id(seq), 0)
+            if drafts:
                 groups.append((seq, n))  # a verification: each of its rows samples (the plan's order)
             elif seq.num_computed_tokens + n == seq.num_drawn_tokens:  # sampled by the plan (its rows' order)
                 groups.append((seq, 1))
             offset += n
-            seq.num_computed_tokens += n
+            # a verification's drafts count as computed once accepted (`_resolve`): until then the host
+            # counts its first row, so a step launched ahead places its rows from there on the device
+            seq.num_computed_tokens += n - drafts
         if inputs is not None and any(seq.guide is not None for seq, _ in groups):
             # launched ahead: a guided row's mask needs the token in flight, so it samples after that
             # step is read (`_sample`), while this step's forward runs
             return LaunchedStep(batch, groups, None, timer, logits=logits)
         row_seqs = [seq for seq, rows in groups for _ in range(rows)]
-        drafts_before = [seq.draft_token_ids[:j] for seq, rows in groups for j in range(rows)] if verifying else None
-        draws = self.sampler.sample(logits, row_seqs, inputs, drafts_before) if groups else None
+        ahead = [j for _, rows in groups for j in range(rows)] if drafts_of else None
+        # penalties count the drafts a row follows; a step launched ahead has none (its drafts are on the device)
+        drafts_before = ([seq.draft_token_ids[:j] for seq, rows in groups for j in range(rows)]
+                         if drafts_of and inputs is None else None)
+        draws = None
+        if groups:  # with drafts, the copy to the host waits for the accepted counts and drafts to join it
+            draws = self.sampler.sample(logits, row_seqs, inputs, drafts_before, ahead, offsets,
+                                        send=self.speculator is None)
         for seq, _ in groups:
             seq.num_inflight_tokens += 1
         spec = None
         if self.speculator is not None:
             spec = self.speculator.launch(plan, items, groups, draws.tokens if draws else None,
-                                          len(self.scheduler.running), self.runner.device)
+                                          len(self.scheduler.running), self.runner.device, inputs, unresolved, draws)
         return LaunchedStep(batch, groups, draws, timer, spec)
 
     def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
@@ -340,12 +354,11 @@ class LLMEngine:
         step must be scheduled with every token known (admissions, prefills, ...)."""
         if not self.async_scheduling or step.batch.prefills or step.draws is None:
             return None
-        if step.spec is not None and step.spec.seqs:
-            return None  # verified or drafted: how many tokens each sequence gained is read first
         if self.speculator is not None and any(seq.guide is not None for seq, _ in step.groups):
             return None  # the MTP pass after a step needs its draws at once: a guided row's wait for its mask
         if self.scheduler.can_admit_next():
             return None  # admit it first (one that cannot be admitted yet does not hold everyone back)
+        spec = step.spec if step.spec is not None and step.spec.seqs else None
         row = {id(seq): i for i, (seq, _) in enumerate(step.groups)}
         seqs, rows = [], []
         # every running sequence goes on, or none does: one left out would wait for the chain to end
@@ -354,10 +367,14 @@ class LLMEngine:
                 continue  # a length limit: known ahead, no row needed
             if id(seq) not in row or seq.collect_logits:
                 return None  # not in that step, or scoring (every position's logits, one step at a time)
+            if spec is not None and (seq.params.presence_penalty or seq.params.frequency_penalty):
+                return None  # its penalties count the tokens before each row: how many is read first
             seqs.append(seq)
             rows.append(row[id(seq)])
         if not seqs:
             return None
+        if spec is not None:
+            return self._launch_after_drafts(step, seqs)
         batch = self.scheduler.schedule_ahead(seqs)
         if batch is None:
             return None
@@ -365,6 +382,46 @@ class LLMEngine:
         if rows != list(range(len(step.groups))):
             inputs = inputs.index_select(0, to_device(rows, torch.long, inputs.device))
         return self._launch(batch, inputs)
+
+    def _launch_after_drafts(self, step: LaunchedStep, seqs: list[Sequence]) -> LaunchedStep | None:
+        """The step after a speculative one, launched before its accepted counts are read: each sequence's
+        rows are its bonus token (drawn at its last accepted row) and the drafts after it, gathered on the
+        device, at positions shifted there by its accepted count; blocks are grown as if every draft in
+        flight were accepted. A sequence that turns out to have finished has its rows dropped when read."""
+        spec, k = step.spec, self.speculator.k
+        verified = {id(seq): n for seq, n in zip(spec.seqs, spec.num_verified)}
+        counted = {id(seq): i for i, seq in enumerate(spec.seqs)}  # its accepted count's index
+        drafted = {id(seq): i for i, seq in enumerate(s for s, d in zip(spec.seqs, spec.drafting) if d)}
+        first, index = {}, 0
+        for seq, num_rows in step.groups:
+            first[id(seq)] = index
+            index += num_rows
+        num_drafts = []
+        for seq in seqs:
+            most = seq.num_drawn_tokens + verified.get(id(seq), 0)  # its tokens if every draft is accepted
+            num_drafts.append(self.speculator.allowed_drafts(seq, most) if id(seq) in drafted else 0)
+        unresolved = [verified.get(id(seq), 0) for seq in seqs]
+        batch = self.scheduler.schedule_ahead(seqs, num_drafts, unresolved)
+        if batch is None:
+            return None
+        tokens = step.draws.tokens
+        num_drawn = tokens.shape[0]
+        # per token of the new step: where its input is (a draw, or a draft past the draws), whose count
+        # shifts it, and whether the count moves its input too (the bonus token's row is the accepted one)
+        source, count, moves = [], [], []
+        none = len(spec.seqs)  # a sequence without a count (it verified nothing) reads a zero appended there
+        for seq, n in batch.items:
+            c = counted.get(id(seq), none)
+            source.append(first[id(seq)])
+            source += [num_drawn + drafted.get(id(seq), 0) * k + j for j in range(n - 1)]
+            count += [c] * n
+            moves += [1] + [0] * (n - 1)
+        index = index_to_device((tuple(source), tuple(count), tuple(moves)), tokens.device)
+        pool = tokens if spec.drafts is None else torch.cat([tokens, spec.drafts.flatten()])
+        counts = spec.counts if none not in count else torch.cat([spec.counts, spec.counts.new_zeros(1)])
+        offsets = counts.index_select(0, index[1])
+        inputs = pool.index_select(0, index[0] + offsets * index[2])
+        return self._launch(batch, inputs, offsets, dict(zip(map(id, seqs), unresolved)))
 
     def _sample(self, step: LaunchedStep) -> LaunchedStep:
         """Queue the draws of a step launched ahead with guided rows, after the step before it was read
@@ -431,8 +488,8 @@ class LLMEngine:
                 seq.num_inflight_tokens -= 1
                 if seq.is_finished:  # ended (or was aborted) while this step ran: its rows are dropped
                     continue
-                if num_rows > 1:  # the rejected drafts' positions are computed again, behind the accepted
-                    seq.num_computed_tokens -= num_rows - (rows.stop - rows.start)
+                if num_rows > 1:  # the accepted drafts' positions are computed; the rejected ones' come again
+                    seq.num_computed_tokens += rows.stop - rows.start - 1
                     seq.metrics.num_draft_tokens += num_rows - 1
                     seq.metrics.num_accepted_tokens += rows.stop - rows.start - 1
                     seq.metrics.num_verify_steps += 1

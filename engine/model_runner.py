@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.copies import to_device
+from engine.copies import index_to_device, to_device
 from engine.kv_pool import KVPool, block_bytes
 from engine.layers.attention import AttentionMetadata
 from engine.layers.fp8 import quantize_fp8_block
@@ -117,9 +117,9 @@ class BlockTables:
         values = [b for _, _, ids in deltas for b in ids]
         self.table.view(-1).index_copy_(0, to_device(index, torch.long, dev), to_device(values, torch.int32, dev))
 
-    def rows(self, slots: list[int]) -> torch.Tensor:
-        """[len(slots), max_blocks] int32: the tables of these slots."""
-        return self.table.index_select(0, to_device(slots, torch.long, self.table.device))
+    def rows(self, slots: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """[len(slots), max_blocks] int32: the tables of these slots (into `out` where given)."""
+        return torch.index_select(self.table, 0, index_to_device(tuple(slots), self.table.device), out=out)
 
 
 class ModelRunner:
@@ -181,8 +181,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.draft_graphs: DraftGraphs | None = None
         self.warmed_up = False
-        # the last step's rows for the MTP draft after it: (plan, positions [T], block tables [T, width],
-        # its metadata (None after a replayed step: built if the draft runs eagerly), hidden [T, hidden])
+        # the last step's rows for the MTP draft after it: (plan, positions [T], block tables [T, width], its
+        # metadata, hidden [T, hidden]); after a replayed step only plan and hidden (the rest is in the
+        # decode graph's buffers)
         self.last_step: tuple | None = None
         # image key -> its span's embeddings [span, hidden], kept from the step that reaches the image to
         # the one that reaches its end (engine.step_plan.PlanImage)
@@ -349,13 +350,16 @@ class ModelRunner:
         return input_ids, positions, meta
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepResult:
+    def run(self, plan: StepPlan, inputs: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> StepResult:
         """inputs: the step's token ids on the device (drawn by a step the host has not read yet), where
-        the plan carries none."""
+        the plan carries none; offsets: [T] on the device, added to the plan's positions where it is
+        `shifted` (launched before a speculative step's accepted counts were read)."""
         for key in plan.drop_images:
             self.image_embeds.pop(key, None)
         if plan.use_graph:
-            return self._replay(plan, inputs)
+            return self._replay(plan, inputs, offsets)
+        if offsets is not None:
+            plan = resolve_offsets(plan, offsets)
         return self._run_eager(plan, inputs)
 
     def _run_eager(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepResult:
@@ -387,15 +391,13 @@ class ModelRunner:
         is_image[index] = True
         return ImageEmbeds(index, torch.cat(rows).to(self.dtype), is_image)
 
-    def _replay(self, plan: StepPlan, inputs: torch.Tensor | None) -> StepResult:
+    def _replay(self, plan: StepPlan, inputs: torch.Tensor | None, offsets: torch.Tensor | None = None) -> StepResult:
         """A step of at most `graphs.max_batch` tokens through a decode graph: a prefill chunk's tokens
         are rows of their own (the eager step they replace costs ~75 PyTorch operations a layer)."""
-        self.graphs.load(plan, inputs)
+        self.graphs.load(plan, inputs, offsets)
         hidden, logits, _ = self.graphs.replay(plan.num_tokens)
-        if self.num_speculative_tokens:  # the graph's rows: one-token decodes at their positions
-            n = plan.num_tokens
-            # (the graph steps its positions on after the step: the rows' own are one less)
-            self.last_step = (plan, self.graphs.positions[:n] - 1, self.graphs.block_tables[:n], None, hidden)
+        if self.num_speculative_tokens:  # the graph's rows, in its buffers: the draft reads them there
+            self.last_step = (plan, None, None, None, hidden)
         rows = plan.sample_indices
         if not rows:
             return StepResult(None)
@@ -414,12 +416,15 @@ class ModelRunner:
         self.last_step = None
         rows = draft_tables = None
         if draft.num_drafts and draft.rows:
-            packed = to_device(draft.rows + draft.slots, torch.long, positions.device)  # one copy for both
+            packed = index_to_device((*draft.rows, *draft.slots), self.device)  # one copy for both
             rows, draft_tables = packed[: len(draft.rows)], self.tables.table.index_select(0, packed[len(draft.rows) :])
         graphs = self.draft_graphs
         if plan.use_graph and graphs is not None and rows is not None and graphs.has(plan.num_tokens, len(rows)):
-            return graphs.replay(next_ids, positions, tables, hidden, rows, accepted, draft_tables)
-        if meta is None:  # a replayed step's rows, drafted eagerly
+            return graphs.replay(next_ids, rows, accepted, draft_tables)
+        if meta is None:  # a replayed step's rows, drafted eagerly: one-token decodes at their positions
+            n = plan.num_tokens
+            # (the graph steps its positions on after the step: the rows' own are one less)
+            positions, tables = self.graphs.positions[:n] - 1, self.graphs.block_tables[:n]
             meta, _ = decode_rows_metadata(positions, tables, self.block_size)
         if rows is not None and accepted is not None:
             rows = rows + accepted
@@ -441,6 +446,17 @@ class ModelRunner:
             step_meta, pos = decode_rows_metadata(pos + 1, tables, self.block_size)
             h = self.model.draft(drafts[-1], pos, h, step_meta)
         return torch.stack(drafts, dim=1)
+
+
+def resolve_offsets(plan: StepPlan, offsets: torch.Tensor) -> StepPlan:
+    """A shifted plan with its offsets read (each row's first token's: a row's tokens share theirs) -> the
+    plan at its real positions. The eager path's attention takes its lengths from the host: on a CPU
+    reading them costs nothing, on a GPU it waits for the step in flight (the graph path adds the
+    offsets on the device instead)."""
+    host = offsets.tolist()
+    firsts = itertools.accumulate([0, *plan.query_lens[:-1]])
+    return dataclasses.replace(plan, num_computed=[c + host[f] for c, f in zip(plan.num_computed, firsts)],
+                               shifted=False)
 
 
 def decode_rows_metadata(positions: torch.Tensor, tables: torch.Tensor, block_size: int
@@ -469,8 +485,10 @@ def decode_rows_metadata(positions: torch.Tensor, tables: torch.Tensor, block_si
 class DraftGraphs:
     """The MTP draft after a verification step replayed from a decode graph, as CUDA graphs too: one per
     (rows of the step, drafting sequences), both padded, captured at start for the steps where every
-    running request verifies k drafts (k + 1 rows each). Other shapes (a prefill's first draft, mixed
-    steps) run eagerly. Padding rows attend in the scratch block, as the decode graphs' do."""
+    running request verifies k drafts (k + 1 rows each). Each reads the step's rows where the decode
+    graph of its row count left them (positions, block tables, hidden states: nothing copied), so it is
+    replayed right after that graph. Other shapes (a prefill's first draft, mixed steps) run eagerly.
+    Padding rows attend in the scratch block, as the decode graphs' do."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
@@ -478,11 +496,7 @@ class DraftGraphs:
         decode = runner.graphs
         self.max_rows = decode.max_batch
         dev, n, width = runner.device, decode.max_batch, decode.width
-        hidden_size = runner.model_config.hidden_size
         self.next_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.tables = torch.full((n, width), decode.scratch_block, dtype=torch.int32, device=dev)
-        self.hidden = torch.zeros(n, hidden_size, dtype=runner.dtype, device=dev)
         self.rows = torch.zeros(n, dtype=torch.long, device=dev)
         self.accepted = torch.zeros(n, dtype=torch.long, device=dev)
         self.draft_tables = torch.full((n, width), decode.scratch_block, dtype=torch.int32, device=dev)
@@ -499,16 +513,23 @@ class DraftGraphs:
 
     def _draft(self, key: tuple[int, int]) -> torch.Tensor:
         rows, drafting = key
-        bs = self.runner.block_size
-        meta, pos = decode_rows_metadata(self.positions[:rows], self.tables[:rows], bs)
-        return self.runner._draft(self.next_ids[:rows], pos, meta, self.hidden[:rows],
+        decode = self.runner.graphs
+        # the decode graph steps its positions on after the step: the rows' own are one less
+        meta, pos = decode_rows_metadata(decode.positions[:rows] - 1, decode.block_tables[:rows], self.runner.block_size)
+        return self.runner._draft(self.next_ids[:rows], pos, meta, decode.outputs[rows][0],
                                   self.rows[:drafting] + self.accepted[:drafting], self.draft_tables[:drafting], self.k)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Steps where every one of S requests verifies k drafts: (S * (k + 1) rows, S drafting)."""
+        decode = self.runner.graphs
         keys = {self.key(s * (self.k + 1), s) for s in DecodeGraphs.SIZES if s * (self.k + 1) <= self.max_rows}
         for key in sorted(keys, reverse=True):  # largest first: the smaller ones reuse its pool
+            if key[0] not in decode.graphs:
+                decode._capture(key[0])  # its buffers are the draft's inputs
+            # rows one past position 0 (of the scratch block) as a replayed step leaves them; the next
+            # step's load rewrites them
+            decode.positions[: key[0]].clamp_(min=1)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # compile and let cuBLAS choose outside the capture
@@ -522,32 +543,26 @@ class DraftGraphs:
         logger.info("captured %d CUDA graphs for MTP drafts of %d tokens", len(self.graphs), self.k)
 
     @torch.inference_mode()
-    def replay(self, next_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, hidden: torch.Tensor,
-               rows: torch.Tensor, accepted: torch.Tensor | None, draft_tables: torch.Tensor) -> torch.Tensor:
-        """The step's rows (next tokens, positions, block tables, hidden states) and the drafting rows
+    def replay(self, next_ids: torch.Tensor, rows: torch.Tensor, accepted: torch.Tensor | None,
+               draft_tables: torch.Tensor) -> torch.Tensor:
+        """After the decode graph of the step's rows: the token after each row, and the drafting rows
         (their first sampled row, drafts accepted there, block tables) into the buffers, one replay ->
         drafts [S, k]."""
         n, s = next_ids.shape[0], rows.shape[0]
         key = self.key(n, s)
-        scratch = self.runner.graphs.scratch_block
         self.next_ids[:n].copy_(next_ids)
-        self.positions[:n].copy_(positions)
-        self.tables[:n].copy_(tables)
-        self.hidden[:n].copy_(hidden)
         self.rows[:s].copy_(rows)
         if accepted is None:
             self.accepted[:s].zero_()
         else:
             self.accepted[:s].copy_(accepted)
         self.draft_tables[:s].copy_(draft_tables)
-        if n < key[0]:  # padding rows: token 0 at position 0 of the scratch block
+        if n < key[0]:  # padding rows: token 0 (the decode graph put them at position 0 of the scratch block)
             self.next_ids[n : key[0]].zero_()
-            self.positions[n : key[0]].zero_()
-            self.tables[n : key[0]].fill_(scratch)
         if s < key[1]:
             self.rows[s : key[1]].zero_()
             self.accepted[s : key[1]].zero_()
-            self.draft_tables[s : key[1]].fill_(scratch)
+            self.draft_tables[s : key[1]].fill_(self.runner.graphs.scratch_block)
         self.graphs[key].replay()
         return self.outputs[key][:s].clone()
 
@@ -590,10 +605,11 @@ class DecodeGraphs:
     def padded(self, batch: int) -> int:
         return next(s for s in self.SIZES if s >= batch)
 
-    def load(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> None:
+    def load(self, plan: StepPlan, inputs: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> None:
         """Copy a plan's rows into the static buffers (a prefill chunk's tokens as rows of their own, at
         consecutive positions of its sequence's table); rows past it decode into the scratch block.
-        inputs: the step's token ids already on the device (else the plan's own)."""
+        inputs: the step's token ids already on the device (else the plan's own); offsets: [T] added to
+        the positions on the device (a shifted plan: the graph derives slots and lengths from them)."""
         n = plan.num_tokens
         padded = self.padded(n)
         dev = self.input_ids.device
@@ -603,7 +619,9 @@ class DecodeGraphs:
         slots += [tables.scratch_slot] * (padded - n)
         self.input_ids[:n].copy_(to_device(plan.input_ids, torch.long, dev) if inputs is None else inputs)
         self.positions[:n].copy_(to_device(plan.positions(), torch.long, dev))
-        self.block_tables[:padded].copy_(tables.rows(slots))
+        if offsets is not None:
+            self.positions[:n].add_(offsets)
+        tables.rows(slots, out=self.block_tables[:padded])
         if n < padded:  # padding rows decode token 0 at position 0 into the scratch block
             self.input_ids[n:padded].zero_()
             self.positions[n:padded].zero_()

@@ -13,7 +13,7 @@ by inverse transform (the same distribution, another random stream).
 
 import torch
 
-from engine.copies import ToHost, to_device
+from engine.copies import ToHost, index_to_device, to_device
 from engine.sequence import Sequence
 from engine.structured_output import apply_guides
 
@@ -27,6 +27,27 @@ def noise_key(seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 that holds it."""
+    value &= _MASK64
+    return value - (1 << 64) if value >> 63 else value
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's `>>` keeps the sign)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`noise_key` over int64 tensors [R] (seeds as their 64-bit patterns), on their device: the key of a
+    position the host does not know yet (a row launched before the accepted drafts ahead of it were
+    read). int64 products wrap modulo 2**64, so the bits are the host's."""
+    z = seeds * _signed(0x9E3779B97F4A7C15) + positions + 1
+    z = (z ^ _shift_right(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _shift_right(z, 27)) * _signed(0x94D049BB133111EB)
+    return _shift_right(z ^ _shift_right(z, 31), 1)
 
 
 def draw_inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -69,18 +90,24 @@ def scaled_and_filtered(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Ten
     return scaled
 
 
-def draw_on_device(logits: torch.Tensor, seqs: list[Sequence], ahead: list[int] | None = None) -> torch.Tensor:
+def draw_on_device(logits: torch.Tensor, seqs: list[Sequence], ahead: list[int] | None = None,
+                   offsets: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of logits [R, V] (float32) for sequences that sample (temperature > 0), drawn
     on logits' device in one launch -> [R] int64 there. ahead: per row, how many positions past the
-    sequence's next one it samples (a verification's rows after its first)."""
+    sequence's next one it samples (a verification's rows after its first); offsets: [R] on the device,
+    positions further still that the host does not know yet (drafts accepted by a step in flight)."""
     from engine.kernels.sampling import sample  # first use: Triton picks compiled or interpreted then
 
     dev = logits.device
     scaled = scaled_and_filtered(logits, seqs)
     ahead = ahead or [0] * len(seqs)
     # the output position of the token drawn: tokens drawn by steps still in flight come before it
-    keys = to_device([noise_key(s.seed, s.num_drawn_tokens - s.num_prompt_tokens + j) for s, j in zip(seqs, ahead)],
-                     torch.int64, dev)
+    positions = [s.num_drawn_tokens - s.num_prompt_tokens + j for s, j in zip(seqs, ahead)]
+    if offsets is None:
+        keys = to_device([noise_key(s.seed, p) for s, p in zip(seqs, positions)], torch.int64, dev)
+    else:
+        both = to_device([[_signed(s.seed) for s in seqs], positions], torch.int64, dev)
+        keys = noise_keys(both[0], both[1] + offsets)
     ones = torch.ones(len(seqs), dtype=torch.float32, device=dev)  # temperature is applied above
     return sample(scaled.contiguous(), ones, keys, torch.zeros(1, dtype=torch.int64, device=dev))
 
@@ -110,20 +137,29 @@ class Draws:
     """One step's tokens: on the device at once (where the next step can read them as its inputs), on
     the host from `result()`, which waits for this step's copies only."""
 
-    def __init__(self, tokens: torch.Tensor, seqs: list[Sequence], raw_logprobs: torch.Tensor | None):
+    def __init__(self, tokens: torch.Tensor, seqs: list[Sequence], raw_logprobs: torch.Tensor | None,
+                 send: bool = True):
         self.tokens = tokens  # [R] int64 on the logits' device
         self.top_n = [s.params.logprobs for s in seqs]  # None: no logprobs for the row
-        parts = [tokens]
+        self.parts = [tokens]
         if raw_logprobs is not None:
-            parts.append(raw_logprobs.gather(1, tokens[:, None])[:, 0])
+            self.parts.append(raw_logprobs.gather(1, tokens[:, None])[:, 0])
             k = max(n or 0 for n in self.top_n)
             if k:
                 top = raw_logprobs.topk(k)
-                parts += [top.values, top.indices]
-        self.copy = ToHost(*parts)
+                self.parts += [top.values, top.indices]
+        self.copy: ToHost | None = None
+        if send:
+            self.send()
+
+    def send(self, *more: torch.Tensor) -> int:
+        """Start the copy to the host, with more of the step's tensors after the draws' own (one copy, one
+        wait) -> where those begin in `copy.get()`."""
+        self.copy = ToHost(*self.parts, *more)
+        return len(self.parts)
 
     def result(self) -> tuple[list[int], list[dict[int, float] | None]]:
-        host = [t.tolist() for t in self.copy.get()]
+        host = [t.tolist() for t in self.copy.get()[: len(self.parts)]]
         tokens = host[0]
         logprobs: list[dict[int, float] | None] = []
         for i, (token, n) in enumerate(zip(tokens, self.top_n)):
@@ -148,12 +184,16 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None,
-               drafts_before: list[list[int]] | None = None) -> Draws:
+               drafts_before: list[list[int]] | None = None, ahead: list[int] | None = None,
+               offsets: torch.Tensor | None = None, send: bool = True) -> Draws:
         """Queue one step's draws; logits: [B, vocab] float32 for the rows that sample this step, seqs
         their sequences (one several times where a row verifies drafts). pending: [B] the tokens drawn
         for them by the step still in flight (async scheduling), on the device: the penalties count them
         too. drafts_before: per row, the drafts a verification's row follows: it samples that many
-        positions further on, as if they had been generated (a row past a rejected draft is discarded)."""
+        positions further on, as if they had been generated (a row past a rejected draft is discarded).
+        ahead: those counts where the drafts are on the device (then no row has penalties); offsets: [B]
+        on the device, positions further still (`draw_on_device`). send: False where the caller starts
+        the copy to the host itself (`Draws.send`), with more of the step's tensors."""
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = logits.log_softmax(dim=-1)  # the model's distribution, before masks and penalties
@@ -161,17 +201,19 @@ class Sampler:
         logits = apply_penalties(logits, seqs, pending, drafts_before)
         drawn = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
         dev = logits.device
-        ahead = [len(d) for d in drafts_before] if drafts_before else None
+        if ahead is None and drafts_before:
+            ahead = [len(d) for d in drafts_before]
         if drawn and self.on_device and len(drawn) == len(seqs):  # every row samples: no argmax
-            return Draws(draw_on_device(logits, seqs, ahead), seqs, raw_logprobs)
+            return Draws(draw_on_device(logits, seqs, ahead, offsets), seqs, raw_logprobs, send)
         chosen = logits.argmax(dim=-1)
         if drawn:
-            rows = to_device(drawn, torch.long, dev)
+            rows = index_to_device(tuple(drawn), dev)
             if self.on_device:
                 chosen[rows] = draw_on_device(logits.index_select(0, rows), [seqs[i] for i in drawn],
-                                              [ahead[i] for i in drawn] if ahead else None)
+                                              [ahead[i] for i in drawn] if ahead else None,
+                                              None if offsets is None else offsets.index_select(0, rows))
             else:  # on the host: filtered together, then drawn row by row from each request's generator
                 probs = scaled_and_filtered(logits[drawn], [seqs[i] for i in drawn]).softmax(-1).cpu()
                 picks = [draw_inverse_cdf(row, seqs[i].generator) for row, i in zip(probs, drawn)]
                 chosen[rows] = to_device(picks, torch.long, dev)
-        return Draws(chosen, seqs, raw_logprobs)
+        return Draws(chosen, seqs, raw_logprobs, send)

@@ -11,8 +11,11 @@ from engine.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledBatch:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
-    # decodes that verify draft tokens: their last token and its drafts, 1 + len(draft_token_ids) each
+    # decodes that verify draft tokens: their last token and its drafts, 1 + num_drafts[i] rows each
     verifies: list[Sequence] = field(default_factory=list)
+    # per verification: its drafts (its draft_token_ids; on the device when launched ahead of the step
+    # that drafted them)
+    num_drafts: list[int] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)  # one token each
     num_preempted: int = 0
 
@@ -20,7 +23,7 @@ class ScheduledBatch:
     def items(self) -> list[tuple[Sequence, int]]:
         """Batch order: prefill chunks first, then verifications (attention runs both as chunks), then
         decodes."""
-        return self.prefills + [(s, 1 + len(s.draft_token_ids)) for s in self.verifies] + [(s, 1) for s in self.decodes]
+        return self.prefills + [(s, 1 + d) for s, d in zip(self.verifies, self.num_drafts)] + [(s, 1) for s in self.decodes]
 
     @property
     def num_chunks(self) -> int:
@@ -108,6 +111,7 @@ class Scheduler:
                 batch.prefills.append((seq, n))
             elif seq.draft_token_ids:  # its last token and the drafts after it
                 batch.verifies.append(seq)
+                batch.num_drafts.append(len(seq.draft_token_ids))
             else:  # its last token: the decode path
                 batch.decodes.append(seq)
         return batch
@@ -128,16 +132,29 @@ class Scheduler:
         need = self.bm.blocks_needed(min(self.waiting[0].num_tokens, budget))
         return budget > 0 and need <= self.bm.num_free_blocks
 
-    def schedule_ahead(self, seqs: list[Sequence]) -> ScheduledBatch | None:
+    def schedule_ahead(self, seqs: list[Sequence], num_drafts: list[int] | None = None,
+                       unresolved: list[int] | None = None) -> ScheduledBatch | None:
         """The decode step after one still in flight, before its tokens are known: running `seqs`, each
-        one token further than its computed ones (num_computed_tokens counts the step in flight). None
-        where blocks run short: the synchronous schedule, with every token known, then preempts."""
-        need = sum(self.bm.blocks_needed(s.num_computed_tokens + 1) - len(s.block_table) for s in seqs)
-        if need > self.bm.num_free_blocks or len(seqs) > self.max_num_batched_tokens:
+        one token further than its computed ones (num_computed_tokens counts the step in flight), and
+        num_drafts[i] drafts more where it verifies drafts still on the device. unresolved[i]: drafts the
+        step in flight verifies for it; every one may be accepted, so its blocks are grown for that many
+        more (and for the draft's lookahead). None where blocks or the token budget run short: the
+        synchronous schedule, with every token known, then preempts."""
+        num_drafts = num_drafts or [0] * len(seqs)
+        unresolved = unresolved or [0] * len(seqs)
+        reach = [self._reach(s, u + 1 + d) for s, d, u in zip(seqs, num_drafts, unresolved)]
+        need = sum(max(0, self.bm.blocks_needed(r) - len(s.block_table)) for s, r in zip(seqs, reach))
+        if need > self.bm.num_free_blocks or len(seqs) + sum(num_drafts) > self.max_num_batched_tokens:
             return None
-        for seq in seqs:
-            self.bm.grow(seq, seq.num_computed_tokens + 1)
-        return ScheduledBatch(decodes=list(seqs))
+        batch = ScheduledBatch()
+        for seq, r, d in zip(seqs, reach, num_drafts):
+            self.bm.grow(seq, r)
+            if d:
+                batch.verifies.append(seq)
+                batch.num_drafts.append(d)
+            else:
+                batch.decodes.append(seq)
+        return batch
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.release(seq)

@@ -27,24 +27,43 @@ import torch
 
 from engine.config import SpeculativeConfig
 from engine.copies import ToHost, to_device
+from engine.sampler import Draws
 from engine.sequence import Sequence
 from engine.step_plan import DraftPlan, StepPlan
 
 
-def accepted_counts(tokens: torch.Tensor, first: list[int], drafts: list[list[int]]) -> torch.Tensor:
+def accepted_counts(tokens: torch.Tensor, first: list[int], num_drafts: list[int], drafts: list[list[int]] | None,
+                    inputs: torch.Tensor | None = None, input_first: list[int] | None = None) -> torch.Tensor:
     """How many drafts each verification keeps: tokens [R] drawn at the step's sampled rows, first[s]
-    the index of sequence s's first row there, drafts[s] its drafts (rows first[s] .. first[s] +
-    len(drafts[s]) verify them) -> [S] int64 on tokens' device: the leading drafts equal to the token
-    drawn at the row before each."""
-    width = max((len(d) for d in drafts), default=0)
+    the index of sequence s's first row there, num_drafts[s] the drafts it verifies (rows first[s] ..
+    first[s] + num_drafts[s] verify them) -> [S] int64 on tokens' device: the leading drafts equal to the
+    token drawn at the row before each. The drafts are drafts[s] on the host, or, where a step was
+    launched before they were read, on the device: the step's inputs [T], whose token input_first[s] + 1
+    + j is sequence s's draft j."""
+    width = max(num_drafts, default=0)
     dev = tokens.device
     if not width:
         return torch.zeros(len(first), dtype=torch.long, device=dev)
+    rows = width + 1
+    if (tokens.shape[0] == len(first) * rows and all(n == width for n in num_drafts)
+            and first == list(range(0, tokens.shape[0], rows))
+            and (drafts is not None or (inputs.shape[0] == tokens.shape[0] and input_first == first))):
+        # every row is a verification of `width` drafts, back to back (one stream, or all alike): views
+        want = (to_device([d[:width] for d in drafts], torch.long, dev) if drafts is not None
+                else inputs.view(-1, rows)[:, 1:])
+        return (tokens.view(-1, rows)[:, :width] == want).long().cumprod(dim=1).sum(dim=1)
     last = tokens.shape[0] - 1
-    # one copy: the drafts (padded with -1, which never matches) and the draw each is compared with
-    both = to_device([[d + [-1] * (width - len(d)) for d in drafts],
-                      [[min(f + j, last) for j in range(width)] for f in first]], torch.long, dev)  # [2, S, width]
-    return (tokens[both[1]] == both[0]).long().cumprod(dim=1).sum(dim=1)
+    draws = [[min(f + j, last) for j in range(width)] for f in first]
+    if drafts is not None:
+        # one copy: the drafts (padded with -1, which never matches) and the draw each is compared with
+        both = to_device([[d[:n] + [-1] * (width - n) for d, n in zip(drafts, num_drafts)], draws], torch.long, dev)
+        want, at = both[0], both[1]
+    else:
+        end = inputs.shape[0] - 1
+        both = to_device([draws, [[min(f + 1 + j, end) for j in range(width)] for f in input_first],
+                          [[int(j < n) for j in range(width)] for n in num_drafts]], torch.long, dev)  # [3, S, width]
+        want, at = inputs[both[1]].masked_fill(both[2] == 0, -1), both[0]
+    return (tokens[at] == want).long().cumprod(dim=1).sum(dim=1)
 
 
 @dataclass
@@ -54,13 +73,16 @@ class SpecStep:
     seqs: list[Sequence]  # the sequences that verified drafts or draft now
     num_verified: list[int]  # drafts each verified this step (0: none)
     drafting: list[bool]  # whether each drafts for the next step
-    copy: ToHost | None  # (accepted counts [S], drafts [S', k]) on their way to the host
+    copy: ToHost | None  # (accepted counts [S], drafts [S', k]) on their way to the host, from `offset` on
+    counts: torch.Tensor | None = None  # the same on the device: a step launched ahead reads them there
+    drafts: torch.Tensor | None = None
+    offset: int = 0
 
     def result(self) -> tuple[list[int], list[list[int]]]:
         """-> (accepted drafts per sequence, next drafts per drafting sequence)."""
-        if self.copy is None:
+        if self.counts is None:
             return [0] * len(self.seqs), []
-        host = self.copy.get()
+        host = self.copy.get()[self.offset :]
         counts = host[0].tolist()
         return counts, host[1].tolist() if len(host) > 1 else []
 
@@ -87,30 +109,42 @@ class Speculator:
         drafts' cache positions fit the context."""
         return seq.guide is None and not seq.collect_logits and end + self.k <= self.max_model_len
 
-    def allowed_drafts(self, seq: Sequence) -> int:
-        """Drafts worth verifying next step: no more than its max_tokens and the context leave room for."""
-        room = self.max_model_len - 1 - seq.num_tokens
+    def allowed_drafts(self, seq: Sequence, num_tokens: int | None = None) -> int:
+        """Drafts worth verifying next step: no more than its max_tokens and the context leave room for.
+        num_tokens: its tokens by then, where more than the host holds (the most a step in flight adds)."""
+        num_tokens = seq.num_tokens if num_tokens is None else num_tokens
+        room = self.max_model_len - 1 - num_tokens
         if seq.params.max_tokens is not None:
-            room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+            room = min(room, seq.params.max_tokens - (num_tokens - seq.num_prompt_tokens) - 1)
         return max(0, min(self.k, room))
 
     def launch(self, plan: StepPlan, items: list[tuple[Sequence, int]], groups: list[tuple[Sequence, int]],
-               tokens: torch.Tensor | None, num_running: int, device: torch.device) -> SpecStep:
+               tokens: torch.Tensor | None, num_running: int, device: torch.device,
+               inputs: torch.Tensor | None = None, unresolved: dict[int, int] | None = None,
+               draws: Draws | None = None) -> SpecStep:
         """After a step's draws are queued: verify its drafts, run the MTP layer over its rows and draft.
         items: the batch's (sequence, rows); groups: (sequence, sampled rows) in the draws' order;
-        tokens: the draws [R] on the device (None: nothing sampled)."""
+        tokens: the draws [R] on the device (None: nothing sampled). A step launched ahead of the one
+        that drafted: inputs [T] its token ids on the device (the drafts among them), unresolved:
+        id(seq) -> the drafts the step before verifies, every one of which may be accepted (its rows
+        may lie that much further on). draws: the step's, whose copy to the host this starts with the
+        accepted counts and drafts (one copy a step)."""
         # the token after each row: known on the host (prompt, earlier output), or drawn at the row itself
-        next_ids: list[int] = []
-        for (seq, n), start in zip(items, plan.num_computed):
-            known = seq.token_ids(start + 1, min(start + n + 1, seq.num_tokens)) if start + 1 < seq.num_tokens else []
-            next_ids += known + [0] * (n - len(known))
-        next_dev = to_device(next_ids, torch.long, device)
-        if tokens is not None:
-            next_dev.index_copy_(0, to_device(plan.sample_indices, torch.long, device), tokens)
+        if tokens is not None and len(plan.sample_indices) == plan.num_tokens:
+            next_dev = tokens  # every row sampled (decodes and verifications): its draw comes after it
+        else:
+            next_ids: list[int] = []
+            for (seq, n), start in zip(items, plan.num_computed):
+                known = seq.token_ids(start + 1, min(start + n + 1, seq.num_tokens)) if start + 1 < seq.num_tokens else []
+                next_ids += known + [0] * (n - len(known))
+            next_dev = to_device(next_ids, torch.long, device)
+            if tokens is not None:
+                next_dev.index_copy_(0, to_device(plan.sample_indices, torch.long, device), tokens)
         drafting_now = self.drafts_at(num_running)
         seqs, first, verified, drafting, rows, slots = [], [], [], [], [], []
         slot_of = {id(seq): slot for (seq, _), slot in zip(items, plan.slots)}
-        end_of = {id(seq): start + n for (seq, n), start in zip(items, plan.num_computed)}
+        unresolved = unresolved or {}
+        end_of = {id(seq): start + n + unresolved.get(id(seq), 0) for (seq, n), start in zip(items, plan.num_computed)}
         index = 0
         for seq, num_rows in groups:
             drafts = drafting_now and self.may_draft(seq, end_of[id(seq)])
@@ -125,11 +159,18 @@ class Speculator:
             index += num_rows
         counts = None
         if seqs:
-            counts = accepted_counts(tokens, first, [seq.draft_token_ids[:n] for seq, n in zip(seqs, verified)])
+            if plan.input_ids is None and any(verified):  # launched ahead: the drafts are the inputs on the device
+                counts = accepted_counts(tokens, first, verified, None, inputs,
+                                         [plan.sample_indices[f] for f in first])
+            else:
+                counts = accepted_counts(tokens, first, verified, [seq.draft_token_ids for seq in seqs])
         draft_counts = counts
         if counts is not None and len(rows) < len(seqs):
             keep = [i for i, d in enumerate(drafting) if d]
             draft_counts = counts.index_select(0, to_device(keep, torch.long, device)) if keep else None
         drafts = self.executor.propose(DraftPlan(self.k if rows else 0, rows, slots), next_dev, draft_counts)
         parts = [t for t in (counts, drafts) if t is not None]
-        return SpecStep(seqs, verified, drafting, ToHost(*parts) if parts else None)
+        if draws is not None:
+            offset = draws.send(*parts)
+            return SpecStep(seqs, verified, drafting, draws.copy, counts, drafts, offset)
+        return SpecStep(seqs, verified, drafting, ToHost(*parts) if parts else None, counts, drafts)

@@ -48,6 +48,9 @@ class StepPlan:
     drop_images: list[str] = field(default_factory=list)  # keys whose embeddings the workers forget first
     # per row, the `PlanBuilder.lookback` token ids before its first new token (-1 before the sequence), flat
     lookback: list[int] | None = None
+    # launched ahead of a speculative step: each token's position is num_computed's plus an offset known
+    # only on the device (`offsets` [T] next to the plan: the drafts that step accepts for its sequence)
+    shifted: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -102,7 +105,7 @@ class PlanBuilder:
         """Blocks written on rank 0 only (pulled from a peer): the next plan copies them to every rank."""
         self._replicate += block_ids
 
-    def build(self, batch: ScheduledBatch, inputs_on_device: bool = False) -> StepPlan:
+    def build(self, batch: ScheduledBatch, inputs_on_device: bool = False, shifted: bool = False) -> StepPlan:
         items = batch.items
         self._release_idle()
         slots, deltas, computed, lens, ids, sample, images, back = [], [], [], [], [], [], [], []
@@ -122,11 +125,11 @@ class PlanBuilder:
             slots.append(slot)
             computed.append(start)
             lens.append(n)
-            drafts = seq.draft_token_ids if id(seq) in verifying else []
+            verifies = id(seq) in verifying
             if not inputs_on_device:
-                ids += seq.token_ids(start, start + n - len(drafts)) + drafts
+                ids += seq.token_ids(start, start + 1) + seq.draft_token_ids if verifies else seq.token_ids(start, start + n)
             end += n
-            if drafts:  # a verification: every position samples (its last token's, then each draft's)
+            if verifies:  # a verification: every position samples (its last token's, then each draft's)
                 sample += range(end - n, end)
             elif start + n == seq.num_drawn_tokens:  # the chunk reaches the end: it samples
                 sample.append(end - 1)
@@ -136,7 +139,7 @@ class PlanBuilder:
         drop, self._drop_images = self._drop_images, []
         return StepPlan(slots, computed, lens, batch.num_chunks, None if inputs_on_device else ids, sample,
                         deltas, replicate, collect_logits=any(seq.collect_logits for seq, _ in items),
-                        images=images, drop_images=drop, lookback=back if self.lookback else None)
+                        images=images, drop_images=drop, lookback=back if self.lookback else None, shifted=shifted)
 
     def _images(self, seq: Sequence, start: int, n: int, index: int) -> list[PlanImage]:
         """The parts of seq's image spans that its tokens [start, start + n) cover (flat from `index`)."""

@@ -44,8 +44,10 @@ class Worker:
         return num_blocks
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepResult:
-        """inputs: on rank 0, the step's tokens on the device where the plan carries none."""
+    def execute(self, plan: StepPlan, inputs: torch.Tensor | None = None,
+                offsets: torch.Tensor | None = None) -> StepResult:
+        """inputs: on rank 0, the step's tokens on the device where the plan carries none; offsets: on
+        rank 0, the positions' offsets of a shifted plan."""
         runner = self.runner
         runner.tables.apply(plan.table_deltas)
         if self.par.tp_size > 1:
@@ -56,7 +58,12 @@ class Worker:
                     inputs = torch.empty(plan.num_tokens, dtype=torch.long, device=runner.device)
                 inputs = inputs.contiguous()
                 dist.broadcast(inputs, src=0, group=self.par.group)
-        return runner.run(plan, inputs)
+            if plan.shifted:
+                if self.par.tp_rank != 0:
+                    offsets = torch.empty(plan.num_tokens, dtype=torch.long, device=runner.device)
+                offsets = offsets.contiguous()
+                dist.broadcast(offsets, src=0, group=self.par.group)
+        return runner.run(plan, inputs, offsets)
 
     @torch.inference_mode()
     def propose(self, draft: DraftPlan, next_ids: torch.Tensor | None = None,

@@ -67,11 +67,11 @@ def test_decode_steps_launch_before_the_previous_tokens_are_read(engines):
     launches = []  # per launch: did every row have a token in flight (drawn, not yet read)?
     execute = eng.executor.execute
 
-    def recording_execute(plan, inputs=None):
+    def recording_execute(plan, inputs=None, offsets=None):
         running = eng.scheduler.running
         launches.append(inputs is not None and plan.input_ids is None
                         and all(s.num_inflight_tokens == 1 for s in running))
-        return execute(plan, inputs)
+        return execute(plan, inputs, offsets)
 
     eng.executor.execute = recording_execute
     params = SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True)
@@ -90,7 +90,8 @@ def test_an_ending_request_drops_the_row_it_was_given_ahead(engines):
     stop = full.token_ids[6]
     rows = []
     execute = eng.executor.execute
-    eng.executor.execute = lambda plan, inputs=None: rows.append(len(plan.slots)) or execute(plan, inputs)
+    eng.executor.execute = lambda plan, inputs=None, offsets=None: rows.append(len(plan.slots)) or execute(
+        plan, inputs, offsets)
     out = llm.generate(p, SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop]))[0]
     end = full.token_ids.index(stop) + 1
     assert out.token_ids == full.token_ids[:end] and out.finish_reason == "stop"
@@ -173,9 +174,9 @@ def test_penalized_requests_go_ahead_and_count_the_token_in_flight(engines):
         executor, ahead = llm.engine.executor, []
         execute = executor.execute
 
-        def run_favouring_the_last_token(plan, inputs=None):
+        def run_favouring_the_last_token(plan, inputs=None, offsets=None):
             ahead.append(inputs is not None)
-            result = execute(plan, inputs)  # the real step: KV writes, positions
+            result = execute(plan, inputs, offsets)  # the real step: KV writes, positions
             logits = result.logits
             if logits is None:
                 return result

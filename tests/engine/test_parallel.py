@@ -136,8 +136,8 @@ def test_async_scheduling_over_two_ranks_gives_the_synchronous_tokens(tmp_path):
     llm = LLM(str(path), dtype="float32", device="cpu", tensor_parallel_size=2, async_scheduling="on")
     try:
         execute, ahead = llm.engine.executor.execute, []
-        llm.engine.executor.execute = lambda plan, inputs=None: ahead.append(plan.input_ids is None) or execute(
-            plan, inputs)
+        llm.engine.executor.execute = lambda plan, inputs=None, offsets=None: ahead.append(
+            plan.input_ids is None) or execute(plan, inputs, offsets)
         assert [o.token_ids for o in llm.generate(batch, params)] == want
         assert ahead.count(True) >= 8  # decode steps went ahead on the draws in flight
     finally:

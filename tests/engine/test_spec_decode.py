@@ -130,15 +130,143 @@ def test_an_abort_in_the_middle_of_a_verified_step(tiny_prompts, plain_tokens):
     assert eng.kv_cache_usage == 0.0 and not eng.block_manager.num_hashed_blocks
 
 
-def test_stop_tokens_and_max_tokens_inside_accepted_drafts(tiny_prompts, plain_tokens):
-    """A stop token or the length limit reached inside a step's accepted tokens ends the request there."""
-    llm = LLM("deepseek-tiny", dtype="float32", speculative_config=spec(3))
+def record_launches(eng) -> list[bool]:
+    """Per step launched: whether it went ahead of a speculative step whose tokens, accepted counts and
+    drafts the host has not read (its rows placed by offsets on the device, every running request with a
+    step in flight)."""
+    execute, launches = eng.executor.execute, []
+
+    def recording(plan, inputs=None, offsets=None):
+        behind = eng.inflight
+        launches.append(offsets is not None and plan.shifted and plan.input_ids is None and behind is not None
+                        and bool(behind.spec.seqs) and all(s.num_inflight_tokens == 1 for s in eng.scheduler.running))
+        return execute(plan, inputs, offsets)
+
+    eng.executor.execute = recording
+    return launches
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_async_speculative_steps_go_ahead_and_give_the_plain_tokens(tiny_prompts, plain_tokens, k):
+    """With async scheduling every step after the first verification is launched before the one ahead of
+    it is read; greedy tokens stay the plain ones (and so the synchronous speculative ones, tested above)."""
+    llm = LLM("deepseek-tiny", dtype="float32", async_scheduling="on", speculative_config=spec(k))
+    launches = record_launches(llm.engine)
+    outs = llm.generate(tiny_prompts, GREEDY)
+    assert [o.token_ids for o in outs] == plain_tokens
+    # only the prefill and the first verification are scheduled with every token known
+    assert launches.count(True) == len(launches) - 2 and len(launches) > 10
+    s = llm.engine.speculator
+    assert s.num_accepted_tokens / s.num_draft_tokens > (0.55 if k == 1 else 0.35)
+    assert llm.engine.kv_cache_usage == 0.0 and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_stop_tokens_and_max_tokens_inside_accepted_drafts(tiny_prompts, plain_tokens, mode):
+    """A stop token or the length limit reached inside a step's accepted tokens ends the request there;
+    with async scheduling the step launched after it drops the request's rows."""
+    llm = LLM("deepseek-tiny", dtype="float32", async_scheduling=mode, speculative_config=spec(3))
+    launches = record_launches(llm.engine)
     plain = plain_tokens[0]
     params = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[plain[17]]),
-              SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True)]
-    outs = llm.generate([tiny_prompts[0]] * 2, params)
+              SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[llm.tokenizer.decode(plain[25:27])])]
+    outs = llm.generate([tiny_prompts[0]] * 3, params)
     assert outs[0].token_ids == plain[: plain.index(plain[17]) + 1] and outs[0].finish_reason == "stop"
     assert outs[1].token_ids == plain[:13] and outs[1].finish_reason == "length"
+    assert outs[2].token_ids == plain[:27] and outs[2].finish_reason == "stop"
+    assert any(launches) == (mode == "on")
+    assert llm.engine.kv_cache_usage == 0.0
+
+
+def test_an_abort_while_two_speculative_steps_are_in_flight(tiny_prompts, plain_tokens):
+    """A request aborted just as the step after its verification is launched (that verification not
+    read yet): both steps' rows for it are dropped, the others go on as if alone, every block comes back."""
+    llm = LLM("deepseek-tiny", dtype="float32", async_scheduling="on", speculative_config=spec(2))
+    eng = llm.engine
+    for i, p in enumerate(tiny_prompts):
+        eng.add_request(f"r{i}", p, GREEDY)
+    execute, aborted = eng.executor.execute, []
+
+    def abort_during(plan, inputs=None, offsets=None):
+        if offsets is not None and not aborted and eng.requests["r1"].metrics.num_verify_steps >= 2:
+            eng.abort_request("r1")
+            aborted.append(len(plan.slots))
+        return execute(plan, inputs, offsets)
+
+    eng.executor.execute = abort_during
+    finished = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert aborted == [4] and "r1" not in finished  # the launched step still held r1's rows
+    assert [finished[f"r{i}"].token_ids for i in (0, 2, 3)] == [plain_tokens[i] for i in (0, 2, 3)]
+    assert eng.kv_cache_usage == 0.0 and not eng.block_manager.num_hashed_blocks
+
+
+def test_async_speculative_preemption_and_penalties_keep_the_sync_tokens(tiny_prompts, plain_tokens):
+    """10 blocks of 16 cannot hold four 52-token sequences and their drafts: a step launched ahead finds
+    blocks short, the synchronous schedule preempts, the chain starts again; a penalized request (its
+    penalties count the tokens before each row) makes steps wait for the one ahead, with the tokens the
+    synchronous engine gives."""
+    tight = LLM("deepseek-tiny", dtype="float32", num_kv_blocks=10, async_scheduling="on", speculative_config=spec(3))
+    launches = record_launches(tight.engine)
+    assert [o.token_ids for o in tight.generate(tiny_prompts, GREEDY)] == plain_tokens
+    assert tight.engine.scheduler.num_preemptions > 0 and any(launches)
+    assert tight.engine.kv_cache_usage == 0.0
+    penalized = [GREEDY, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=1.0)]
+    outs = {}
+    for mode in ("off", "on"):
+        llm = LLM("deepseek-tiny", dtype="float32", async_scheduling=mode, speculative_config=spec(2))
+        outs[mode] = [o.token_ids for o in llm.generate(tiny_prompts[:2], penalized)]
+    assert outs["on"] == outs["off"] and outs["on"][0] == plain_tokens[0]
+
+
+class EagerGraph:
+    """A captured CUDA graph's stand-in on a CPU: replaying it runs what the capture would have recorded."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+def test_the_graph_path_on_a_cpu_places_rows_by_their_offsets(monkeypatch, tiny_prompts, plain_tokens):
+    """The decode and draft graphs' host side (buffers loaded, positions shifted on the device by the
+    accepted counts, the draft reading the verification's rows from the decode graph's buffers) with each
+    graph's function run where its replay would be: greedy tokens are the plain ones."""
+    import engine.kernels.sampling
+    from engine.model_runner import DecodeGraphs, DraftGraphs
+
+    # the graph's own draw is not read (the engine samples its logits); greedy stands in for the kernel
+    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, **kwargs: logits.argmax(-1))
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, batch: self.graphs.__setitem__(
+        batch, EagerGraph(lambda: self.outputs.__setitem__(batch, self._step(batch)))))
+    llm = LLM("deepseek-tiny", dtype="float32", max_num_seqs=4, async_scheduling="on", speculative_config=spec(2))
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(runner)
+    runner.graphs.capture_all()
+    drafts = runner.draft_graphs = DraftGraphs(runner)
+    for key in {drafts.key(s * 3, s) for s in (1, 2, 4)}:
+        drafts.graphs[key] = EagerGraph(lambda key=key: drafts.outputs.__setitem__(key, drafts._draft(key)))
+    launches = record_launches(llm.engine)
+    replays = []
+    replay = drafts.replay
+    drafts.replay = lambda *args: replays.append(args[0].shape[0]) or replay(*args)
+    assert [o.token_ids for o in llm.generate(tiny_prompts, GREEDY)] == plain_tokens
+    assert launches.count(True) == len(launches) - 2 and len(replays) > 10
+
+
+def test_device_noise_keys_are_the_hosts():
+    """A row launched before its position is known keys its noise on the device: the same 63-bit keys."""
+    import random
+
+    from engine.sampler import _signed, noise_key, noise_keys
+
+    rng = random.Random(0)
+    seeds = [rng.getrandbits(64) for _ in range(300)] + [0, 1, 2**63, 2**64 - 1]
+    positions = [rng.randrange(1 << 24) for _ in seeds]
+    keys = noise_keys(torch.tensor([_signed(s) for s in seeds]), torch.tensor(positions))
+    assert keys.tolist() == [noise_key(s, p) for s, p in zip(seeds, positions)]
 
 
 def mtp_checkpoint(tmp_path, seed: int = 3):
@@ -186,17 +314,22 @@ def test_greedy_matches_hf_on_a_v3_checkpoint_with_an_mtp_layer(tmp_path):
     assert not hasattr(plain.engine.runner.model, "mtp") or not len(plain.engine.runner.model.mtp)
 
 
-def test_two_ranks_draft_and_verify_as_one(tmp_path):
-    """TP=2 on CPU: every rank runs the MTP layer over the step's rows (rank 0's draws broadcast), so
-    the greedy tokens are HF's."""
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_two_ranks_draft_and_verify_as_one(tmp_path, mode):
+    """TP=2 on CPU: every rank runs the MTP layer over the step's rows (rank 0's draws broadcast), and
+    with async scheduling places a step launched ahead by rank 0's offsets (broadcast too), so the greedy
+    tokens are HF's."""
     hf, path = mtp_checkpoint(tmp_path, seed=5)
     batch = prompts(6, [12, 7])
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    llm = LLM(str(path), dtype="float32", device="cpu", tensor_parallel_size=2, speculative_config=spec(2))
+    llm = LLM(str(path), dtype="float32", device="cpu", tensor_parallel_size=2, async_scheduling=mode,
+              speculative_config=spec(2))
     try:
+        launches = record_launches(llm.engine)
         for ids, out in zip(batch, llm.generate(batch, params)):
             assert out.token_ids == hf_greedy(hf, ids, 16)
         assert llm.engine.speculator.num_draft_tokens > 0
+        assert any(launches) == (mode == "on")
     finally:
         llm.engine.shutdown()
 
@@ -260,15 +393,18 @@ def test_speculative_config_is_parsed_and_checked():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("k", [1, 3])
 def test_on_the_gpu_graphs_give_the_plain_tokens(tiny_prompts, k):
-    """The fast path: verification rows replayed from the decode graphs, the draft from its own graphs;
-    greedy and seeded sampled tokens as plain decoding's (the sampling noise is keyed by position)."""
+    """The fast path: verification rows replayed from the decode graphs, the draft from its own graphs,
+    steps launched ahead of the verification before them (positions and noise keys shifted on the
+    device); greedy and seeded sampled tokens as plain decoding's (the sampling noise is keyed by position)."""
     params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True)]
     batch = [tiny_prompts[0], tiny_prompts[1], tiny_prompts[1]]
     plain = LLM("deepseek-tiny", dtype="float32").generate(batch, [params[0], params[0], params[1]])
     llm = LLM("deepseek-tiny", dtype="float32", speculative_config=spec(k))
-    assert llm.engine.runner.draft_graphs.graphs
+    assert llm.engine.runner.draft_graphs.graphs and llm.engine.async_scheduling
+    launches = record_launches(llm.engine)
     outs = llm.generate(batch, [params[0], params[0], params[1]])
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert launches.count(True) >= len(launches) - 3
     one = llm.generate([tiny_prompts[3]], GREEDY)[0]  # one stream: the (k + 1)-row graphs
     assert one.token_ids == LLM("deepseek-tiny", dtype="float32").generate([tiny_prompts[3]], GREEDY)[0].token_ids
 
