@@ -251,8 +251,8 @@ def test_decode_steps_launched_ahead_match_the_reference(engines, goldens, monke
 
     ahead = []
     build = PlanBuilder.build
-    monkeypatch.setattr(PlanBuilder, "build", lambda self, batch, inputs_on_device=False: (
-        ahead.append(inputs_on_device), build(self, batch, inputs_on_device))[1])
+    monkeypatch.setattr(PlanBuilder, "build", lambda self, batch, inputs_on_device=False, **kw: (
+        ahead.append(inputs_on_device), build(self, batch, inputs_on_device, **kw))[1])
     case = "release_like_all"
     llm = engines(case, async_scheduling="on")
     for i, out in enumerate(llm.generate(prompts_of(goldens[case]), GREEDY)):
