@@ -66,9 +66,15 @@ def prompts_of(golden) -> list[list[int]]:
 
 
 def check_logits(case: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """Unquantized: every position within 1e-5. Quantized caches amplify float32 summation order (the
+    reference's own two expert implementations differ by 1.3e-4 on csa2_reuse_reindex_quant, and another
+    CPU's threads gave this engine 1.25e-4 there), and a value on an FP8/FP4 rounding boundary can flip
+    (up to 0.14 at isolated positions in the reference's float64 check): every position within 0.2, at
+    most 3 positions above 5e-4."""
     per_position = (ours - ref).abs().amax(-1)
-    off = (per_position > 1e-5).nonzero().flatten().tolist()
-    what = f"{case}: max {per_position.max().item():.3g}, positions above 1e-5: {off}"
+    bound = 5e-4 if case in QUANTIZED else 1e-5
+    off = (per_position > bound).nonzero().flatten().tolist()
+    what = f"{case}: max {per_position.max().item():.3g}, positions above {bound:g}: {off}"
     if case in QUANTIZED:
         assert per_position.max().item() <= 0.2 and len(off) <= 3, what
     else:
