@@ -435,7 +435,10 @@ class Block(nn.Module):
         return self._site(h, "ffn", lambda x: self.ffn(self.ffn_norm(x), input_ids))
 
 
-class DeepseekV4ForCausalLM(nn.Module):
+class DeepseekV4Base(nn.Module):
+    """What V4 and V4.1 share around their blocks: the main and compress ropes, embedding and head
+    (vocab-parallel under TP), the blocks, their attention layers' cache specs, the expert names."""
+
     # the routed experts' checkpoint tensors (ffn.experts.E.w1/w3/w2) -> FusedExperts' stacks
     expert_pattern = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight()$")
     expert_params = {"w1": ("w13", "w1"), "w3": ("w13", "w3"), "w2": ("w2", "w2")}
@@ -445,7 +448,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     graph_prefill_rows = False
     fp8_kernels = False  # FP8 / FP4 weights are dequantized at load
 
-    def __init__(self, cfg: DeepseekV4Config, max_position: int, par: ParallelContext = SINGLE):
+    def __init__(self, cfg: DeepseekV4Config, max_position: int, par: ParallelContext, block: type[nn.Module]):
         super().__init__()
         self.config, self.par = cfg, par
         rope_dim = cfg.qk_rope_head_dim
@@ -460,7 +463,27 @@ class DeepseekV4ForCausalLM(nn.Module):
         else:
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, par)
             self.head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, par)
-        self.layers = nn.ModuleList(Block(cfg, i, self.ropes, par, max_position) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(block(cfg, i, self.ropes, par, max_position) for i in range(cfg.num_hidden_layers))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.attn for layer in self.layers]
+
+    def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
+        """Per layer: the window (every token, K = V), and in compressed layers the entries, the indexer's
+        keys and the compressors' open state (float32, a row per block)."""
+        return [spec for attn in self.attention_layers() for spec in attn.kv_cache_specs(dtype)]
+
+    def bind_kv_caches(self, pool: KVPool) -> None:
+        for attn in self.attention_layers():
+            attn.bind(pool)
+
+
+class DeepseekV4ForCausalLM(DeepseekV4Base):
+    def __init__(self, cfg: DeepseekV4Config, max_position: int, par: ParallelContext = SINGLE):
+        super().__init__(cfg, max_position, par, Block)
         n = cfg.hc_mult
         self.hc_head_fn = _fp32(n, n * cfg.hidden_size)
         self.hc_head_base = _fp32(n)
@@ -487,18 +510,3 @@ class DeepseekV4ForCausalLM(nn.Module):
         flat = unweighted_rms_norm(h.flatten(1).float(), self.config.rms_norm_eps)
         pre = torch.sigmoid(F.linear(flat, self.hc_head_fn) * self.hc_head_scale + self.hc_head_base) + self.config.hc_eps
         return self.norm((pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype))
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden).float()
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.attn for layer in self.layers]
-
-    def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
-        """Per layer: the window (every token, K = V), and in compressed layers the entries, the indexer's
-        keys (CSA) and the compressors' open state (float32, a row per block)."""
-        return [spec for attn in self.attention_layers() for spec in attn.kv_cache_specs(dtype)]
-
-    def bind_kv_caches(self, pool: KVPool) -> None:
-        for attn in self.attention_layers():
-            attn.bind(pool)

@@ -36,16 +36,10 @@ from engine.layers.compressed_attention import (
 )
 from engine.layers.engram import Engram, EngramHash, compressed_token_map
 from engine.layers.kv_quant import COMPRESSED_FP4, INDEXER_FP4, WINDOW_FP8, BlockCodec
-from engine.layers.linear import (
-    ColumnParallelLinear,
-    Linear,
-    ParallelLMHead,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
+from engine.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from engine.layers.moe import FusedExperts
 from engine.loader import materialize
-from engine.models.deepseek_v4 import Expert, RMSNorm, Rope, _fp32, hc_weights
+from engine.models.deepseek_v4 import DeepseekV4Base, Expert, RMSNorm, Rope, _fp32, hc_weights
 from engine.models.deepseek_vit import ImageEmbeds, VisionLanguageModel
 from engine.parallel import SINGLE, ParallelContext, divide
 
@@ -388,30 +382,11 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * h.float()).sum(dim=1).to(h.dtype)
 
 
-class DeepseekV41ForCausalLM(nn.Module, VisionLanguageModel):
-    expert_pattern = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight()$")
-    expert_params = {"w1": ("w13", "w1"), "w3": ("w13", "w3"), "w2": ("w2", "w2")}
-    stacked_params: dict = {}
-    graph_prefill_rows = False
+class DeepseekV41ForCausalLM(DeepseekV4Base, VisionLanguageModel):
     cuda_graphs = False  # every step runs eagerly over the host's row lists (no device-only decode path yet)
-    fp8_kernels = False
 
     def __init__(self, cfg: DeepseekV41Config, max_position: int, par: ParallelContext = SINGLE):
-        super().__init__()
-        self.config, self.par = cfg, par
-        rope_dim = cfg.qk_rope_head_dim
-        self.ropes = nn.ModuleDict({
-            "main": Rope(rope_dim, max_position, cfg.rope_theta, None),
-            "compress": Rope(rope_dim, max_position, cfg.compress_rope_theta, cfg.compress_rope_scaling),
-        })
-        if par.tp_size == 1:
-            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-            self.embed.weight.requires_grad_(False)
-            self.head = Linear(cfg.hidden_size, cfg.vocab_size)
-        else:
-            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, par)
-            self.head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, par)
-        self.layers = nn.ModuleList(Block(cfg, i, self.ropes, par, max_position) for i in range(cfg.num_hidden_layers))
+        super().__init__(cfg, max_position, par, Block)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.engram_hash = None
         if cfg.engram_layer_ids:
@@ -490,16 +465,3 @@ class DeepseekV41ForCausalLM(nn.Module, VisionLanguageModel):
         for i, layer in enumerate(self.layers):
             h, pre = layer(positions, h, pre, meta, rows.get(i), is_image)
         return self.norm(collapse(h, pre))
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden).float()
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.attn for layer in self.layers]
-
-    def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
-        return [spec for attn in self.attention_layers() for spec in attn.kv_cache_specs(dtype)]
-
-    def bind_kv_caches(self, pool: KVPool) -> None:
-        for attn in self.attention_layers():
-            attn.bind(pool)
