@@ -176,7 +176,11 @@ def main() -> None:
 
     checkouts = [None] + ([args.baseline] if args.baseline else [])
     kv = {"kv_cache_memory": _bytes(args.kv_cache_memory)} if args.kv_cache_memory else {}
-    results = {}
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    print(f"machine: {os.cpu_count()} CPU cores, {device}, python {platform.python_version()}, "
+          f"torch {torch.__version__}")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(make_random_checkpoint(os.path.join(tmp, "tiny"), seed=0))
         llm = LLM(model, dtype=args.dtype, **kv)
@@ -188,29 +192,23 @@ def main() -> None:
                            else os.path.join(tmp, f"server{i}.log"), "w")
                 servers.append((start_server(model, args.dtype, port, log, checkout, args.kv_cache_memory),
                                 f"http://127.0.0.1:{port}", log))
-            for streams in args.streams:
+            for streams in args.streams:  # each printed once run: a long session still reports the first
                 prompts = make_prompts(llm.tokenizer, streams, args.prompt_tokens)
-                results[streams] = asyncio.run(alternate(
+                offline, served = asyncio.run(alternate(
                     llm, [url for _, url, _ in servers], prompts, args.max_tokens, args.repeats, args.warmup))
+                (t_off, n_off) = min(offline)
+                assert n_off == streams * args.max_tokens, n_off
+                print(f"workload: {streams} streams x {args.max_tokens} tokens, {args.prompt_tokens}-token prompts, "
+                      f"model {args.model or 'random tiny'} ({args.dtype}), best of {args.repeats}")  # fmt: skip
+                print(f"offline LLM.generate : {t_off:7.3f} s  {n_off / t_off:8.1f} tok/s   "
+                      f"all runs: {[round(t, 3) for t, _ in offline]}")
+                for checkout, runs in zip(checkouts, served):
+                    report("through the server" if checkout is None else "baseline server", runs, offline)
         finally:
             for server, _, log in servers:
                 server.send_signal(signal.SIGTERM)
                 server.wait(60)
                 log.close()
-    import torch
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    print(f"machine: {os.cpu_count()} CPU cores, {device}, python {platform.python_version()}, "
-          f"torch {torch.__version__}")  # fmt: skip
-    for streams, (offline, served) in results.items():
-        (t_off, n_off) = min(offline)
-        assert n_off == streams * args.max_tokens, n_off
-        print(f"workload: {streams} streams x {args.max_tokens} tokens, {args.prompt_tokens}-token prompts, "
-              f"model {args.model or 'random tiny'} ({args.dtype}), best of {args.repeats}")  # fmt: skip
-        print(f"offline LLM.generate : {t_off:7.3f} s  {n_off / t_off:8.1f} tok/s   "
-              f"all runs: {[round(t, 3) for t, _ in offline]}")
-        for checkout, runs in zip(checkouts, served):
-            report("through the server" if checkout is None else f"baseline server", runs, offline)
 
 
 if __name__ == "__main__":
