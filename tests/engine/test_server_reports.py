@@ -93,7 +93,7 @@ class StepEngine:
         self.num_waiting = self.num_running = 0
         self.kv_cache_usage = 0.0
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, images=None) -> None:
         self.requests[request_id], self.max_tokens[request_id] = [], params.max_tokens
 
     def abort_request(self, request_id: str) -> None:
@@ -120,7 +120,7 @@ def test_engine_loop_batches_steps_for_a_late_reader_and_loses_nothing():
     commands_reader, commands = Pipe(duplex=False)
     reader, writer = pipe()
     params = SamplingParams(max_tokens=200)
-    commands.send(AddRequests("a", [("a-0", [1], params), ("a-1", [1], params)]))
+    commands.send(AddRequests("a", [("a-0", [1], params, None), ("a-1", [1], params, None)]))
     loop = EngineLoop(StepEngine(), commands_reader, writer)
     engine_step = loop.engine.step
     reports: list[Report] = []
@@ -134,7 +134,10 @@ def test_engine_loop_batches_steps_for_a_late_reader_and_loses_nothing():
         return outputs
 
     loop.engine.step = step
-    loop.run()
+    runner = threading.Thread(target=loop.run, daemon=True)  # returns at the Stop sent after the last step
+    runner.start()
+    runner.join(30)
+    assert not runner.is_alive(), "the engine loop never finished the requests"
     writer.flush(force=True)
     reports += read_reports(reader)
     deltas = [Delta._make(d) for r in reports for d in r.deltas]
