@@ -30,6 +30,7 @@ from engine.server.engine_messages import (
 )
 from engine.server.engine_process import run_engine_process
 from engine.server.errors import InternalError, InvalidRequest, QueueFull, ServiceUnavailable
+from engine.server.report_pipe import ReportReader
 from engine.server.request_log import summarize
 from engine.server.request_stream import RequestStream
 
@@ -100,8 +101,8 @@ class AsyncEngine:
         self._process.start()
         self._commands.reader.close()
         report_writer.close()
-        self._reports = report_reader
-        self._loop.add_reader(report_reader.fileno(), self._read_reports)
+        self._reports = ReportReader(report_reader)
+        self._loop.add_reader(self._reports.fileno(), self._read_reports)
 
     async def wait_ready(self) -> None:
         await self._ready.wait()
@@ -207,11 +208,14 @@ class AsyncEngine:
     # ---------------------------------------------------------------------------- on the event loop
 
     def _read_reports(self) -> None:
-        # Everything the engine has sent so far: one wake-up may carry several steps.
+        # Everything the engine has sent so far, in one read: one wake-up may carry several steps.
         try:
-            while self._reports.poll(0):
-                self._on_message(self._reports.recv())
-        except (EOFError, OSError):
+            messages, closed = self._reports.read()
+        except OSError:
+            messages, closed = [], True
+        for message in messages:
+            self._on_message(message)
+        if closed:
             self._loop.remove_reader(self._reports.fileno())
             self._on_message(Failed("the engine process exited unexpectedly"))
 
@@ -231,8 +235,9 @@ class AsyncEngine:
 
     def _on_message(self, message: Any) -> None:
         self.last_report = time.monotonic()
-        if isinstance(message, Report):
-            self._on_report(message)
+        if isinstance(message, list):  # reports of one or more passes of the engine loop, in order
+            for fields in message:
+                self._on_report(Report.unpack(fields))
         elif isinstance(message, Ready):
             task = asyncio.ensure_future(self._load_tokenizer_then_ready(message))
             self._tasks.add(task)
@@ -251,19 +256,19 @@ class AsyncEngine:
             self._on_admission(admission)
         for request_id in report.aborted:
             self.metrics.observe_abort(request_id)
-        outputs = []
+        builders = []
         for fields in report.deltas:
             delta = Delta._make(fields)
             builder = self._builders.get(delta.request_id)
             if builder is not None:  # else: aborted meanwhile
-                outputs.append(builder.add(delta))
-        self.metrics.observe_outputs(outputs, report.time)
-        for out in outputs:
-            stream, index = self._routes[out.request_id]
-            if out.finished:
-                self._forget(out.request_id)
-                logger.info(summarize(out))
-            stream.put(index, out)
+                builders.append(builder.add(delta))
+        self.metrics.observe_outputs(builders, report.time)  # a builder stands for its request's last step
+        for builder in builders:
+            stream, index = self._routes[builder.request_id]
+            if builder.finished:
+                self._forget(builder.request_id)
+                logger.info(summarize(builder))
+            stream.put(index, builder)
             if stream.finished:
                 self._retire(stream)
 

@@ -88,6 +88,15 @@ class Report:
     kv: "KVSnapshot | None" = None  # cross-replica KV counters, when they changed
     spec: tuple[int, int] | None = None  # speculative decoding's (draft, accepted) tokens, when they changed
 
+    def pack(self) -> tuple:
+        """The report as a plain tuple: what crosses the pipe (a dataclass pickles several times slower)."""
+        return (self.time, self.num_waiting, self.num_running, self.kv_cache_usage, self.admissions, self.deltas,
+                self.aborted, self.kv, self.spec)
+
+    @classmethod
+    def unpack(cls, fields: tuple) -> "Report":
+        return cls(*fields)
+
 
 @dataclass(frozen=True)
 class KVSnapshot:
@@ -114,7 +123,13 @@ class Failed:
 
 
 class OutputBuilder:
-    """One request's cumulative output, rebuilt from its deltas."""
+    """One request's cumulative output, rebuilt from its deltas.
+
+    Deltas accumulate here until the request's consumer reads (`output()`): however far behind it is, it
+    then gets one output whose `new_*` fields hold everything since its last read, and the server does no
+    work per token beyond appending. Between reads the builder also stands for the request's last step
+    (its `new_token_ids`, `finished`, `metrics`, ...), which is what the metrics observe.
+    """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], want_logprobs: bool) -> None:
         self.request_id = request_id
@@ -122,23 +137,43 @@ class OutputBuilder:
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[dict[int, float]] | None = [] if want_logprobs else None
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.num_cached_tokens = 0
+        self.num_remote_cached_tokens = 0
+        self.metrics: RequestMetrics | None = None
+        self.new_token_ids: list[int] = []  # the last delta's
+        self._num_read_tokens = 0  # what the last output() carried
+        self._num_read_chars = 0
 
-    def add(self, delta: Delta) -> RequestOutput:
-        self.token_ids.extend(delta.new_token_ids)
+    def add(self, delta: Delta) -> "OutputBuilder":
+        self.token_ids += delta.new_token_ids
         self.text += delta.new_text
         if self.logprobs is not None and delta.new_logprobs:
-            self.logprobs.extend(delta.new_logprobs)
-        return RequestOutput(
+            self.logprobs += delta.new_logprobs
+        self.new_token_ids = delta.new_token_ids
+        self.finished, self.finish_reason = delta.finished, delta.finish_reason
+        self.num_cached_tokens, self.num_remote_cached_tokens = delta.num_cached_tokens, delta.num_remote_cached_tokens
+        if delta.metrics is not None:  # sent with the first tokens and the last only
+            self.metrics = delta.metrics
+        return self
+
+    def output(self) -> RequestOutput:
+        """A snapshot (later deltas do not change it); its new_* fields: everything since the last one."""
+        num_tokens, num_chars = len(self.token_ids), len(self.text)
+        out = RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
-            token_ids=list(self.token_ids),  # a snapshot: later deltas must not change this output
+            token_ids=self.token_ids[:],
             text=self.text,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
-            finished=delta.finished,
-            finish_reason=delta.finish_reason,
-            num_cached_tokens=delta.num_cached_tokens,
-            num_remote_cached_tokens=delta.num_remote_cached_tokens,
-            new_token_ids=delta.new_token_ids,
-            new_text=delta.new_text,
-            metrics=delta.metrics,
+            logprobs=None if self.logprobs is None else self.logprobs[:],
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            num_cached_tokens=self.num_cached_tokens,
+            num_remote_cached_tokens=self.num_remote_cached_tokens,
+            new_token_ids=self.token_ids[self._num_read_tokens :],
+            new_text=self.text[self._num_read_chars :],
+            metrics=self.metrics,
         )
+        self._num_read_tokens, self._num_read_chars = num_tokens, num_chars
+        return out

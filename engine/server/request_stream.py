@@ -1,26 +1,19 @@
 """One API request's view of the engine: the newest output of each of its sub-requests (its choices)."""
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator, Callable
 
 from engine.outputs import RequestOutput
-
-
-def merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    """Two successive outputs of one request as one: cumulative fields from `newer`, deltas joined."""
-    return dataclasses.replace(
-        newer,
-        new_token_ids=older.new_token_ids + newer.new_token_ids,
-        new_text=older.new_text + newer.new_text,
-    )
+from engine.server.engine_messages import OutputBuilder
 
 
 class RequestStream:
     """Iterating yields `{choice index: output}` batches until every choice has finished.
 
-    A consumer slower than the engine gets its outputs merged rather than queued: memory per request
-    stays one output per choice however slow the client, and the engine never waits for anyone.
+    A consumer slower than the engine gets its outputs merged rather than queued: each choice's deltas
+    accumulate in its `OutputBuilder` and the consumer takes one output per choice when it reads, so
+    memory per request stays one output per choice however slow the client, the server does no work
+    per step beyond appending, and the engine never waits for anyone.
     Only the event loop's thread touches a stream; `close()` aborts whatever is still running.
     """
 
@@ -29,7 +22,7 @@ class RequestStream:
         self.sub_request_ids = [f"{request_id}-{i}" for i in range(num_choices)]
         self.closed = False
         self._on_close = on_close
-        self._pending: dict[int, RequestOutput] = {}
+        self._pending: dict[int, OutputBuilder] = {}  # choices with news since the last read
         self._unfinished = set(range(num_choices))
         self._changed = asyncio.Event()
         self._error: BaseException | None = None
@@ -57,8 +50,8 @@ class RequestStream:
             if self._error is not None:
                 raise self._error
             if self._pending:
-                batch, self._pending = self._pending, {}
-                yield batch
+                pending, self._pending = self._pending, {}
+                yield {index: builder.output() for index, builder in pending.items()}
             elif not self._unfinished:
                 return
             else:
@@ -82,10 +75,10 @@ class RequestStream:
             self._admitted.set_exception(error)
             self._unfinished.clear()
 
-    def put(self, index: int, out: RequestOutput) -> None:
-        older = self._pending.get(index)
-        self._pending[index] = out if older is None else merge(older, out)
-        if out.finished:
+    def put(self, index: int, builder: OutputBuilder) -> None:
+        """Choice `index` gained a delta (already added to its builder)."""
+        self._pending[index] = builder
+        if builder.finished:
             self._unfinished.discard(index)
         self._changed.set()
 

@@ -34,7 +34,7 @@ from engine.server import structured, tool_format
 from engine.server.reasoning import THINK_END, THINK_START, ReasoningParser
 from engine.server.request_stream import RequestStream
 from engine.server.serving import Serving, check_not_aborted, clamp_logprob, run_to_completion
-from engine.server.sse import SSE_DONE, EventStreamResponse, sse
+from engine.server.sse import SSE_DONE, ChunkFrames, EventStreamResponse, sse
 from engine.server.tool_format import ToolFormat
 from engine.server.tool_parser import ToolCallParser
 
@@ -295,6 +295,7 @@ class _Reply:
                 )
             )
 
+        frames = ChunkFrames("chat.completion.chunk", self.id, self.created, self.model, include_usage)
         for index in range(self.n):
             yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
         num_chars = [0] * self.n  # text already sent, per choice
@@ -306,7 +307,9 @@ class _Reply:
                 reasoning, content, calls = self.split(index, out.text[num_chars[index] :], out.finished)
                 logprobs = self.logprobs(out, num_tokens[index])
                 num_chars[index], num_tokens[index] = len(out.text), len(out.token_ids)
-                if reasoning or content or calls or (logprobs is not None and logprobs.content):
+                if (reasoning or content) and not calls and logprobs is None:
+                    yield frames.chat_delta(index, content or None, reasoning or None)
+                elif reasoning or content or calls or (logprobs is not None and logprobs.content):
                     # Content "" (not absent) when only logprobs arrived: a token whose text is still held back.
                     content = content or (None if reasoning or calls else "")
                     delta = ChatDelta(content=content, reasoning_content=reasoning or None, tool_calls=calls or None)

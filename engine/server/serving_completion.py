@@ -12,7 +12,7 @@ from engine.server import structured
 from engine.server.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from engine.server.request_stream import RequestStream
 from engine.server.serving import Serving, check_not_aborted, clamp_logprob, run_to_completion
-from engine.server.sse import SSE_DONE, EventStreamResponse, sse
+from engine.server.sse import SSE_DONE, ChunkFrames, EventStreamResponse, sse
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
@@ -98,6 +98,7 @@ class _Reply:
                 )
             )
 
+        frames = ChunkFrames("text_completion", self.id, self.created, self.model, include_usage)
         num_choices = len(prompts) * n
         num_chars, num_tokens = [0] * num_choices, [0] * num_choices
         final: dict[int, RequestOutput] = {}
@@ -109,7 +110,9 @@ class _Reply:
                 num_chars[index], num_tokens[index] = len(out.text), len(out.token_ids)
                 if out.finished:
                     final[index] = out
-                if text or out.finished or (logprobs is not None and logprobs.tokens):
+                if logprobs is None and (text or out.finished):
+                    yield frames.completion_text(index, text, out.finish_reason if out.finished else None)
+                elif text or out.finished or (logprobs is not None and logprobs.tokens):
                     reason = out.finish_reason if out.finished else None
                     yield chunk([CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason)])
         if include_usage:

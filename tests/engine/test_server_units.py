@@ -76,14 +76,20 @@ def output(request_id: str, token_ids: list[int], new: list[int], finished: bool
     )  # fmt: skip
 
 
+def step(builder: OutputBuilder, new: list[int], finished: bool = False) -> OutputBuilder:
+    """One engine step's delta for `builder`'s request, through the pipe's encoding."""
+    token_ids = builder.token_ids + new
+    delta = Delta.of(output(builder.request_id, token_ids, new, finished))
+    return builder.add(Delta._make(pickle.loads(pickle.dumps(tuple(delta)))))
+
+
 async def test_a_slow_reader_gets_outputs_merged_not_queued():
     closed = []
     stream = RequestStream("req", 2, closed.append)
-    tokens = []
+    first, second = OutputBuilder("req-0", [1, 2, 3], False), OutputBuilder("req-1", [1, 2, 3], False)
     for t in range(100):  # 100 engine steps before the reader looks once
-        tokens.append(t)
-        stream.put(0, output("req-0", list(tokens), [t], finished=t == 99))
-    stream.put(1, output("req-1", [7], [7], finished=True))
+        stream.put(0, step(first, [t], finished=t == 99))
+    stream.put(1, step(second, [7], finished=True))
     assert len(stream._pending) == 2  # one merged output per choice, however far behind
     batches = [batch async for batch in stream]
     assert len(batches) == 1
@@ -96,6 +102,23 @@ async def test_a_slow_reader_gets_outputs_merged_not_queued():
     assert closed == [stream]  # close is idempotent
 
 
+async def test_each_read_gets_what_came_since_the_last_once():
+    stream = RequestStream("req", 1, lambda s: None)
+    builder = OutputBuilder("req-0", [1, 2, 3], False)
+    reader = stream.__aiter__()
+    stream.put(0, step(builder, [5]))
+    stream.put(0, step(builder, [6]))
+    batch = await reader.__anext__()
+    assert batch[0].new_token_ids == [5, 6] and batch[0].new_text == "<5><6>"
+    stream.put(0, step(builder, [7], finished=True))
+    batch = await reader.__anext__()
+    # the tokens of the earlier read are not repeated; the cumulative fields keep everything
+    assert batch[0].new_token_ids == [7] and batch[0].new_text == "<7>"
+    assert batch[0].token_ids == [5, 6, 7] and batch[0].text == "<5><6><7>" and batch[0].finished
+    with pytest.raises(StopAsyncIteration):
+        await reader.__anext__()
+
+
 async def test_stream_raises_the_failure_and_admission_refusal():
     stream = RequestStream("req", 1, lambda s: None)
     stream.admit(ValueError("prompt too long"))
@@ -105,7 +128,7 @@ async def test_stream_raises_the_failure_and_admission_refusal():
     stream = RequestStream("req", 1, lambda s: None)
     stream.admit(None)
     await stream.admitted()
-    stream.put(0, output("req-0", [1], [1]))
+    stream.put(0, step(OutputBuilder("req-0", [1, 2, 3], False), [1]))
     stream.fail(RuntimeError("engine died"))
     with pytest.raises(RuntimeError, match="engine died"):
         async for _ in stream:
@@ -137,7 +160,8 @@ def test_only_deltas_cross_the_pipe_and_outputs_are_rebuilt():
         engine_out.logprobs, engine_out.new_text = list(logprobs), text
         delta = Delta.of(engine_out)
         assert delta.new_token_ids == new and delta.new_logprobs == [{t: -0.5} for t in new]
-        rebuilt.append(builder.add(Delta._make(pickle.loads(pickle.dumps(tuple(delta))))))
+        builder.add(Delta._make(pickle.loads(pickle.dumps(tuple(delta)))))
+        rebuilt.append(builder.output())
     assert [o.token_ids for o in rebuilt] == [[5], [5, 6, 7], [5, 6, 7, 8]]  # snapshots, not one live list
     assert rebuilt[-1].text == "<5><6><7><8>" and rebuilt[-1].logprobs == [{t: -0.5} for t in (5, 6, 7, 8)]
     assert rebuilt[-1].finished and rebuilt[-1].prompt_token_ids == [1, 2, 3]
