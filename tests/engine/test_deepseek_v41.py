@@ -176,6 +176,31 @@ def test_engram_tables_in_host_memory_equal_the_device_path(engines, goldens):
         assert out.token_ids == goldens[case][f"prompt{i}.greedy_tokens"][0].tolist()
 
 
+def test_the_engram_tables_serve_flag_reaches_the_model(checkpoints, monkeypatch):
+    """`serve --engram-tables host` (or DEEPSEEK_ENGINE_ENGRAM_TABLES=host): the engine the server builds
+    keeps every Engram table in host memory; the default keeps them with the model."""
+    import argparse
+
+    from engine.server.engine_process import build_llm_engine
+    from engine.server.launch import add_serve_args, engine_config
+
+    def tables(*flags: str) -> list:
+        parser = argparse.ArgumentParser()
+        add_serve_args(parser)
+        args = parser.parse_args(["--model", str(checkpoints["engram_yarn_hc2"]), "--dtype", "float32",
+                                  "--num-gpu-blocks-override", "32", *flags])
+        engine = build_llm_engine(engine_config(args))
+        try:
+            return [b.engram.embed for b in engine.runner.model.layers if b.engram is not None]
+        finally:
+            engine.shutdown()
+
+    assert [t.on_host for t in tables("--engram-tables", "host")] == [True, True]
+    assert [t.on_host for t in tables()] == [False, False]
+    monkeypatch.setenv("DEEPSEEK_ENGINE_ENGRAM_TABLES", "host")
+    assert all(t.on_host and t.weight.device.type == "cpu" for t in tables())
+
+
 def test_caches_stored_quantized_equal_the_fake_quantized_path(engines, goldens, monkeypatch):
     """uint8 codes + scales in the pool give exactly the values of the reference's fake quantization kept
     in float32, in a third of the bytes or less."""
