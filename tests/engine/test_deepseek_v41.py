@@ -174,6 +174,43 @@ def test_engram_tables_in_host_memory_equal_the_device_path(engines, goldens):
         assert torch.equal(a, b)
     for i, out in enumerate(host.generate(batch, GREEDY)):
         assert out.token_ids == goldens[case][f"prompt{i}.greedy_tokens"][0].tolist()
+    chunked = [engines(case, max_num_batched_tokens=8, **where) for where in ({}, {"engram_tables": "host"})]
+    for a, b in zip(*(llm.score(batch) for llm in chunked)):  # n-grams reaching back across chunks
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_engram_rows_from_host_memory_are_gathered_before_layer_0(engines, goldens, monkeypatch, async_scheduling):
+    """Tables in host memory: each step hashes its tokens and gathers every Engram layer's rows before
+    layer 0 runs. Where the host knows the step's tokens it hashes them itself (the device's hash never
+    runs); a decode step launched ahead (its input drawn on the device) hashes there and reads back."""
+    from engine.layers.engram import EngramTable
+
+    case = "engram_yarn_hc2"
+    llm = engines(case, engram_tables="host", async_scheduling=async_scheduling)
+    model = llm.engine.runner.model
+    events = []
+    fetch = EngramTable.fetch
+    monkeypatch.setattr(EngramTable, "fetch",
+                        lambda self, rows, device: (events.append(f"fetch {rows.device.type}"), fetch(self, rows, device))[1])
+    hooks = [model.layers[0].register_forward_pre_hook(lambda m, a: events.append("layer 0")),
+             model.engram_hash.register_forward_pre_hook(lambda m, a: events.append("device hash"))]
+    try:
+        outs = llm.generate(prompts_of(goldens[case]), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for i, out in enumerate(outs):
+        assert out.token_ids == goldens[case][f"prompt{i}.greedy_tokens"][0, :6].tolist()
+    steps = "|".join(events).replace("|layer 0", "|layer 0\n").strip().split("\n")
+    assert len(steps) >= 6
+    for step in steps:  # both Engram layers' rows (from the host's ids), then layer 0
+        assert step.strip("|").removeprefix("device hash|") == "fetch cpu|fetch cpu|layer 0", step
+    hashed_on_device = sum(step.strip("|").startswith("device hash") for step in steps)
+    if async_scheduling == "off":
+        assert hashed_on_device == 0
+    else:
+        assert 0 < hashed_on_device < len(steps)  # prefills know their tokens; decodes launched ahead do not
 
 
 def test_the_engram_tables_serve_flag_reaches_the_model(checkpoints, monkeypatch):
