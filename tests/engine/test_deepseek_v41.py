@@ -213,6 +213,29 @@ def test_engram_rows_from_host_memory_are_gathered_before_layer_0(engines, golde
         assert 0 < hashed_on_device < len(steps)  # prefills know their tokens; decodes launched ahead do not
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_engram_rows_from_pinned_host_memory_on_the_gpu_equal_the_device_tables(checkpoints, goldens, monkeypatch):
+    """On a GPU the host tables are pinned and each step's rows come over on the side stream (an event
+    the Engram layer waits on): the logits equal those of tables on the GPU, with steps launched ahead too."""
+    from engine.layers.engram import EngramTable
+
+    case = "engram_yarn_hc2"
+    batch = prompts_of(goldens[case])
+    device = LLM(str(checkpoints[case]), dtype="float32", block_size=8)
+    host = LLM(str(checkpoints[case]), dtype="float32", block_size=8, engram_tables="host", async_scheduling="on")
+    tables = [b.engram.embed for b in host.engine.runner.model.layers if b.engram is not None]
+    assert tables and all(t.on_host and t.weight.is_pinned() for t in tables)
+    copied = []
+    fetch = EngramTable.fetch
+    monkeypatch.setattr(EngramTable, "fetch", lambda self, rows, dev: (lambda r: (copied.append(r.ready is not None), r)[1])(
+        fetch(self, rows, dev)))
+    for a, b in zip(device.score(batch), host.score(batch)):
+        assert torch.equal(a, b)
+    assert copied and all(copied)
+    want = [out.token_ids for out in device.generate(batch, GREEDY)]
+    assert [out.token_ids for out in host.generate(batch, GREEDY)] == want
+
+
 def test_the_engram_tables_serve_flag_reaches_the_model(checkpoints, monkeypatch):
     """`serve --engram-tables host` (or DEEPSEEK_ENGINE_ENGRAM_TABLES=host): the engine the server builds
     keeps every Engram table in host memory; the default keeps them with the model."""
