@@ -17,7 +17,6 @@ Names are DeepSeek's (layers.N.attn.compressor.wkv, layers.N.engram.embed, ffn.g
 """
 
 import copy
-import itertools
 import re
 
 import torch
@@ -442,17 +441,16 @@ class DeepseekV41ForCausalLM(DeepseekV4Base, VisionLanguageModel):
     def engram_on_host(self) -> bool:
         return any(layer.engram is not None and layer.engram.embed.on_host for layer in self.layers)
 
-
-    def engram_ids(self, input_ids: torch.Tensor, lookback: torch.Tensor | None, query_lens: list[int],
-                   is_image: torch.Tensor | None, hasher: EngramHash) -> torch.Tensor:
-        """Each Engram layer's table rows [T, L, cols] of the step's tokens input_ids [T], on their device:
-        the n-gram of every token reaches back into the tokens before its row's chunk through lookback
-        [B, context] (None: nothing before)."""
+    def engram_ids(self, input_ids: torch.Tensor, lookback: torch.Tensor | None, query_start: torch.Tensor,
+                   query_lens: list[int], is_image: torch.Tensor | None, hasher: EngramHash) -> torch.Tensor:
+        """Each Engram layer's table rows [T, L, cols] of the step's tokens input_ids [T], on their device
+        (query_start [B + 1] there too): the n-gram of every token reaches back into the tokens before its
+        row's chunk through lookback [B, context] (None: nothing before)."""
         ctx, dev = self.lookback, input_ids.device
-        row_of = torch.repeat_interleave(torch.arange(len(query_lens), device=dev), torch.tensor(query_lens, device=dev))
+        lens = torch.tensor(query_lens, device=dev)
+        row_of = torch.repeat_interleave(torch.arange(len(query_lens), device=dev), lens)
         idx = torch.arange(input_ids.shape[0], device=dev)
-        starts = torch.tensor([0, *itertools.accumulate(query_lens)][:-1], device=dev)
-        j = idx - starts[row_of]  # the token's index in its chunk
+        j = idx - query_start[row_of]  # the token's index in its chunk
         if lookback is None:
             lookback = torch.full((len(query_lens), ctx), -1, device=dev)
         history = []
@@ -475,14 +473,16 @@ class DeepseekV41ForCausalLM(DeepseekV4Base, VisionLanguageModel):
         layers, lens = self.config.engram_layer_ids, meta.query_lens_cpu
         tables = [self.layers[layer].engram.embed for layer in layers]
         if not self.engram_on_host:
-            ids = self.engram_ids(input_ids, meta.lookback, lens, is_image, self.engram_hash)
+            ids = self.engram_ids(input_ids, meta.lookback, meta.query_start_loc, lens, is_image, self.engram_hash)
             return {layer: EngramRows(table(ids[:, k])) for k, (layer, table) in enumerate(zip(layers, tables))}
         if meta.input_ids_cpu is not None and is_image is None:
             lookback = (torch.tensor(meta.lookback_cpu).view(len(lens), -1) if meta.lookback_cpu is not None
                         else None)
-            ids = self.engram_ids(torch.tensor(meta.input_ids_cpu), lookback, lens, None, self._hash_cpu)
+            ids = self.engram_ids(torch.tensor(meta.input_ids_cpu), lookback, torch.tensor(meta.query_start_loc_cpu),
+                                  lens, None, self._hash_cpu)
         else:
-            ids = self.engram_ids(input_ids, meta.lookback, lens, is_image, self.engram_hash).cpu()
+            ids = self.engram_ids(input_ids, meta.lookback, meta.query_start_loc, lens, is_image,
+                                  self.engram_hash).cpu()
         return {layer: table.fetch(ids[:, k], input_ids.device) for k, (layer, table) in enumerate(zip(layers, tables))}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -191,8 +191,12 @@ def test_engram_rows_from_host_memory_are_gathered_before_layer_0(engines, golde
     model = llm.engine.runner.model
     events = []
     fetch = EngramTable.fetch
-    monkeypatch.setattr(EngramTable, "fetch",
-                        lambda self, rows, device: (events.append(f"fetch {rows.device.type}"), fetch(self, rows, device))[1])
+
+    def spy(self, rows, device):
+        events.append(f"fetch {rows.device.type}")
+        return fetch(self, rows, device)
+
+    monkeypatch.setattr(EngramTable, "fetch", spy)
     hooks = [model.layers[0].register_forward_pre_hook(lambda m, a: events.append("layer 0")),
              model.engram_hash.register_forward_pre_hook(lambda m, a: events.append("device hash"))]
     try:
@@ -227,8 +231,13 @@ def test_engram_rows_from_pinned_host_memory_on_the_gpu_equal_the_device_tables(
     assert tables and all(t.on_host and t.weight.is_pinned() for t in tables)
     copied = []
     fetch = EngramTable.fetch
-    monkeypatch.setattr(EngramTable, "fetch", lambda self, rows, dev: (lambda r: (copied.append(r.ready is not None), r)[1])(
-        fetch(self, rows, dev)))
+
+    def spy(self, rows, dev):
+        fetched = fetch(self, rows, dev)
+        copied.append(fetched.ready is not None)  # an event to wait on: the copy runs on the side stream
+        return fetched
+
+    monkeypatch.setattr(EngramTable, "fetch", spy)
     for a, b in zip(device.score(batch), host.score(batch)):
         assert torch.equal(a, b)
     assert copied and all(copied)
