@@ -345,6 +345,8 @@ class ModelRunner:
             context_lens_cpu=context_lens,
             lookback=(to_device(plan.lookback, torch.long, dev).view(len(plan.slots), -1)
                       if plan.lookback is not None else None),
+            input_ids_cpu=plan.input_ids if inputs is None else None,
+            lookback_cpu=plan.lookback,
         )
         input_ids = to_device(plan.input_ids, torch.long, dev) if inputs is None else inputs
         return input_ids, positions, meta

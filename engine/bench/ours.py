@@ -44,6 +44,13 @@ def make_sequence(ids: list[int], blocks: list[int], name: str) -> Sequence:
     return seq
 
 
+def make_planner(runner: ModelRunner) -> PlanBuilder:
+    """A plan builder as the engine sets it up for this model (V4.1's Engram: the look-back tokens)."""
+    planner = PlanBuilder(runner.config.max_num_seqs)
+    planner.lookback = getattr(runner.model, "lookback", 0)
+    return planner
+
+
 def run_plan(runner: ModelRunner, planner: PlanBuilder, batch: ScheduledBatch) -> tuple[StepPlan, object]:
     """A batch as the engine runs it: planned, its table deltas applied, then run eagerly."""
     plan = planner.build(batch)
@@ -54,7 +61,7 @@ def run_plan(runner: ModelRunner, planner: PlanBuilder, batch: ScheduledBatch) -
 
 def prefill(runner: ModelRunner, seqs: list[Sequence], planner: PlanBuilder | None = None) -> list[int]:
     """Prefill whole prompts (one chunk each), append each one's greedy first token -> those tokens."""
-    planner = planner or PlanBuilder(runner.config.max_num_seqs)
+    planner = planner or make_planner(runner)
     seqs_left, firsts = list(seqs), []
     while seqs_left:
         step, budget = [], PREFILL_TOKENS_PER_STEP
@@ -96,7 +103,7 @@ def measure_decode(runner: ModelRunner, pool: BlockPool, concurrency: int, conte
     warmup = 3
     seqs = [make_sequence(random_prompt(context, vocab, seed=1000 + i), pool.take(context + steps + warmup + 2),
                           f"decode-{i}") for i in range(concurrency)]
-    planner = PlanBuilder(runner.config.max_num_seqs)
+    planner = make_planner(runner)
     prefill(runner, seqs, planner)
     if runner.graphs is not None:
         graphs = runner.graphs
@@ -128,7 +135,7 @@ def one_decode(runner: ModelRunner, pool: BlockPool, context: int, vocab: int):
     from the graphs' buffers where graphs exist."""
     pool.reset()
     seq = make_sequence(random_prompt(context, vocab, seed=7), pool.take(context + 4), "layers")
-    planner = PlanBuilder(runner.config.max_num_seqs)
+    planner = make_planner(runner)
     prefill(runner, [seq], planner)
     plan = planner.build(ScheduledBatch(decodes=[seq]))
     runner.tables.apply(plan.table_deltas)

@@ -18,6 +18,13 @@ _V4 = dict(
     bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, num_nextn_predict_layers=0, torch_dtype="bfloat16",
 )
 
+# DeepSeek's V4.1 config keys (the flat `deepseek_v41_text` form): every shared-cache and Engram id written
+# out, numbered over the layers a preset keeps
+_V41 = dict(
+    _V4, architectures=["DeepseekV41ForCausalLM"], model_type="deepseek_v41_text", num_hash_layers=0,
+    rms_norm_eps=1e-20, gate_temp=1.0, engram_max_ngram_size=4, engram_pad_id=2,
+)
+
 PRESETS: dict[str, dict] = {
     # DeepSeek-V2-Lite's shape (15.7 B parameters, 2.66 B active) in the V3 architecture, bf16
     "v2-lite": dict(
@@ -52,6 +59,34 @@ PRESETS: dict[str, dict] = {
         n_routed_experts=8, num_experts_per_tok=2, compress_ratios=[0, 0, 4, 128],
         num_hash_layers=1, sliding_window=8, hc_mult=2, hc_sinkhorn_iters=3, index_n_heads=4, index_head_dim=16,
         index_topk=4, max_position_embeddings=8192,
+    ),
+    # DeepSeek-V4.1 Flash's real layer shapes (hidden 5120, 64 heads of 512, q_lora 1280, o_groups 8 x 1024,
+    # 384 experts of 3 x 5120 x 2304 top-6 + 1 shared, 4 streams, window 128, indexer 32 x 128 top-512) in
+    # four layers, 27 GB each in bf16 (five would not fit one H200): Flash's layer 1 (window only, Engram),
+    # layer 2 (KV source, ratio 2, its indexer; the candidate source, as Flash's layer 20 is), layer 3
+    # (reuses layer 2's entries and picks) and a reindex layer (its own indexer over the source's keys,
+    # inside the candidate blocks, as Flash's layers 24-36; those read the ratio-1 source 20, this one
+    # ratio 2). The Engram table is scaled down: primes above 200,000 instead of 16,000,000, so 4.8 M rows
+    # of 256 (2.5 GB in bf16) instead of 384 M; a token still gathers 24 rows, as in Flash.
+    "v41-slice": dict(
+        _V41, vocab_size=129280, hidden_size=5120, num_hidden_layers=4, num_attention_heads=64,
+        num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1280, o_groups=8, o_lora_rank=1024,
+        moe_intermediate_size=2304, n_routed_experts=384, num_experts_per_tok=6, compress_ratios=[0, 2, 2, 2],
+        kv_source_layer_ids=[1], index_source_layer_ids=[1, 3], candidate_source_layer_id=1,
+        candidate_topk_blocks=2048, candidate_block_size=8, sliding_window=128, hc_mult=4, hc_sinkhorn_iters=20,
+        index_n_heads=32, index_head_dim=128, index_topk=512, engram_layer_ids=[0], engram_n_heads=8,
+        engram_head_dim=256, engram_vocab_size=200_000, engram_compressed_vocab_size=99092,
+        engram_num_embeddings=[4_803_306],  # the sum of the layer's 24 hash primes
+    ),
+    # the V4.1 architecture at a toy size, the same four kinds of layer (tests, smoke runs)
+    "v41-tiny": dict(
+        _V41, vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=64, qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, compress_ratios=[0, 2, 2, 2], kv_source_layer_ids=[1],
+        index_source_layer_ids=[1, 3], candidate_source_layer_id=1, candidate_topk_blocks=3, candidate_block_size=4,
+        sliding_window=8, hc_mult=2, hc_sinkhorn_iters=3, index_n_heads=4, index_head_dim=32, index_topk=4,
+        engram_layer_ids=[0], engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=16, engram_vocab_size=64,
+        engram_compressed_vocab_size=400, engram_num_embeddings=[290], max_position_embeddings=8192,
     ),
     # a toy shape that runs anywhere in seconds (tests, smoke runs)
     "tiny": dict(

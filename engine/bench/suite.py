@@ -72,11 +72,14 @@ def run(opts: BenchOptions) -> dict:
     else:
         path, hf_config, name = None, preset_config(opts.preset), opts.preset
     model_config = ModelConfig.from_hf(hf_config)
-    if model_config.architecture == "DeepseekV4ForCausalLM":
+    if model_config.architecture in ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"):
         from engine.bench.v4 import run_v4
+        from engine.bench.v41 import run_v41
 
         if opts.model or opts.tensor_parallel_size > 1:
-            raise ValueError("the V4 benchmark runs presets (random weights) on one GPU")
+            raise ValueError("the V4 and V4.1 benchmarks run presets (random weights) on one GPU")
+        if model_config.architecture == "DeepseekV41ForCausalLM":
+            return run_v41(opts, hf_config, model_config, name)
         return run_v4(opts, hf_config, model_config, name)
     if opts.tensor_parallel_size > 1 or opts.parallel_path:
         from engine.bench.parallel import run_parallel

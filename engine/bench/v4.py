@@ -38,6 +38,9 @@ class V4Costs:
         self.head_bytes = param_bytes(model.head.parameters())
         self.head_numel = model.head.weight.numel()
 
+    def kind(self, i: int) -> str:
+        return self.cfg.layer_kind(i)
+
     def _keys(self, i: int, context: int) -> tuple[int, int]:
         """(main keys a token at `context` attends to, indexer keys it scores)."""
         c, r = self.cfg, self.cfg.compress_ratios[i]
@@ -128,8 +131,10 @@ def _guard(fn, *args, **kwargs):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def run_v4(opts, hf_config: dict, cfg: DeepseekV4Config, name: str) -> dict:
-    """Ours (random weights), then the HF peer on the same shape; -> the results (written as <name>.json)."""
+def run_v4(opts, hf_config: dict, cfg: DeepseekV4Config, name: str, costs_cls=V4Costs, measure_layers=None,
+           variants=None) -> dict:
+    """Ours (random weights), then the HF peer on the same shape; -> the results (written as <name>.json).
+    V4.1 passes its own costs, layer measurement and `variants(runner, pool, costs, ceilings) -> dict`."""
     device = resolve_device(opts.device)
     max_conc = max(opts.concurrency)
     decode_len = opts.decode_context + opts.decode_steps + 16
@@ -144,7 +149,7 @@ def run_v4(opts, hf_config: dict, cfg: DeepseekV4Config, name: str) -> dict:
     runner = ModelRunner(engine_config, cfg, None, max_len)
     runner.init_cache(num_blocks)
     ceilings = measure_ceilings(device)
-    costs = V4Costs(runner.model, cfg, torch.empty((), dtype=runner.dtype).element_size())
+    costs = costs_cls(runner.model, cfg, torch.empty((), dtype=runner.dtype).element_size())
     pool = BlockPool(runner.num_blocks, bs)
     prefill_r, decode_r = {}, {}
     for n in opts.prompt_lens:
@@ -157,29 +162,32 @@ def run_v4(opts, hf_config: dict, cfg: DeepseekV4Config, name: str) -> dict:
         if "seconds_per_step" in m:
             m.update(fractions(m["seconds_per_step"], *costs.decode(c, m["context"]), ceilings, False))
         decode_r[str(c)] = m
-    layers = _guard(measure_v4_layers, runner, pool, opts.decode_context, cfg.vocab_size)
+    layers = _guard(measure_layers or measure_v4_layers, runner, pool, opts.decode_context, cfg.vocab_size)
     if isinstance(layers, list):
         for entry in layers:
             entry.update(fractions(entry["seconds"], *costs.decode_layer(entry["layer"], 1, opts.decode_context + 1),
                                    ceilings, False))
             entry["ratio_to_bandwidth_floor"] = entry["seconds"] / entry["bandwidth_floor_s"]
-    hc_sites = None  # the kernel runs where the Triton backend does
-    if runner.backend == "triton":
+    hc_sites = None  # the kernel runs where the Triton backend does (V4's sites only)
+    if runner.backend == "triton" and hasattr(runner.model.layers[0], "collapse"):
         hc_sites = _guard(measure_hc_sites, runner, sorted({1, 8, 64, *opts.concurrency, *opts.prompt_lens}))
     if isinstance(hc_sites, list):
         for entry in hc_sites:
             entry["bandwidth_floor_s"] = entry["bytes"] / ceilings.copy_bytes_per_s
+    extra = _guard(variants, runner, pool, costs, ceilings) if variants is not None else None
     summary = lambda d, k: {n: m.get(k) for n, m in d.items()}
     result = dict(
         preset=name, command=opts.command, gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         date=datetime.date.today().isoformat(), torch=torch.__version__, dtype=str(runner.dtype).removeprefix("torch."),
         weights=str(runner.dtype).removeprefix("torch.") + " (FP8 / FP4 checkpoints are dequantized at load)",
         backend=runner.backend, cuda_graphs=runner.graphs is not None, num_layers=cfg.num_hidden_layers,
-        layer_kinds=[cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)], max_model_len=max_len,
+        layer_kinds=[costs.kind(i) for i in range(cfg.num_hidden_layers)], max_model_len=max_len,
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
         prefill=prefill_r, decode=decode_r, layers=layers, hc_sites=hc_sites,
         prefill_tok_s=summary(prefill_r, "tok_s"), decode_tok_s=summary(decode_r, "tok_s"),
     )
+    if extra is not None:
+        result["variants"] = extra
     write_json(result, opts.out_dir)
     if opts.compare_hf:
         del runner, pool

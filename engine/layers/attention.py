@@ -31,6 +31,9 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     context_lens_cpu: list[int]
     lookback: torch.Tensor | None = None  # [B, n] the n token ids before each row's first new one (-1: none)
+    # the same two on the host where it knows them (None: a step launched ahead, its input drawn on the device)
+    input_ids_cpu: list[int] | None = None
+    lookback_cpu: list[int] | None = None  # [B * n], flat
 
     @property
     def num_decodes(self) -> int:

@@ -10,8 +10,12 @@ layer's table. The rows of all (n-gram, head) columns [cols, head_dim] go throug
 stream and a shared value; gate = sigmoid(signed sqrt of the normalized key . stream dot).
 
 The ids depend on the tokens only, so the rows of a step can be gathered before the layer runs, and
-the tables (98 GB each in V4.1 Flash) can live in (pinned) host memory: `EngramTable.place`.
+the tables (98 GB each in V4.1 Flash) can live in (pinned) host memory: `EngramTable.place`; the
+model hashes a step's tokens and gathers every Engram layer's rows before layer 0 (`EngramTable.fetch`:
+into pinned memory, copied on a side stream that the layer waits on, `EngramRows.wait`).
 """
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -135,6 +139,34 @@ class EngramHash(nn.Module):
         return torch.cat(buckets, -1) + self.offsets
 
 
+@dataclass
+class EngramRows:
+    """One Engram layer's rows for a step [T, cols, head_dim] on the compute device; `ready` is recorded on
+    the side stream that copies them from host memory (None: already there)."""
+
+    values: torch.Tensor
+    ready: "torch.cuda.Event | None" = None
+
+    def wait(self) -> torch.Tensor:
+        """The rows, once the current stream has waited for their copy."""
+        if self.ready is not None:
+            stream = torch.cuda.current_stream(self.values.device)
+            stream.wait_event(self.ready)
+            self.values.record_stream(stream)  # allocated on the side stream, read on this one
+            self.ready = None
+        return self.values
+
+
+_copy_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def copy_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The side stream that host-to-device copies of Engram rows run on, one per GPU."""
+    if device not in _copy_streams:
+        _copy_streams[device] = torch.cuda.Stream(device)
+    return _copy_streams[device]
+
+
 class EngramTable(nn.Module):
     """One layer's table [rows, head_dim]: on the model's device, or in host memory (pinned where a GPU
     is) with the rows a step needs gathered there and copied over."""
@@ -156,11 +188,26 @@ class EngramTable(nn.Module):
             self.on_host = True
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [...] int64 on the compute device -> [..., head_dim] there."""
-        if not self.on_host:
-            return self.weight[rows]
-        picked = self.weight.index_select(0, rows.flatten().cpu()).view(*rows.shape, -1)
-        return picked.to(rows.device, non_blocking=True)
+        """rows [...] int64 on the table's device -> [..., head_dim] there."""
+        return self.weight[rows]
+
+    def fetch(self, rows: torch.Tensor, device: torch.device) -> EngramRows:
+        """A host table's rows [...] (int64 on the host) gathered into pinned memory and copied to `device`
+        on the side stream, without waiting for the copy: -> [..., head_dim] there once `wait`ed for."""
+        head_dim = self.weight.shape[1]
+        staged = torch.empty(rows.numel(), head_dim, dtype=self.weight.dtype, pin_memory=device.type == "cuda")
+        torch.index_select(self.weight, 0, rows.flatten(), out=staged)
+        staged = staged.view(*rows.shape, head_dim)
+        if device.type != "cuda":
+            return EngramRows(staged.to(device))
+        stream = copy_stream(device)
+        with torch.cuda.stream(stream):
+            # allocated on the side stream, so the copy waits for nothing queued on the compute stream;
+            # the pinned buffer goes back to the host allocator only once the copy is done
+            values = staged.to(device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return EngramRows(values, ready)
 
 
 class Engram(nn.Module):

@@ -16,6 +16,7 @@ experts this reuses):
 Names are DeepSeek's (layers.N.attn.compressor.wkv, layers.N.engram.embed, ffn.gate.bias_vl).
 """
 
+import copy
 import re
 
 import torch
@@ -34,7 +35,7 @@ from engine.layers.compressed_attention import (
     token_slots,
     window_mask,
 )
-from engine.layers.engram import Engram, EngramHash, compressed_token_map
+from engine.layers.engram import Engram, EngramHash, EngramRows, compressed_token_map
 from engine.layers.kv_quant import COMPRESSED_FP4, INDEXER_FP4, WINDOW_FP8, BlockCodec
 from engine.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from engine.layers.moe import FusedExperts
@@ -370,9 +371,9 @@ class Block(nn.Module):
         return out.to(h.dtype), pre
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, pre: torch.Tensor, meta: AttentionMetadata,
-                engram_rows: torch.Tensor | None, is_image: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.engram is not None:
-            h = self.engram(h, engram_rows, None if is_image is None else ~is_image)
+                engram_rows: EngramRows | None, is_image: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.engram is not None:  # rows gathered before layer 0; from host memory they may still be on their way
+            h = self.engram(h, engram_rows.wait(), None if is_image is None else ~is_image)
         h, pre = self._site(h, pre, "attn", lambda x: self.attn(positions, self.attn_norm(x), meta))
         return self._site(h, pre, "ffn", lambda x: self.ffn(self.ffn_norm(x), is_image))
 
@@ -389,6 +390,7 @@ class DeepseekV41ForCausalLM(DeepseekV4Base, VisionLanguageModel):
         super().__init__(cfg, max_position, par, Block)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.engram_hash = None
+        self._hash_cpu: EngramHash | None = None  # its copy on the host, where the tables are
         if cfg.engram_layer_ids:
             self.engram_hash = EngramHash(list(cfg.engram_layer_ids), cfg.engram_max_ngram_size, cfg.engram_n_heads,
                                           cfg.engram_vocab_size, cfg.engram_compressed_vocab_size, cfg.engram_pad_id)
@@ -421,22 +423,36 @@ class DeepseekV41ForCausalLM(DeepseekV4Base, VisionLanguageModel):
             self.engram_hash.bind([i % n for i in range(self.config.vocab_size)], n)
         else:
             self.engram_hash.bind(*compressed_token_map(tokenizer_file))
+        self._hash_to_host()
 
     def place_engram_tables(self, where: str) -> None:
         for layer in self.layers:
             if layer.engram is not None:
                 layer.engram.embed.place(where)
+        self._hash_to_host()
 
-    def engram_rows(self, input_ids: torch.Tensor, meta: AttentionMetadata, is_image: torch.Tensor | None
-                    ) -> dict[int, torch.Tensor]:
-        """Each Engram layer's table rows for the step [T, cols, head_dim]: the n-gram of every token
-        reaches back into the tokens before its row's chunk through meta.lookback [B, context]."""
+    def _hash_to_host(self) -> None:
+        """Tables in host memory: the hash's buffers (token map included) on the host too, for the steps
+        whose tokens the host knows."""
+        if self.engram_on_host:
+            object.__setattr__(self, "_hash_cpu", copy.deepcopy(self.engram_hash).cpu())  # not a submodule
+
+    @property
+    def engram_on_host(self) -> bool:
+        return any(layer.engram is not None and layer.engram.embed.on_host for layer in self.layers)
+
+    def engram_ids(self, input_ids: torch.Tensor, lookback: torch.Tensor | None, query_start: torch.Tensor,
+                   query_lens: list[int], is_image: torch.Tensor | None, hasher: EngramHash) -> torch.Tensor:
+        """Each Engram layer's table rows [T, L, cols] of the step's tokens input_ids [T], on their device
+        (query_start [B + 1] there too): the n-gram of every token reaches back into the tokens before its
+        row's chunk through lookback [B, context] (None: nothing before)."""
         ctx, dev = self.lookback, input_ids.device
-        lens = meta.query_lens_cpu
-        row_of = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))
+        lens = torch.tensor(query_lens, device=dev)
+        row_of = torch.repeat_interleave(torch.arange(len(query_lens), device=dev), lens)
         idx = torch.arange(input_ids.shape[0], device=dev)
-        j = idx - meta.query_start_loc[row_of]  # the token's index in its chunk
-        lookback = meta.lookback if meta.lookback is not None else torch.full((len(lens), ctx), -1, device=dev)
+        j = idx - query_start[row_of]  # the token's index in its chunk
+        if lookback is None:
+            lookback = torch.full((len(query_lens), ctx), -1, device=dev)
         history = []
         for s in range(ctx, 0, -1):  # oldest first
             inside = input_ids[(idx - s).clamp(min=0)]
@@ -445,9 +461,29 @@ class DeepseekV41ForCausalLM(DeepseekV4Base, VisionLanguageModel):
         history = torch.stack(history, 1)  # [T, ctx]
         if self.config.vision is not None:  # earlier image tokens end an n-gram too: every span position has its id
             history = history.masked_fill(history == self.config.vision.image_token_id, -1)
-        rows = self.engram_hash(input_ids, history, is_image)  # [T, L, cols]
-        return {layer: self.layers[layer].engram.embed(rows[:, k])
-                for k, layer in enumerate(self.config.engram_layer_ids)}
+        return hasher(input_ids, history, is_image)
+
+    def engram_rows(self, input_ids: torch.Tensor, meta: AttentionMetadata, is_image: torch.Tensor | None
+                    ) -> dict[int, EngramRows]:
+        """Each Engram layer's table rows for the step [T, cols, head_dim], gathered before layer 0. Tables
+        in host memory: the ids hashed on the host where it knows the step's tokens (nothing waits on the
+        device), else (a step launched ahead, its input drawn on the device; image tokens) hashed on the
+        device and read back once here; the rows gathered into pinned memory and copied on a side stream
+        while the layers before the Engram layer run."""
+        layers, lens = self.config.engram_layer_ids, meta.query_lens_cpu
+        tables = [self.layers[layer].engram.embed for layer in layers]
+        if not self.engram_on_host:
+            ids = self.engram_ids(input_ids, meta.lookback, meta.query_start_loc, lens, is_image, self.engram_hash)
+            return {layer: EngramRows(table(ids[:, k])) for k, (layer, table) in enumerate(zip(layers, tables))}
+        if meta.input_ids_cpu is not None and is_image is None:
+            lookback = (torch.tensor(meta.lookback_cpu).view(len(lens), -1) if meta.lookback_cpu is not None
+                        else None)
+            ids = self.engram_ids(torch.tensor(meta.input_ids_cpu), lookback, torch.tensor(meta.query_start_loc_cpu),
+                                  lens, None, self._hash_cpu)
+        else:
+            ids = self.engram_ids(input_ids, meta.lookback, meta.query_start_loc, lens, is_image,
+                                  self.engram_hash).cpu()
+        return {layer: table.fetch(ids[:, k], input_ids.device) for k, (layer, table) in enumerate(zip(layers, tables))}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 is_image: torch.Tensor | None = None, image_embeds: ImageEmbeds | None = None) -> torch.Tensor:

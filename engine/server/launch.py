@@ -42,6 +42,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--async-scheduling", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
         help="launch each decode step before the host reads the last one's tokens (auto: on a GPU)",
     )  # fmt: skip
+    model.add_argument("--engram-tables", default="device", choices=["device", "host"],
+                       help="where DeepSeek-V4.1's Engram tables live: host keeps them in pinned host memory "
+                            "(~200 GB a replica in the release) and copies each step's rows over")
     model.add_argument(
         "--speculative-config", type=_speculative_config,
         help="""speculative decoding, as JSON (vLLM's flag): '{"method": "mtp", "num_speculative_tokens": 2}' """
@@ -189,6 +192,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         "gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_memory": args.kv_cache_memory,
         "num_kv_blocks": args.num_gpu_blocks_override, "speculative_config": args.speculative_config,
         "kv_secret": read_kv_secret(args.kv_secret_file) if args.kv_secret_file else None,
+        "engram_tables": args.engram_tables,
     }  # fmt: skip
     # Unset: the engine's own defaults.
     for name in ("max_num_seqs", "max_num_batched_tokens", "advertise_host", "kv_transfer_streams"):

@@ -140,3 +140,55 @@ def test_v4_slice_floors_count_window_entries_and_indexer_keys():
     assert window - base(0) == pytest.approx(128 * 512 * 2)
     assert csa - base(2) == pytest.approx((128 + 512) * 512 * 2 + 2048 * 128 * 2)
     assert hca - base(3) == pytest.approx((128 + 64) * 512 * 2)
+
+
+def test_v41_bench_writes_layers_floors_and_the_host_tables_variant(tmp_path):
+    """The V4.1 preset at a toy size: a window-only Engram layer, a KV source, a reuse and a reindex layer,
+    each against its floors; decode again with the Engram tables in host memory; no peer to compare."""
+    args = ["bench", "--preset", "v41-tiny", "--device", "cpu", "--dtype", "float32", "--prompt-lens", "64,256",
+            "--concurrency", "1,2", "--decode-context", "140", "--decode-steps", "2", "--repeats", "1",
+            "--out", str(tmp_path)]
+    assert main(args) == 0
+    result = json.loads((tmp_path / "v41-tiny.json").read_text())
+    assert result["layer_kinds"] == ["window+engram", "source", "reuse", "reindex"]
+    assert [layer["kind"] for layer in result["layers"]] == result["layer_kinds"]
+    assert all(layer["bandwidth_floor_s"] > 0 and layer["ratio_to_bandwidth_floor"] > 0 for layer in result["layers"])
+    assert all(v > 0 for v in [*result["prefill_tok_s"].values(), *result["decode_tok_s"].values()])
+    host = result["variants"]["engram_host"]
+    assert host["engram_tables"] == "host" and set(host["decode_tok_s"]) == {"1", "2"}
+    assert all(v > 0 for v in host["decode_tok_s"].values())
+    assert main(args + ["--compare-hf"]) == 2  # no transformers release has V4.1
+
+
+def test_v41_slice_floors_count_quantized_rows_candidates_and_engram_rows():
+    """V4.1 Flash's shapes in four layers: 384 experts of 3 x 5120 x 2304; one stream at 64k context reads
+    its active weights plus FP8 window rows (528 B), FP4 entries (288 B) and indexer keys (68 B; the
+    reindex layer only inside 2048 candidate blocks of 8), and 24 Engram rows of 256, never the table."""
+    from engine.bench.v41 import V41Costs
+    from engine.layers.engram import hash_primes
+    from engine.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    hf = preset_config("v41-slice")
+    cfg = ModelConfig.from_hf(hf)
+    primes = hash_primes(1, cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_vocab_size)[0]
+    assert cfg.engram_num_embeddings == (sum(p for heads in primes for p in heads),)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = DeepseekV41ForCausalLM(cfg, max_position=1 << 20)
+    finally:
+        torch.set_default_dtype(default)
+    assert abs(sum(p.numel() for p in model.parameters()) / 1e9 - 57.7) < 0.5
+    costs = V41Costs(model, cfg, 2)
+    assert costs.layers[0]["expert_bytes"] == 3 * 5120 * 2304 * 2
+    ctx = 65536
+    extra = [costs.decode_layer(i, 1, ctx)[0] - costs.layers[i]["rest_bytes"] - 6 * costs.layers[i]["expert_bytes"]
+             for i in range(4)]
+    window, entries = 128 * 528, 512 * 288
+    assert extra[0] == pytest.approx(window + 24 * 256 * 2)  # window only, Engram's rows
+    assert extra[1] == pytest.approx(window + entries + ctx // 2 * 68)  # the source scores every key
+    assert extra[2] == pytest.approx(window + entries)  # reuse: the source's picks
+    assert extra[3] == pytest.approx(window + entries + 2048 * 8 * 68)  # reindex: inside the candidate blocks
+    table = model.layers[0].engram.embed.weight
+    assert costs.layers[0]["rest_bytes"] < 0.7e9 < table.numel() * 2  # the table is not counted as read

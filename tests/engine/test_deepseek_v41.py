@@ -174,6 +174,100 @@ def test_engram_tables_in_host_memory_equal_the_device_path(engines, goldens):
         assert torch.equal(a, b)
     for i, out in enumerate(host.generate(batch, GREEDY)):
         assert out.token_ids == goldens[case][f"prompt{i}.greedy_tokens"][0].tolist()
+    chunked = [engines(case, max_num_batched_tokens=8, **where) for where in ({}, {"engram_tables": "host"})]
+    for a, b in zip(*(llm.score(batch) for llm in chunked)):  # n-grams reaching back across chunks
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_engram_rows_from_host_memory_are_gathered_before_layer_0(engines, goldens, monkeypatch, async_scheduling):
+    """Tables in host memory: each step hashes its tokens and gathers every Engram layer's rows before
+    layer 0 runs. Where the host knows the step's tokens it hashes them itself (the device's hash never
+    runs); a decode step launched ahead (its input drawn on the device) hashes there and reads back."""
+    from engine.layers.engram import EngramTable
+
+    case = "engram_yarn_hc2"
+    llm = engines(case, engram_tables="host", async_scheduling=async_scheduling)
+    model = llm.engine.runner.model
+    events = []
+    fetch = EngramTable.fetch
+
+    def spy(self, rows, device):
+        events.append(f"fetch {rows.device.type}")
+        return fetch(self, rows, device)
+
+    monkeypatch.setattr(EngramTable, "fetch", spy)
+    hooks = [model.layers[0].register_forward_pre_hook(lambda m, a: events.append("layer 0")),
+             model.engram_hash.register_forward_pre_hook(lambda m, a: events.append("device hash"))]
+    try:
+        outs = llm.generate(prompts_of(goldens[case]), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for i, out in enumerate(outs):
+        assert out.token_ids == goldens[case][f"prompt{i}.greedy_tokens"][0, :6].tolist()
+    steps = "|".join(events).replace("|layer 0", "|layer 0\n").strip().split("\n")
+    assert len(steps) >= 6
+    for step in steps:  # both Engram layers' rows (from the host's ids), then layer 0
+        assert step.strip("|").removeprefix("device hash|") == "fetch cpu|fetch cpu|layer 0", step
+    hashed_on_device = sum(step.strip("|").startswith("device hash") for step in steps)
+    if async_scheduling == "off":
+        assert hashed_on_device == 0
+    else:
+        assert 0 < hashed_on_device < len(steps)  # prefills know their tokens; decodes launched ahead do not
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_engram_rows_from_pinned_host_memory_on_the_gpu_equal_the_device_tables(checkpoints, goldens, monkeypatch):
+    """On a GPU the host tables are pinned and each step's rows come over on the side stream (an event
+    the Engram layer waits on): the logits equal those of tables on the GPU, with steps launched ahead too."""
+    from engine.layers.engram import EngramTable
+
+    case = "engram_yarn_hc2"
+    batch = prompts_of(goldens[case])
+    device = LLM(str(checkpoints[case]), dtype="float32", block_size=8)
+    host = LLM(str(checkpoints[case]), dtype="float32", block_size=8, engram_tables="host", async_scheduling="on")
+    tables = [b.engram.embed for b in host.engine.runner.model.layers if b.engram is not None]
+    assert tables and all(t.on_host and t.weight.is_pinned() for t in tables)
+    copied = []
+    fetch = EngramTable.fetch
+
+    def spy(self, rows, dev):
+        fetched = fetch(self, rows, dev)
+        copied.append(fetched.ready is not None)  # an event to wait on: the copy runs on the side stream
+        return fetched
+
+    monkeypatch.setattr(EngramTable, "fetch", spy)
+    for a, b in zip(device.score(batch), host.score(batch)):
+        assert torch.equal(a, b)
+    assert copied and all(copied)
+    want = [out.token_ids for out in device.generate(batch, GREEDY)]
+    assert [out.token_ids for out in host.generate(batch, GREEDY)] == want
+
+
+def test_the_engram_tables_serve_flag_reaches_the_model(checkpoints, monkeypatch):
+    """`serve --engram-tables host` (or DEEPSEEK_ENGINE_ENGRAM_TABLES=host): the engine the server builds
+    keeps every Engram table in host memory; the default keeps them with the model."""
+    import argparse
+
+    from engine.server.engine_process import build_llm_engine
+    from engine.server.launch import add_serve_args, engine_config
+
+    def tables(*flags: str) -> list:
+        parser = argparse.ArgumentParser()
+        add_serve_args(parser)
+        args = parser.parse_args(["--model", str(checkpoints["engram_yarn_hc2"]), "--dtype", "float32",
+                                  "--num-gpu-blocks-override", "32", *flags])
+        engine = build_llm_engine(engine_config(args))
+        try:
+            return [b.engram.embed for b in engine.runner.model.layers if b.engram is not None]
+        finally:
+            engine.shutdown()
+
+    assert [t.on_host for t in tables("--engram-tables", "host")] == [True, True]
+    assert [t.on_host for t in tables()] == [False, False]
+    monkeypatch.setenv("DEEPSEEK_ENGINE_ENGRAM_TABLES", "host")
+    assert all(t.on_host and t.weight.device.type == "cpu" for t in tables())
 
 
 def test_caches_stored_quantized_equal_the_fake_quantized_path(engines, goldens, monkeypatch):

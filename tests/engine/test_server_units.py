@@ -266,6 +266,7 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
         "KV_CACHE_MEMORY": "2GiB", "NUM_GPU_BLOCKS_OVERRIDE": "64", "KV_SECRET_FILE": str(tmp_path / "kv-secret"),
         "ENGINE_HEARTBEAT_TIMEOUT": "4", "MAX_REQUEST_BODY_SIZE": "1MiB",
         "SPECULATIVE_CONFIG": '{"method": "mtp", "num_speculative_tokens": 2}', "ENABLE_IMAGE_URLS": "true",
+        "ENGRAM_TABLES": "host",
         "IMAGE_FETCH_TIMEOUT": "3", "MAX_IMAGE_SIZE": "2MiB", "MAX_IMAGE_PIXELS": "1000000", "MAX_IMAGES_PER_REQUEST": "4",
         "LOAD_FORMAT": "dummy",
     }  # fmt: skip
@@ -291,7 +292,7 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
         "pod-0", "10.0.0.7", "redis://dir:6379/0", "rdma", 8101,
     )  # fmt: skip
     assert (c.kv_min_prefix_tokens, c.kv_pull_policy, c.kv_transfer_streams) == (32, "never", 3)
-    assert c.async_scheduling == "off"
+    assert c.async_scheduling == "off" and c.engram_tables == "host"
     assert (c.tensor_parallel_size, c.enable_expert_parallel, c.max_num_batched_tokens) == (4, True, 512)
     assert (c.nnodes, c.node_rank, c.dist_init_addr, c.ranks_per_node) == (2, 1, "leader:29500", 2)
     assert (c.gpu_memory_utilization, c.kv_cache_memory, c.num_kv_blocks) == (0.8, 2 * 2**30, 64)
