@@ -102,7 +102,7 @@ class MLA(nn.Module):
             c_kv, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
             c_kv = self.kv_a_layernorm(c_kv)
             q_pe, k_pe = self.rotary(positions, q_pe), self.rotary(positions, k_pe)
-            write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe], dim=-1), meta.slot_mapping)
+            write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe], dim=-1), meta.slot_mapping, self.kv_lora_rank)
 
         n = meta.num_prefill_tokens
         args = (self.kv_cache, meta, self.kv_b_proj.weight, self.kv_lora_rank, self.v_head_dim, self.softmax_scale)
