@@ -196,8 +196,6 @@ class ModelRunner:
         if not isinstance(self.model, DeepseekV3ForCausalLM):  # V4 and V4.1 have their own cache codecs
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype} is for the V3-family MLA latent cache; "
                              f"{type(self.model).__name__} sets its caches' dtypes itself (use auto)")
-        if kv_cache_dtype == "bf16" and self.dtype != torch.bfloat16:
-            raise ValueError(f"kv_cache_dtype bf16 needs bfloat16 activations, the model runs in {self.dtype}")
         return self.model.kv_cache_specs(self.dtype, kv_cache_dtype)
 
     @property

@@ -90,7 +90,8 @@ def is_fp8(cache: torch.Tensor) -> bool:
 
 
 def dequantized(cache_rows: torch.Tensor, kv_lora: int, rope: int, dtype: torch.dtype) -> torch.Tensor:
-    """Latent rows from either cache: the FP8 ones decoded, the others as they are."""
+    """Latent rows from any cache in `dtype`: the FP8 ones decoded, the others cast (a bf16 cache under
+    float32 activations) or as they are."""
     if not is_fp8(cache_rows):
-        return cache_rows
+        return cache_rows.to(dtype)
     return FP8LatentLayout(kv_lora, rope, dtype).dequantize(cache_rows, dtype)

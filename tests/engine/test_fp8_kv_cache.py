@@ -14,11 +14,12 @@ from tests.engine.hf_oracle import YARN, build_hf_model, hf_greedy, hf_logits, p
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-# measured on this checkpoint (docs/engine.md, "KV cache"); the bounds leave some room for BLAS orders.
-# These random tiny models (initializer_range 0.15, kv_lora 32) are far more sensitive than trained ones.
-MAX_MEAN_DRIFT = 0.15  # mean |logit - HF| as a fraction of the logits' std
+# measured on this checkpoint (docs/engine.md, "KV cache"): a bf16 cache's rounding alone moves the logits
+# by 0.0036 on average, the FP8 cache's by 0.074 (e4m3 keeps 3 mantissa bits to bf16's 7: 16x the step).
+# These random tiny models (initializer_range 0.15) amplify any perturbation far more than trained ones.
+MAX_DRIFT_OVER_BF16 = 30  # mean |logit - HF|, FP8 cache over bf16 cache
+MAX_MEAN_DRIFT = 0.1  # mean |logit - HF| as a fraction of the logits' std
 MIN_TOP1 = 0.8  # positions whose argmax is HF's
-MIN_GREEDY_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
@@ -36,24 +37,35 @@ def _agreement(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
 
 
-def test_fp8_cache_logit_drift_and_greedy_agreement(checkpoint):
-    hf, path = checkpoint
-    llm = _llm(path, block_size=4, max_num_batched_tokens=16)  # chunks that read their prefix from the cache
-    caches = llm.engine.runner.kv_pool.caches
-    assert all(c.dtype == torch.uint8 and c.shape[-1] == FP8LatentLayout(32, 8, torch.float32).row_bytes
-               for c in caches)
-    batch = prompts(0, [5, 17, 33, 64])
+def _drift(llm, hf, batch):
+    """(|logit - HF| at every position of every prompt, argmax agreement per position, HF's logits)."""
     pairs = [(ours, hf_logits(hf, ids)) for ids, ours in zip(batch, llm.score(batch))]
     drift = torch.cat([(o - r).abs().flatten() for o, r in pairs])
-    spread = torch.cat([r.flatten() for _, r in pairs]).std().item()
-    top1 = torch.cat([o.argmax(-1) == r.argmax(-1) for o, r in pairs]).float().mean().item()
-    outs = llm.generate(batch, GREEDY)
-    agreed = sum(_agreement(o.token_ids, hf_greedy(hf, ids, NEW_TOKENS)) for ids, o in zip(batch, outs))
-    print(f"fp8 cache: mean |logit drift| {drift.mean():.4f} (max {drift.max():.3f}, logit std {spread:.2f}), "
-          f"top-1 agreement {top1:.3f}, greedy tokens alike before the first difference {agreed}/{NEW_TOKENS * len(batch)}")
-    assert drift.max() > 1e-4  # quantized: the float32 cache is within 1e-4 of HF
-    assert drift.mean() <= MAX_MEAN_DRIFT * spread and top1 >= MIN_TOP1
-    assert agreed >= MIN_GREEDY_TOKENS
+    top1 = torch.cat([o.argmax(-1) == r.argmax(-1) for o, r in pairs]).float()
+    return drift, top1, torch.cat([r.flatten() for _, r in pairs])
+
+
+def test_fp8_cache_logit_drift_and_greedy_agreement(checkpoint):
+    hf, path = checkpoint
+    # chunks of 16 over pages of 4: most rows a chunk attends to come back from the cache
+    fp8 = _llm(path, block_size=4, max_num_batched_tokens=16)
+    bf16 = _llm(path, "bf16", block_size=4, max_num_batched_tokens=16)  # bf16 cache, float32 activations
+    assert all(c.dtype == torch.uint8 and c.shape[-1] == FP8LatentLayout(32, 8, torch.float32).row_bytes
+               for c in fp8.engine.runner.kv_pool.caches)
+    assert all(c.dtype == torch.bfloat16 for c in bf16.engine.runner.kv_pool.caches)
+    batch = prompts(0, [5, 17, 33, 64])
+    drift, top1, logits = _drift(fp8, hf, batch)
+    drift_bf16, top1_bf16, _ = _drift(bf16, hf, batch)
+    hf_tokens = [hf_greedy(hf, ids, NEW_TOKENS) for ids in batch]
+    alike = lambda llm: sum(_agreement(o.token_ids, h) for o, h in zip(llm.generate(batch, GREEDY), hf_tokens))
+    alike_fp8, alike_bf16 = alike(fp8), alike(bf16)
+    print(f"mean |logit - HF| fp8 {drift.mean():.4f} (max {drift.max():.3f}) bf16 {drift_bf16.mean():.4f} "
+          f"(max {drift_bf16.max():.3f}), logit std {logits.std():.2f}; top-1 fp8 {top1.mean():.3f} bf16 "
+          f"{top1_bf16.mean():.3f}; greedy tokens alike before the first difference fp8 {alike_fp8} bf16 "
+          f"{alike_bf16} of {NEW_TOKENS * len(batch)}")
+    assert drift_bf16.mean() < drift.mean() <= MAX_DRIFT_OVER_BF16 * drift_bf16.mean()
+    assert drift.mean() <= MAX_MEAN_DRIFT * logits.std() and top1.mean() >= MIN_TOP1
+    assert alike_fp8 >= 4  # the first tokens of most prompts
 
 
 def test_prefix_cache_over_fp8_blocks(checkpoint):
