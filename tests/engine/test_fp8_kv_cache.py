@@ -113,3 +113,11 @@ def test_kv_cache_dtype_is_checked_and_keys_the_model(tmp_path):
                                                                                    kv_cache_dtype="bf16")
     assert model_fingerprint(tmp_path, "torch.bfloat16", 16) != model_fingerprint(tmp_path, "torch.bfloat16", 16,
                                                                                    kv_cache_dtype="fp8")
+
+
+def test_v4_refuses_the_fp8_latent_cache(tmp_path):
+    from tests.engine.hf_oracle_v4 import build_v4_model
+
+    path = save_hf_checkpoint(build_v4_model(seed=31), tmp_path / "v4")
+    with pytest.raises(ValueError, match="V3-family MLA latent cache"):
+        LLM(str(path), dtype="float32", device="cpu", kv_cache_dtype="fp8", block_size=8, max_model_len=256)
