@@ -1,7 +1,8 @@
 """MLA decode attention alone (`engine.kernels.mla_decode`): effective bandwidth over the latent cache.
 
     python benchmarks/mla_decode.py [--heads 16] [--batches 1,8,64] [--contexts 1024,...,131072]
-                                    [--sweep] [--check] [--out results.json]
+                                    [--sweep] [--check] [--kv-cache-dtype bf16|fp8|both]
+                                    [--out results.json]
 
 For each (batch, context): B sequences of `context` tokens in a paged bf16 cache (64-token pages,
 shuffled), all heads of one layer (16: DeepSeek-V2-Lite, 128: V3), timed as a CUDA graph of calls
@@ -25,6 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.kernels.mla_decode import (  # noqa: E402
     default_num_splits, mla_decode_attention, num_sms, reference_mla_decode_attention,
 )
+from engine.layers.fp8_latent import FP8LatentLayout  # noqa: E402
+
+FP8_LAYOUT = FP8LatentLayout(512, 64, torch.bfloat16)
 
 KV_LORA, ROPE, PAGE = 512, 64, 64
 TILE_SWEEP = {
@@ -44,13 +48,19 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def make_case(batch: int, context: int, heads: int, copies: int, lens: list[int] | None = None):
+def row_bytes(kv: str) -> int:
+    return FP8_LAYOUT.row_bytes if kv == "fp8" else (KV_LORA + ROPE) * 2
+
+
+def make_case(batch: int, context: int, heads: int, copies: int, lens: list[int] | None = None, kv: str = "bf16"):
     g = torch.Generator(device="cuda").manual_seed(batch * 7 + context)
     lens = lens or [context] * batch
     per_seq = -(-max(lens) // PAGE)
     blocks = batch * per_seq
     caches = [torch.randn(blocks, PAGE, KV_LORA + ROPE, generator=g, device="cuda").to(torch.bfloat16)
               for _ in range(copies)]
+    if kv == "fp8":  # the same rows, quantized (a copy at a time: the bf16 ones are dropped as we go)
+        caches = [FP8_LAYOUT.quantize(caches.pop(0)) for _ in range(copies)]
     tables = torch.randperm(blocks, generator=g, device="cuda").view(batch, per_seq).int()
     q = torch.randn(batch, heads, KV_LORA, generator=g, device="cuda").to(torch.bfloat16)
     q_pe = torch.randn(batch, heads, ROPE, generator=g, device="cuda").to(torch.bfloat16)
@@ -81,10 +91,11 @@ def time_calls(calls, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure(batch: int, context: int, heads: int, variants: dict, split_sweep: list[int], baseline=None) -> list[dict]:
-    n_bytes = batch * context * (KV_LORA + ROPE) * 2
+def measure(batch: int, context: int, heads: int, variants: dict, split_sweep: list[int], baseline=None,
+            kv: str = "bf16") -> list[dict]:
+    n_bytes = batch * context * row_bytes(kv)
     copies = max(1, min(128, -(-(512 << 20) // n_bytes)))
-    q, q_pe, caches, tables, lens = make_case(batch, context, heads, copies)
+    q, q_pe, caches, tables, lens = make_case(batch, context, heads, copies, kv=kv)
     rows = []
     runs = [(name, tiles, s) for name, tiles in variants.items()
             for s in [None] + (split_sweep if name in SPLIT_SWEEP else [])]
@@ -99,22 +110,24 @@ def measure(batch: int, context: int, heads: int, variants: dict, split_sweep: l
         try:
             sec = time_calls([lambda c=c: run(c) for c in caches])
         except Exception as e:  # a variant over the chip's shared memory, say: reported, not fatal
-            rows.append(dict(batch=batch, context=context, heads=heads, variant=name, splits=s, error=str(e)[:200]))
+            rows.append(dict(batch=batch, context=context, heads=heads, kv=kv, variant=name, splits=s,
+                             error=str(e)[:200]))
             continue
         used = s or (None if tiles is None else
                      default_num_splits(batch, heads, num_sms(q.device), tiles.get("block_h")))
-        rows.append(dict(batch=batch, context=context, heads=heads, variant=name, splits=used, us=sec * 1e6,
+        rows.append(dict(batch=batch, context=context, heads=heads, kv=kv, variant=name, splits=used, us=sec * 1e6,
                          tb_s=n_bytes / sec / 1e12))
     del caches
     torch.cuda.empty_cache()
     return rows
 
 
-def check(variants: dict, heads: int) -> list[str]:
-    """Every variant against the float32 reference on mixed lengths (bf16: rel. error < 1e-2)."""
+def check(variants: dict, heads: int, kv: str = "bf16") -> list[str]:
+    """Every variant against the float32 reference on mixed lengths (bf16: rel. error < 1e-2; FP8: against
+    the reference over the same FP8 rows)."""
     failures = []
     for lens in ([1, 700, 4096, 63, 20000], [3000, 17]):
-        q, q_pe, caches, tables, lens_t = make_case(len(lens), max(lens), heads, 1, lens)
+        q, q_pe, caches, tables, lens_t = make_case(len(lens), max(lens), heads, 1, lens, kv=kv)
         ref = reference_mla_decode_attention(q, q_pe, caches[0], tables, lens_t, 192**-0.5).double()
         for name, tiles in variants.items():
             for s in (None, 1, 3, 128):
@@ -125,7 +138,7 @@ def check(variants: dict, heads: int) -> list[str]:
                     continue
                 err = ((out.double() - ref).norm() / ref.norm()).item()
                 if not err < 1e-2:
-                    failures.append(f"{name} splits={s} heads={heads} lens={lens}: rel err {err:.3g}")
+                    failures.append(f"{name} {kv} splits={s} heads={heads} lens={lens}: rel err {err:.3g}")
     return failures
 
 
@@ -137,6 +150,8 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--check", action="store_true")
     p.add_argument("--baseline", type=Path, help="a module file whose mla_decode_attention is timed beside (before)")
+    p.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8", "both"],
+                   help="the latent cache timed (fp8: 656-byte rows; effective bandwidth counts those bytes)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     baseline = None
@@ -150,8 +165,10 @@ def main() -> int:
     result = dict(gpu=torch.cuda.get_device_name(), sms=num_sms(torch.device("cuda")), rows=[], failures=[])
     for heads in args.heads:
         variants = (TILE_SWEEP if heads <= 16 else HEAD_BLOCK_SWEEP) if args.sweep else {"default": {}}
+        kvs = ["bf16", "fp8"] if args.kv_cache_dtype == "both" else [args.kv_cache_dtype]
         if args.check:
-            result["failures"] += check(variants, heads)
+            for kv in kvs:
+                result["failures"] += check(variants, heads, kv)
             print(f"check, {heads} heads: {len(result['failures'])} failures so far", flush=True)
         for batch in args.batches:
             for ctx in args.contexts:
@@ -159,15 +176,16 @@ def main() -> int:
                     continue
                 default = default_num_splits(batch, heads, result["sms"])
                 splits = [x for x in (default // 2, default * 2, default * 4) if 1 <= x <= 256] if args.sweep else []
-                for row in measure(batch, ctx, heads, variants, splits, baseline):
-                    result["rows"].append(row)
-                    print(json.dumps(row), flush=True)
+                for kv in kvs:
+                    for row in measure(batch, ctx, heads, variants, splits, baseline, kv):
+                        result["rows"].append(row)
+                        print(json.dumps(row), flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     print(f"\n{result['gpu']}, {result['sms']} SMs: MLA decode, TB/s effective (cache bytes / time per call)")
     for row in result["rows"]:
         if row["variant"] in ("default", "before") and "tb_s" in row:
-            print(f"  H={row['heads']:<3} B={row['batch']:<3} ctx={row['context']:<7} {row['variant']:8s} "
+            print(f"  H={row['heads']:<3} B={row['batch']:<3} ctx={row['context']:<7} {row['kv']:4s} {row['variant']:8s} "
                   f"splits={row['splits']!s:<4} {row['us']:9.1f} us {row['tb_s']:6.2f} TB/s")
     for f in result["failures"]:
         print("FAIL", f)

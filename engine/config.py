@@ -447,7 +447,11 @@ def required_block_size(model_config: "ModelConfig | DeepseekV4Config", block_si
     return block_size
 
 
-def model_fingerprint(path: Path, dtype: str, block_size: int, num_draft_layers: int = 0) -> str:
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+
+
+def model_fingerprint(path: Path, dtype: str, block_size: int, num_draft_layers: int = 0,
+                      kv_cache_dtype: str = "auto") -> str:
     """Identifies what a KV block means: the same checkpoint, cache dtype, page size and cached layers
     (the MTP draft layers' caches ride in the same blocks) on every replica, wherever the checkpoint is
     mounted, gives the same key."""
@@ -459,6 +463,8 @@ def model_fingerprint(path: Path, dtype: str, block_size: int, num_draft_layers:
     h.update(f"{dtype}/{block_size}".encode())
     if num_draft_layers:
         h.update(f"/draft{num_draft_layers}".encode())
+    if kv_cache_dtype == "fp8":  # other bytes per block: an FP8 replica and a bf16 one share no block
+        h.update(b"/kv-fp8")
     return h.hexdigest()
 
 
@@ -533,6 +539,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # running requests at once
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
     block_size: int = 16  # tokens per KV page
+    # the latent cache's dtype (vLLM's name): auto = the activations'; bf16; fp8 = e4m3 c_kv with a scale
+    # per token, k_pe as is (engine.layers.fp8_latent; V3-family MLA only)
+    kv_cache_dtype: str = "auto"
     # the KV pool's size per rank: num_kv_blocks if set, else kv_cache_memory bytes, else on a GPU
     # gpu_memory_utilization of the card (what weights, activations and others leave), else 1 GiB
     num_kv_blocks: int | None = None
@@ -579,6 +588,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_transfer_streams is not None and self.kv_transfer_streams < 1:
             raise ValueError(f"kv_transfer_streams must be >= 1, got {self.kv_transfer_streams}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_pull_policy not in ("auto", "always", "never"):
             raise ValueError(f"kv_pull_policy must be auto, always or never, got {self.kv_pull_policy!r}")
         if self.load_format not in ("auto", "dummy"):

@@ -111,7 +111,7 @@ class LLMEngine:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); lowering it", self.max_model_len, capacity)
             self.max_model_len = capacity
         self.model_key = model_fingerprint(path, str(self.runner.dtype), config.block_size,
-                                           len(getattr(self.runner.model, "mtp", ())))
+                                           len(getattr(self.runner.model, "mtp", ())), config.kv_cache_dtype)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           salt=self.model_key)
         k = config.num_speculative_tokens

@@ -172,7 +172,7 @@ class ModelRunner:
         self.model.eval()
         if self.backend == "triton":
             enable_kernels(self.model)
-        self.kv_specs = self.model.kv_cache_specs(self.dtype)
+        self.kv_specs = self._kv_cache_specs(config.kv_cache_dtype)
         self.use_cuda_graphs = (self.backend == "triton" and self.device.type == "cuda"
                                 and getattr(M, "cuda_graphs", True)  # V4.1: no device-only decode path yet
                                 and not config.extra.get("enforce_eager", False))
@@ -190,6 +190,14 @@ class ModelRunner:
         self.image_embeds: dict[str, torch.Tensor] = {}
 
     # -- the KV pool ---------------------------------------------------------------------------------
+    def _kv_cache_specs(self, kv_cache_dtype: str) -> list:
+        if kv_cache_dtype == "auto":
+            return self.model.kv_cache_specs(self.dtype)
+        if not isinstance(self.model, DeepseekV3ForCausalLM):  # V4 and V4.1 have their own cache codecs
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype} is for the V3-family MLA latent cache; "
+                             f"{type(self.model).__name__} sets its caches' dtypes itself (use auto)")
+        return self.model.kv_cache_specs(self.dtype, kv_cache_dtype)
+
     @property
     def num_blocks(self) -> int:
         return self.kv_pool.num_blocks
@@ -301,8 +309,8 @@ class ModelRunner:
             # and both tile choices: one long sequence's (deeply pipelined) and a full batch's (nothing
             # compiles under the interpreter)
             for batch in (1, 64) if dev.type == "cuda" else (1,):
-                q = torch.zeros(batch, attn.num_heads, attn.kv_lora_rank, dtype=cache.dtype, device=dev)
-                q_pe = torch.zeros(batch, attn.num_heads, attn.qk_rope_head_dim, dtype=cache.dtype, device=dev)
+                q = torch.zeros(batch, attn.num_heads, attn.kv_lora_rank, dtype=self.dtype, device=dev)
+                q_pe = torch.zeros(batch, attn.num_heads, attn.qk_rope_head_dim, dtype=self.dtype, device=dev)
                 table = torch.full((batch, 1), self.kv_pool.scratch_block, dtype=torch.int32, device=dev)
                 for splits in SPLIT_CHOICES:
                     mla_decode_attention(q, q_pe, cache, table, torch.ones(batch, dtype=torch.int32, device=dev),

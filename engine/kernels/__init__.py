@@ -3,14 +3,14 @@ plain-PyTorch reference the tests compare against.
 
 | module | what |
 |---|---|
-| `mla_decode` | weight-absorbed MLA decode over the paged latent cache, split along the sequence |
+| `mla_decode` | weight-absorbed MLA decode over the paged latent cache, split along the sequence (bf16 or FP8 cache) |
 | `mla_prefill` | causal variable-length MLA prefill with a cached prefix (chunked prefill) |
 | `moe_routing` | router scoring + group-limited top-k, and the sort of (token, expert) pairs by expert |
 | `fused_moe` | grouped GEMMs over the sorted pairs, SiLU-and-multiply fused; bf16 and FP8 block-scaled |
 | `moe_gemv` | the same experts for a handful of tokens as GEMVs over the pairs, without the sort |
 | `fp8_gemm` | per-token-group activation quantization + FP8 block-scaled GEMM |
 | `rms_norm` | RMSNorm, optionally fused with the residual add |
-| `latent_cache` | kv norm, rope of the queries and the shared key, and the latent cache write in one launch |
+| `latent_cache` | kv norm, rope of the queries and the shared key, and the latent cache write (FP8: quantized) in one launch |
 | `rotary` | the in-kernel rotation of query heads (interleaved rope) and its reference |
 | `sampling` | temperature / greedy sampling on the GPU (Gumbel-max) |
 

@@ -18,7 +18,11 @@ SM, each streaming its tiles through a five-stage pipeline; from batch 5, two pr
 stages each), which hide each other's latency. The tile's products take M = 16 heads, so a program
 is bound by its own latency more than by the bytes: more programs in flight is what pays.
 
-Bytes: context_len * 576 * elem per sequence and head block; FLOPs: 4 * heads * context_len * 544.
+An FP8 latent cache (`engine.layers.fp8_latent`) is read as e4m3 c_kv widened in registers, the
+per-token scale folded into the scores and the probabilities, k_pe as stored.
+
+Bytes: context_len * 576 * elem per sequence and head block (FP8: context_len * 656 at V3's shapes);
+FLOPs: 4 * heads * context_len * 544.
 """
 
 import functools
@@ -28,50 +32,69 @@ import triton
 import triton.language as tl
 
 from engine.kernels._util import check, check_float, check_last_contiguous, interpreted, mma, pow2
+from engine.layers.fp8_latent import FP8LatentLayout, dequantized
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_tile(Cache, Tables, b, stride_tb, stride_cb, stride_ct, n0, end, offs_t, offs_c, offs_r, mask_c, mask_r,
-               KV_LORA: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr):
+def _load_tile(Cache, CacheR, CacheS, Tables, b, stride_tb, stride_cb, stride_ct, stride_rt, stride_st, n0, end, offs_t,
+               offs_c, offs_r, mask_c, mask_r, KV_LORA: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr,
+               FP8: tl.constexpr, QDT: tl.constexpr):
     """Tokens [n0, n0 + BLOCK_N) of one sequence, those before `end`: (c_kv [BLOCK_N, BLOCK_C],
-    k_pe [BLOCK_N, BLOCK_R], valid [BLOCK_N]); each row is 576 contiguous values (16-byte loads)."""
+    k_pe [BLOCK_N, BLOCK_R], valid [BLOCK_N], c_kv's scale [BLOCK_N]); each row is 576 contiguous values
+    (16-byte loads). FP8: c_kv read as e4m3 and widened to the queries' dtype (exact), its per-token
+    scale applied by the caller to the scores and the probabilities, k_pe from its own view of the row."""
     offs_n = n0 + offs_t
     mask_n = offs_n < end
     if ONE_PAGE:  # the tile lies in one page: one table entry, rows at a fixed stride
         page = tl.load(Tables + b * stride_tb + n0 // PAGE, mask=n0 < end, other=0)
+        tok = page.to(tl.int64) * PAGE + (n0 % PAGE) + offs_t
         row = page.to(tl.int64) * stride_cb + ((n0 % PAGE) + offs_t) * stride_ct
     else:
         page = tl.load(Tables + b * stride_tb + offs_n // PAGE, mask=mask_n, other=0)
+        tok = page.to(tl.int64) * PAGE + (offs_n % PAGE)
         row = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_ct
     kv = tl.load(Cache + row[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
-    kp = tl.load(Cache + row[:, None] + KV_LORA + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-    return kv, kp, mask_n
+    if FP8:  # a contiguous cache of byte rows: token `tok` starts at tok * stride in each view
+        kv = kv.to(QDT)
+        kp = tl.load(CacheR + tok[:, None] * stride_rt + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
+                     other=0.0)
+        sc = tl.load(CacheS + tok * stride_st, mask=mask_n, other=0.0)
+    else:
+        kp = tl.load(Cache + row[:, None] + KV_LORA + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
+                     other=0.0)
+        sc = offs_t.to(tl.float32) * 0.0 + 1.0  # unused
+    return kv, kp, mask_n, sc
 
 
 @triton.jit
-def _attend_tile(q, qp, kv, kp, mask_n, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
-    """Online softmax over one tile for every head of the program: -> (m_i, l_i, acc)."""
-    qk = mma(q.to(kv.dtype), tl.trans(kv), UPCAST) + mma(qp.to(kp.dtype), tl.trans(kp), UPCAST)  # [BLOCK_H, BLOCK_N]
+def _attend_tile(q, qp, kv, kp, mask_n, sc, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr, FP8: tl.constexpr):
+    """Online softmax over one tile for every head of the program: -> (m_i, l_i, acc). FP8: c_kv = kv * sc
+    per token, so q . c_kv = (q . kv) * sc and p @ c_kv = (p * sc) @ kv."""
+    qk = mma(q.to(kv.dtype), tl.trans(kv), UPCAST)
+    if FP8:
+        qk = qk * sc[None, :]
+    qk += mma(qp.to(kp.dtype), tl.trans(kp), UPCAST)  # [BLOCK_H, BLOCK_N]
     qk = tl.where(mask_n[None, :], qk * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     p = tl.exp2(qk - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + mma(p.to(kv.dtype), kv, UPCAST)
+    pv = p * sc[None, :] if FP8 else p
+    acc = acc * alpha[:, None] + mma(pv.to(kv.dtype), kv, UPCAST)
     return m_new, l_i, acc
 
 
 # neither the table's width (it follows the step's longest sequence) nor the slice count (it follows
 # the batch) makes a compiled variant of its own
 @triton.jit(do_not_specialize=["stride_tb", "num_splits"])
-def _split_kernel(QL, QP, Cache, Tables, Lens, MidO, MidLse, Out,
-                  stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_cb, stride_ct, stride_tb,
+def _split_kernel(QL, QP, Cache, CacheR, CacheS, Tables, Lens, MidO, MidLse, Out,
+                  stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_cb, stride_ct, stride_rt, stride_st, stride_tb,
                   stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2,
                   KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                  DIRECT: tl.constexpr, ONE_PAGE: tl.constexpr, UPCAST: tl.constexpr):
+                  DIRECT: tl.constexpr, ONE_PAGE: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
     # head blocks of one slice are neighbours in launch order: they run together and share its tiles in L2
     hb, s, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(Lens + b)
@@ -95,9 +118,10 @@ def _split_kernel(QL, QP, Cache, Tables, Lens, MidO, MidLse, Out,
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        kv, kp, mask_n = _load_tile(Cache, Tables, b, stride_tb, stride_cb, stride_ct, n0, end, offs_t, offs_c, offs_r,
-                                    mask_c, mask_r, KV_LORA, PAGE, ONE_PAGE)
-        m_i, l_i, acc = _attend_tile(q, qp, kv, kp, mask_n, m_i, l_i, acc, scale_log2, UPCAST)
+        kv, kp, mask_n, sc = _load_tile(Cache, CacheR, CacheS, Tables, b, stride_tb, stride_cb, stride_ct, stride_rt,
+                                        stride_st, n0, end, offs_t, offs_c, offs_r, mask_c, mask_r, KV_LORA, PAGE,
+                                        ONE_PAGE, FP8, QL.dtype.element_ty)
+        m_i, l_i, acc = _attend_tile(q, qp, kv, kp, mask_n, sc, m_i, l_i, acc, scale_log2, UPCAST, FP8)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     if DIRECT:  # the only slice: the output itself (zeros for an empty context)
@@ -181,7 +205,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
                          block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
                          num_splits: int | None = None, out: torch.Tensor | None = None,
                          tiles: dict | None = None) -> torch.Tensor:
-    """q_latent: [B, H, kv_lora], q_pe: [B, H, rope], kv_cache: [num_blocks, page, kv_lora + rope],
+    """q_latent: [B, H, kv_lora], q_pe: [B, H, rope], kv_cache: [num_blocks, page, kv_lora + rope], or an
+    FP8 latent cache [num_blocks, page, row_bytes] uint8 (`engine.layers.fp8_latent`, its k_pe in q_latent's dtype),
     block_tables: [B, max_blocks] int32, context_lens: [B] int32 -> latent output [B, H, kv_lora].
 
     Never reads context_lens on the host, so a CUDA graph can replay it with new lengths. num_splits:
@@ -191,9 +216,18 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     batch, num_heads, kv_lora = q_latent.shape
     rope = q_pe.shape[2]
     check(q_pe.shape[:2] == (batch, num_heads), f"q_pe {tuple(q_pe.shape)} does not match q_latent {tuple(q_latent.shape)}")
-    check(kv_cache.shape[2] == kv_lora + rope, f"cache rows hold {kv_cache.shape[2]} values, expected {kv_lora + rope}")
+    fp8 = kv_cache.dtype == torch.uint8
+    if fp8:
+        check(kv_cache.is_contiguous(), "an FP8 latent cache must be contiguous")
+        cache, cache_r, cache_s = FP8LatentLayout(kv_lora, rope, q_latent.dtype).views(kv_cache)
+        stride_rt, stride_st = cache_r.stride(1), cache_s.stride(1)
+    else:
+        check(kv_cache.shape[2] == kv_lora + rope, f"cache rows hold {kv_cache.shape[2]} values, expected {kv_lora + rope}")
+        cache = cache_r = cache_s = kv_cache
+        stride_rt = stride_st = 0
     for name, t in (("q_latent", q_latent), ("q_pe", q_pe), ("kv_cache", kv_cache)):
-        check_float(name, t)
+        if t is not kv_cache or not fp8:
+            check_float(name, t)
         check_last_contiguous(name, t)
     check(block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32,
           "block_tables and context_lens must be int32")
@@ -216,15 +250,15 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     mid_o = torch.empty(shape, dtype=torch.float32, device=q_latent.device)
     mid_lse = torch.empty(shape[:3], dtype=torch.float32, device=q_latent.device)
     grid = (triton.cdiv(num_heads, block_h), num_splits, batch)
-    _split_kernel[grid](q_latent, q_pe, kv_cache, block_tables, context_lens, mid_o, mid_lse, out,
+    _split_kernel[grid](q_latent, q_pe, cache, cache_r, cache_s, block_tables, context_lens, mid_o, mid_lse, out,
                         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
-                        kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
+                        cache.stride(0), cache.stride(1), stride_rt, stride_st, block_tables.stride(0),
                         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), out.stride(0), out.stride(1),
                         num_heads, num_splits, softmax_scale * LOG2E,
                         KV_LORA=kv_lora, ROPE=rope, BLOCK_C=block_c, BLOCK_R=pow2(rope), BLOCK_H=block_h,
                         BLOCK_N=cfg["block_n"], PAGE=kv_cache.shape[1], MIN_CHUNK=cfg["min_chunk"], DIRECT=direct,
                         ONE_PAGE=kv_cache.shape[1] % cfg["block_n"] == 0,
-                        UPCAST=interpreted(kv_cache), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                        UPCAST=interpreted(kv_cache), FP8=fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if not direct:
         # columns per merge program from the slice count alone (no variant per batch size): ~2K partial
         # values each, so batch 1's 16 heads still make hundreds of programs
@@ -237,11 +271,13 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
 
 
 def reference_mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, context_lens, softmax_scale):
-    """Plain PyTorch, float32, one sequence at a time (an empty context gives zeros)."""
+    """Plain PyTorch, float32, one sequence at a time (an empty context gives zeros); an FP8 cache's rows
+    are decoded first."""
     page, kv_lora = kv_cache.shape[1], q_latent.shape[2]
     outs = []
     for b, n in enumerate(context_lens.tolist()):
-        rows = kv_cache[block_tables[b, : -(-n // page)].long()].flatten(0, 1)[:n].float()  # [n, kv_lora + rope]
+        rows = kv_cache[block_tables[b, : -(-n // page)].long()].flatten(0, 1)[:n]
+        rows = dequantized(rows, kv_lora, q_pe.shape[2], q_latent.dtype).float()  # [n, kv_lora + rope]
         scores = (q_latent[b].float() @ rows[:, :kv_lora].T + q_pe[b].float() @ rows[:, kv_lora:].T) * softmax_scale
         outs.append(scores.softmax(-1) @ rows[:, :kv_lora] if n else torch.zeros_like(q_latent[b], dtype=torch.float32))
     return torch.stack(outs).to(q_latent.dtype)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.copies import to_device
+from engine.layers.fp8_latent import FP8LatentLayout, dequantized, is_fp8
 
 
 @dataclass
@@ -66,8 +67,12 @@ class AttentionMetadata:
         return tables, to_device(lens, torch.int32, dev)
 
 
-def write_kv_cache(kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """latent: [T, kv_cache_dim] -> kv_cache rows at slot_mapping."""
+def write_kv_cache(kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor,
+                   kv_lora_rank: int | None = None) -> None:
+    """latent: [T, kv_cache_dim] -> kv_cache rows at slot_mapping; an FP8 latent cache (uint8) takes
+    them quantized (`fp8_latent`), which needs kv_lora_rank."""
+    if is_fp8(kv_cache):
+        latent = FP8LatentLayout(kv_lora_rank, latent.shape[-1] - kv_lora_rank, latent.dtype).quantize(latent)
     kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, latent.to(kv_cache.dtype))
 
 
@@ -97,6 +102,7 @@ def mla_prefill(
         q_start, q_len = int(meta.query_start_loc_cpu[i]), meta.query_lens_cpu[i]
         ctx = meta.context_lens_cpu[i]
         latent = gather_kv_cache(kv_cache, meta.block_tables[i], ctx, meta.block_size)
+        latent = dequantized(latent, kv_lora_rank, q_pe.shape[-1], q_pe.dtype)
         c_kv, k_pe = latent.split([kv_lora_rank, latent.shape[-1] - kv_lora_rank], dim=-1)
         kv = F.linear(c_kv.to(w_kv_b.dtype), w_kv_b).view(ctx, num_heads, nope + v_head_dim)
         k_nope, v = kv.split([nope, v_head_dim], dim=-1)
@@ -135,7 +141,8 @@ def mla_decode(
     max_len = max(lens)
     latent = torch.stack(
         [
-            F.pad(gather_kv_cache(kv_cache, meta.block_tables[first + b], n, meta.block_size), (0, 0, 0, max_len - n))
+            F.pad(dequantized(gather_kv_cache(kv_cache, meta.block_tables[first + b], n, meta.block_size),
+                              kv_lora_rank, q_pe.shape[-1], q_pe.dtype), (0, 0, 0, max_len - n))
             for b, n in enumerate(lens)
         ]
     ).float()  # [B, L, kv_lora + rope]
@@ -171,7 +178,9 @@ def mla_prefill_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv
         tables, lens = meta.prefill_as_decode_rows
         return _absorbed_attention(q_nope, q_pe, kv_cache, tables, lens, w_kv_b, v_head_dim, softmax_scale)
     slots, cu_k = meta.prefill_context
-    latent = kv_cache.view(-1, kv_cache.shape[-1])[slots]  # [Tk, kv_lora + rope]
+    # [Tk, kv_lora + rope]; an FP8 cache's rows decoded as they are gathered (the expansion GEMM and the
+    # attention after it run in the activation dtype)
+    latent = dequantized(kv_cache.view(-1, kv_cache.shape[-1])[slots], kv_lora_rank, q_pe.shape[-1], q_pe.dtype)
     kv = F.linear(latent[:, :kv_lora_rank], w_kv_b).view(latent.shape[0], num_heads, nope + v_head_dim)
     cu_q = meta.query_start_loc[: meta.num_prefills + 1].int()
     max_q = max(meta.query_lens_cpu[: meta.num_prefills])

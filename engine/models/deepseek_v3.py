@@ -18,6 +18,7 @@ from engine.layers.attention import (
     mla_prefill_fast,
     write_kv_cache,
 )
+from engine.layers.fp8_latent import FP8LatentLayout
 from engine.layers.linear import (
     ColumnParallelLinear,
     Linear,
@@ -102,7 +103,7 @@ class MLA(nn.Module):
             c_kv, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
             c_kv = self.kv_a_layernorm(c_kv)
             q_pe, k_pe = self.rotary(positions, q_pe), self.rotary(positions, k_pe)
-            write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe], dim=-1), meta.slot_mapping)
+            write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe], dim=-1), meta.slot_mapping, self.kv_lora_rank)
 
         n = meta.num_prefill_tokens
         args = (self.kv_cache, meta, self.kv_b_proj.weight, self.kv_lora_rank, self.v_head_dim, self.softmax_scale)
@@ -280,9 +281,15 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Every cached attention layer, the target's then the MTP draft's (layer index order)."""
         return [layer.self_attn for layer in (*self.model.layers, *self.mtp)]
 
-    def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
-        """One latent cache per layer (MLA's cache is shared by all heads: every rank holds it whole)."""
-        return [KVCacheSpec("latent", i, self.config.kv_cache_dim, dtype) for i in range(len(self.attention_layers()))]
+    def kv_cache_specs(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> list[KVCacheSpec]:
+        """One latent cache per layer (MLA's cache is shared by all heads: every rank holds it whole);
+        kv_cache_dtype fp8: rows of bytes (`fp8_latent`), k_pe in the activation dtype."""
+        if kv_cache_dtype == "fp8":
+            c = self.config
+            width, cache_dtype = FP8LatentLayout(c.kv_lora_rank, c.qk_rope_head_dim, dtype).row_bytes, torch.uint8
+        else:
+            width, cache_dtype = self.config.kv_cache_dim, torch.bfloat16 if kv_cache_dtype == "bf16" else dtype
+        return [KVCacheSpec("latent", i, width, cache_dtype) for i in range(len(self.attention_layers()))]
 
     def bind_kv_caches(self, pool: KVPool) -> None:
         for i, attn in enumerate(self.attention_layers()):

@@ -114,6 +114,7 @@ def launch_all() -> None:
     from engine.kernels.moe_routing import route
     from engine.kernels.rms_norm import rms_norm
     from engine.kernels.sampling import sample
+    from engine.layers.fp8_latent import FP8LatentLayout
 
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
     for hidden, heads, experts, top_k, inter, shared, vocab, fp8 in ((2048, 16, 64, 6, 1408, 2, 102400, False),
@@ -128,6 +129,9 @@ def launch_all() -> None:
             cos = sin = _empty(4096, rope // 2, dtype=f32)
             pos = torch.zeros(tokens, dtype=i64)
             write_latent_(_empty(64, page, lora + rope), kv, _empty(lora), 1e-6, q[..., nope:], pos, cos, sin, pos)
+            fp8_row = FP8LatentLayout(lora, rope, torch.bfloat16).row_bytes  # --kv-cache-dtype fp8
+            write_latent_(_empty(64, page, fp8_row, dtype=torch.uint8), kv, _empty(lora), 1e-6, q[..., nope:], pos,
+                          cos, sin, pos)
             ids = torch.randint(0, experts, (tokens, experts)).argsort(-1)[:, :top_k].to(i32).contiguous()
             route(_empty(tokens, experts, dtype=f32), _empty(experts, dtype=f32) if fp8 else None, top_k,
                   "sigmoid" if fp8 else "softmax", "noaux_tc" if fp8 else "group_limited_greedy", 8,
@@ -152,8 +156,9 @@ def launch_all() -> None:
                 gemv(x, w, ws, block if fp8 else None)
                 gemv(x, _empty(experts, hidden, dtype=f32), out_dtype=f32)
             lens = torch.full((min(tokens, 64),), 1024, dtype=i32)
-            mla_decode_attention(_empty(len(lens), heads, lora), _empty(len(lens), heads, rope),
-                                 _empty(64 * 16, page, lora + rope), torch.zeros(len(lens), 16, dtype=i32), lens, 0.1)
+            for cache in (_empty(64 * 16, page, lora + rope), _empty(64 * 16, page, fp8_row, dtype=torch.uint8)):
+                mla_decode_attention(_empty(len(lens), heads, lora), _empty(len(lens), heads, rope), cache,
+                                     torch.zeros(len(lens), 16, dtype=i32), lens, 0.1)
             cu = torch.tensor([0, tokens], dtype=i32)
             mla_prefill_attention(q[..., :nope], q[..., nope:], _empty(tokens, heads, nope), _empty(tokens, rope),
                                   _empty(tokens, heads, vdim), cu, cu, tokens, 0.1)

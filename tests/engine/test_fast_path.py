@@ -157,6 +157,17 @@ def test_fast_path_chunked_prefill_over_cached_prefix(tmp_path, dtype):
     assert_same_where_clear(ref, fast, prompts(22, [7, 4]), dtype)
 
 
+def test_fp8_kv_cache_fast_path_matches_reference(tmp_path, dtype):
+    """The FP8 latent cache on both paths (the writer kernel quantizes as the reference does; the decode
+    kernel dequantizes in its loads). A 24-token budget: the first step's 21-token prompt and 3 tokens of
+    the other take the plain prefill; the other's last token, a 1-token chunk over its cached prefix, the
+    absorbed kernel beside the first one's decode; then decode steps."""
+    path = save_hf_checkpoint(v3_model(23, rope_parameters=YARN), tmp_path / "ckpt")
+    ref, fast = pair(path, dtype, kv_cache_dtype="fp8", max_num_batched_tokens=24, block_size=4)
+    assert fast.engine.runner.kv_pool.caches[0].dtype == torch.uint8
+    assert_same_where_clear(ref, fast, prompts(23, [21, 4]), dtype)
+
+
 def test_fp8_checkpoint_keeps_blocks_and_matches_reference(tmp_path, dtype):
     hf = v3_model(23, rope_parameters=YARN)
     path = save_hf_checkpoint(hf, tmp_path / "ckpt")

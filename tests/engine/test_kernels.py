@@ -159,6 +159,95 @@ def test_mla_decode_deepseek_shapes(heads, lens):
     assert rel_err(out, reference_mla_decode_attention(*args, 192**-0.5)) < 1e-2
 
 
+# -- the FP8 latent cache --------------------------------------------------------------------------
+def _fp8_decode_case(lens, heads, kv_lora, rope, page, dtype, seed):
+    """A decode case over an FP8 cache holding the bf16/f32 case's rows quantized, and that case."""
+    from engine.layers.fp8_latent import FP8LatentLayout
+
+    q_latent, q_pe, cache, tables, lens_t = _decode_case(lens, heads, kv_lora, rope, page, dtype, seed)
+    # per-token ranges that differ by 1000x: each row's own scale must be the one applied
+    span = torch.logspace(-1.5, 1.5, cache.shape[0] * page).view(cache.shape[0], page, 1).to(DEV)
+    cache = (cache.float() * span).to(dtype)
+    fp8 = FP8LatentLayout(kv_lora, rope, dtype).quantize(cache)
+    return (q_latent, q_pe, fp8, tables, lens_t), cache
+
+
+@pytest.mark.parametrize("num_splits,page,block_n", [(1, 4, 16), (3, 16, 16), (4, 32, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_fp8_cache_matches_its_dequantized_reference(num_splits, page, block_n, dtype):
+    from engine.layers.fp8_latent import FP8LatentLayout
+
+    args, exact = _fp8_decode_case([0, 9, 50, 77], heads=5, kv_lora=32, rope=8, page=page, dtype=dtype, seed=7)
+    out = torch.full_like(args[0], float("nan"))
+    mla_decode_attention(*args, 0.3, num_splits=num_splits, out=out, tiles=dict(block_n=block_n, min_chunk=16))
+    ref = reference_mla_decode_attention(*args, 0.3)  # decodes the FP8 rows, then float32 attention
+    assert rel_err(out, ref) < (F32_TOL if dtype == torch.float32 else 2e-2)
+    # and the reference really is the FP8 cache's: close to the unquantized cache, not equal to it
+    layout = FP8LatentLayout(32, 8, dtype)
+    assert torch.equal(layout.dequantize(args[2])[..., 32:], exact[..., 32:])  # k_pe kept as it was
+    full = reference_mla_decode_attention(*args[:2], exact, *args[3:], 0.3)
+    assert 1e-4 < rel_err(ref, full) < 0.1
+
+
+def test_fp8_latent_rows_round_trip():
+    from engine.layers.fp8_latent import FP8LatentLayout
+
+    layout = FP8LatentLayout(512, 64, torch.bfloat16)
+    assert layout.row_bytes == 656 and layout.row_bytes < 0.6 * 576 * 2  # V3's row: 57 % of bf16's
+    g = torch.Generator().manual_seed(1)
+    latent = (torch.randn(40, 576, generator=g) * torch.logspace(-3, 3, 40)[:, None]).to(DEV, torch.bfloat16)
+    back = layout.dequantize(layout.quantize(latent)).float()
+    c, bc = latent[:, :512].float(), back[:, :512]
+    # e4m3 keeps 3 mantissa bits: every value within 1/16 of itself or of its row's amax / 2^9
+    amax = c.abs().amax(-1, keepdim=True)
+    assert ((bc - c).abs() <= c.abs() / 16 + amax * 2**-9 + 1e-30).all()
+    assert torch.equal(back[:, 512:], latent[:, 512:].float())
+    assert torch.equal(layout.dequantize(layout.quantize(torch.zeros(2, 576, device=DEV))), torch.zeros(2, 576, device=DEV, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_latent_fp8_quantizes_as_the_reference(dtype):
+    from engine.kernels.latent_cache import write_latent_
+    from engine.layers.fp8_latent import FP8LatentLayout
+
+    g = torch.Generator().manual_seed(5)
+    t, heads, lora, rope, blocks, page = 6, 3, 32, 8, 5, 4
+    layout = FP8LatentLayout(lora, rope, dtype)
+    q = torch.randn(t, heads, 16 + rope, generator=g).to(DEV, dtype)
+    kv = (torch.randn(t, lora + rope, generator=g) * torch.logspace(-2, 2, t)[:, None]).to(DEV, dtype)
+    weight = (1 + 0.1 * torch.randn(lora, generator=g)).to(DEV, dtype)
+    cos, sin = torch.randn(50, rope // 2, generator=g).to(DEV), torch.randn(50, rope // 2, generator=g).to(DEV)
+    pos = torch.randint(0, 50, (t,), generator=g).to(DEV)
+    slots = torch.randperm(blocks * page, generator=g)[:t].to(DEV)
+    cache = torch.full((blocks, page, layout.row_bytes), 0xAB, dtype=torch.uint8, device=DEV)
+    want = torch.cat([reference_rms_norm(kv[:, :lora], weight, 1e-6), reference_rope(kv[:, lora:], pos, cos, sin)], -1)
+    write_latent_(cache, kv, weight, 1e-6, q[..., 16:], pos, cos, sin, slots)
+    rows = cache.view(-1, layout.row_bytes)
+    want_rows = layout.quantize(want)
+    _, _, scale = layout.views(rows[slots])
+    assert torch.allclose(scale, layout.views(want_rows)[2], rtol=1e-5 if dtype == torch.float32 else 1e-2)
+    got = layout.dequantize(rows[slots]).float()
+    ref = layout.dequantize(want_rows).float()
+    # the same quantization: equal but where a value sits on a rounding edge (one e4m3 step)
+    step = ref.abs() / 8 + scale[:, None] * 2**-9
+    codes, want_codes = layout.views(rows[slots])[0].float(), layout.views(want_rows)[0].float()
+    if dtype == torch.float32:
+        assert ((got - ref).abs() <= step).all() and (codes == want_codes).float().mean() > 0.9
+    else:  # the reference norm rounds bf16 apart from the kernel's (as in the bf16 cache's test)
+        assert rel_err(got, ref) < 2e-2
+    untouched = torch.ones(blocks * page, dtype=torch.bool, device=DEV)
+    untouched[slots] = False
+    assert (rows[untouched] == 0xAB).all()  # nothing but the slots is written
+
+
+@gpu
+@pytest.mark.parametrize("heads,lens", [(16, [1, 700, 4096]), (128, [3000, 17])])
+def test_mla_decode_fp8_deepseek_shapes(heads, lens):
+    args, _ = _fp8_decode_case(lens, heads=heads, kv_lora=512, rope=64, page=64, dtype=torch.bfloat16, seed=5)
+    out = mla_decode_attention(*args, 192**-0.5)
+    assert rel_err(out, reference_mla_decode_attention(*args, 192**-0.5)) < 1e-2
+
+
 # -- MLA prefill -----------------------------------------------------------------------------------
 def _prefill_case(q_lens, k_lens, heads, nope, rope, vdim, dtype, seed):
     g = torch.Generator().manual_seed(seed)

@@ -268,7 +268,7 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
         "SPECULATIVE_CONFIG": '{"method": "mtp", "num_speculative_tokens": 2}', "ENABLE_IMAGE_URLS": "true",
         "ENGRAM_TABLES": "host",
         "IMAGE_FETCH_TIMEOUT": "3", "MAX_IMAGE_SIZE": "2MiB", "MAX_IMAGE_PIXELS": "1000000", "MAX_IMAGES_PER_REQUEST": "4",
-        "LOAD_FORMAT": "dummy",
+        "LOAD_FORMAT": "dummy", "KV_CACHE_DTYPE": "fp8",
     }  # fmt: skip
     (tmp_path / "kv-secret").write_text("0123456789abcdef0123456789abcdef\n")
     env["TENSOR_PARALLEL_SIZE"] = "4"
@@ -286,7 +286,7 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
     assert (s.images.limits.max_bytes, s.images.limits.max_pixels, s.images.limits.max_images) == (2 << 20, 10**6, 4)
     c = engine_config(args)
     assert (c.model, c.dtype, c.max_model_len, c.max_num_seqs) == (str(tmp_path), "bfloat16", 8192, 8)
-    assert c.load_format == "dummy"
+    assert c.load_format == "dummy" and c.kv_cache_dtype == "fp8"
     assert c.num_speculative_tokens == 2
     assert (c.replica_id, c.advertise_host, c.kv_directory, c.kv_transport, c.kv_transfer_port) == (
         "pod-0", "10.0.0.7", "redis://dir:6379/0", "rdma", 8101,
