@@ -51,6 +51,10 @@ class StepPlan:
     # launched ahead of a speculative step: each token's position is num_computed's plus an offset known
     # only on the device (`offsets` [T] next to the plan: the drafts that step accepts for its sequence)
     shifted: bool = False
+    # every row a greedy verification of k drafts whose sequence drafts again (k + 1 tokens each): the
+    # runner may verify, accept and draft in one replay (`model_runner.SpecGraphs`) instead of handing
+    # logits back
+    fused_verify: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +86,9 @@ class StepResult:
 
     logits: torch.Tensor | None  # [len(sample_indices), vocab] float32
     all_logits: torch.Tensor | None = None  # [num_tokens, vocab] float32 when the plan collects them
+    # a fused verification (`StepPlan.fused_verify`): (tokens [T], accepted counts [S], drafts [S, k]),
+    # views of one device buffer (one copy brings all three to the host)
+    spec: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class PlanBuilder:
