@@ -28,29 +28,21 @@ def index_to_device(values: tuple, device: torch.device) -> torch.Tensor:
     return to_device(values, torch.long, device)
 
 
-def _one_buffer(tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Whether the tensors are contiguous views of one storage, of one dtype."""
-    first = tensors[0]
-    return all(t.is_contiguous() and t.dtype == first.dtype
-               and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for t in tensors)
-
-
 class ToHost:
     """Device tensors copied to the host behind the work queued before them; `get()` waits for those
     copies only (not for anything queued later)."""
 
-    def __init__(self, *tensors: torch.Tensor) -> None:
+    def __init__(self, *tensors: torch.Tensor, within: torch.Tensor | None = None) -> None:
+        """within: a contiguous device buffer that holds every one of the tensors, as contiguous views (a
+        fused speculative step's output): copied whole, in one transfer, with nothing gathered first."""
         if tensors[0].device.type != "cuda":
             self.host, self.ready = [t.cpu() for t in tensors], None
             return
-        if len(tensors) > 1 and _one_buffer(tensors):
-            # views of one device buffer (a fused speculative step's output): its span in one transfer
-            start = min(t.storage_offset() for t in tensors)
-            end = max(t.storage_offset() + t.numel() for t in tensors)
-            span = tensors[0].as_strided((end - start,), (1,), start)
-            buffer = torch.empty(span.shape, dtype=span.dtype, pin_memory=True)
-            buffer.copy_(span, non_blocking=True)
-            self.host = [buffer[t.storage_offset() - start :][: t.numel()].view(t.shape) for t in tensors]
+        if within is not None:
+            buffer = torch.empty(within.shape, dtype=within.dtype, pin_memory=True)
+            buffer.copy_(within, non_blocking=True)
+            base = within.storage_offset()
+            self.host = [buffer[t.storage_offset() - base :][: t.numel()].view(t.shape) for t in tensors]
         elif len(tensors) > 1 and all(t.dtype == tensors[0].dtype for t in tensors):
             # one buffer, one transfer (a speculative step's tokens, accepted counts and drafts)
             flat = torch.cat([t.reshape(-1) for t in tensors])

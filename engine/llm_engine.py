@@ -373,14 +373,14 @@ class LLMEngine:
     def _launched_fused(self, batch: ScheduledBatch, spec: tuple) -> LaunchedStep:
         """A fused verification's step (`SpecGraphs`): its tokens, accepted counts and drafts already on
         the device, one copy to the host for all three."""
-        tokens, counts, drafts = spec
+        tokens, counts, drafts, buffer = spec
         k = self.speculator.k
         seqs = [seq for seq, _ in batch.items]
         for seq in seqs:
             seq.num_computed_tokens += 1  # the drafts count once accepted (`_resolve`)
             seq.num_inflight_tokens += 1
         draws = Draws(tokens, [seq for seq in seqs for _ in range(k + 1)], None, send=False)
-        offset = draws.send(counts, drafts)
+        offset = draws.send(counts, drafts, within=buffer)
         spec_step = SpecStep(seqs, [k] * len(seqs), [True] * len(seqs), draws.copy, counts, drafts, offset)
         return LaunchedStep(batch, [(seq, k + 1) for seq in seqs], draws, None, spec_step)
 

@@ -646,9 +646,10 @@ class SpecGraphs:
 
     @torch.inference_mode()
     def replay(self, plan: StepPlan, inputs: torch.Tensor | None, offsets: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Load the plan's rows into the decode graphs' buffers, one replay -> (tokens [T], counts [S],
-        drafts [S, k]): views of the graph's output buffer (read them before the next replay)."""
+        drafts [S, k], the buffer that holds all three): views of the graph's output buffer, rewritten
+        by the next replay (whatever reads them on the device is queued before it)."""
         decode = self.runner.graphs
         num_seqs, n = len(plan.slots), plan.num_tokens
         padded = self.padded(num_seqs)
@@ -663,7 +664,7 @@ class SpecGraphs:
         counts_at = padded * self.rows
         drafts_at = counts_at + padded
         return (out[:n], out[counts_at : counts_at + num_seqs],
-                out[drafts_at : drafts_at + num_seqs * k].view(num_seqs, k))
+                out[drafts_at : drafts_at + num_seqs * k].view(num_seqs, k), out[: drafts_at + num_seqs * k])
 
 
 class DecodeGraphs:

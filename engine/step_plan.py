@@ -86,9 +86,9 @@ class StepResult:
 
     logits: torch.Tensor | None  # [len(sample_indices), vocab] float32
     all_logits: torch.Tensor | None = None  # [num_tokens, vocab] float32 when the plan collects them
-    # a fused verification (`StepPlan.fused_verify`): (tokens [T], accepted counts [S], drafts [S, k]),
-    # views of one device buffer (one copy brings all three to the host)
-    spec: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # a fused verification (`StepPlan.fused_verify`): (tokens [T], accepted counts [S], drafts [S, k], the
+    # device buffer whose views they are: one copy brings all three to the host)
+    spec: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class PlanBuilder:

@@ -473,7 +473,8 @@ def test_speculative_config_is_parsed_and_checked():
 def test_on_the_gpu_graphs_give_the_plain_tokens(tiny_prompts, k):
     """The fast path: verification rows replayed from the decode graphs, the draft from its own graphs,
     steps launched ahead of the verification before them (positions and noise keys shifted on the
-    device); greedy and seeded sampled tokens as plain decoding's (the sampling noise is keyed by position)."""
+    device); greedy and seeded sampled tokens as plain decoding's (the sampling noise is keyed by position).
+    Greedy-only steps verify, accept and draft in one fused replay, its three outputs copied as one span."""
     params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True)]
     batch = [tiny_prompts[0], tiny_prompts[1], tiny_prompts[1]]
     plain = LLM("deepseek-tiny", dtype="float32").generate(batch, [params[0], params[0], params[1]])
@@ -483,8 +484,16 @@ def test_on_the_gpu_graphs_give_the_plain_tokens(tiny_prompts, k):
     outs = llm.generate(batch, [params[0], params[0], params[1]])
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert launches.count(True) >= len(launches) - 3
-    one = llm.generate([tiny_prompts[3]], GREEDY)[0]  # one stream: the (k + 1)-row graphs
+    fused = llm.engine.runner.spec_graphs
+    assert fused.graphs
+    replays, replay = [], fused.replay
+    fused.replay = lambda plan, *args: replays.append(len(plan.slots)) or replay(plan, *args)
+    one = llm.generate([tiny_prompts[3]], GREEDY)[0]  # one stream: the fused (k + 1)-row graph
     assert one.token_ids == LLM("deepseek-tiny", dtype="float32").generate([tiny_prompts[3]], GREEDY)[0].token_ids
+    assert len(replays) > 5 and set(replays) == {1}
+    two = llm.generate(tiny_prompts[:3], GREEDY)  # three streams: padded to a graph of four sequences
+    assert [o.token_ids for o in two] == [o.token_ids for o in LLM("deepseek-tiny", dtype="float32").generate(
+        tiny_prompts[:3], GREEDY)] and 3 in replays
 
 
 def test_served_with_the_flag_through_the_official_client(tmp_path, tiny_prompts, plain_tokens):
