@@ -370,18 +370,18 @@ class LLMEngine:
                 return False
         return True
 
-    def _launched_fused(self, batch: ScheduledBatch, spec: tuple) -> LaunchedStep:
+    def _launched_fused(self, batch: ScheduledBatch, fused) -> LaunchedStep:
         """A fused verification's step (`SpecGraphs`): its tokens, accepted counts and drafts already on
-        the device, one copy to the host for all three."""
-        tokens, counts, drafts, buffer = spec
+        the device (`FusedVerify`), one copy to the host for all three."""
         k = self.speculator.k
         seqs = [seq for seq, _ in batch.items]
         for seq in seqs:
             seq.num_computed_tokens += 1  # the drafts count once accepted (`_resolve`)
             seq.num_inflight_tokens += 1
-        draws = Draws(tokens, [seq for seq in seqs for _ in range(k + 1)], None, send=False)
-        offset = draws.send(counts, drafts, within=buffer)
-        spec_step = SpecStep(seqs, [k] * len(seqs), [True] * len(seqs), draws.copy, counts, drafts, offset)
+        draws = Draws(fused.tokens, [seq for seq in seqs for _ in range(k + 1)], None, send=False)
+        offset = draws.send(fused.counts, fused.drafts, within=fused.sent)
+        spec_step = SpecStep(seqs, [k] * len(seqs), [True] * len(seqs), draws.copy, fused.counts, fused.drafts,
+                             offset, (fused.next_inputs, fused.next_offsets))
         return LaunchedStep(batch, [(seq, k + 1) for seq in seqs], draws, None, spec_step)
 
     def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
@@ -439,6 +439,10 @@ class LLMEngine:
         batch = self.scheduler.schedule_ahead(seqs, num_drafts, unresolved)
         if batch is None:
             return None
+        unresolved = dict(zip(map(id, seqs), unresolved))
+        if spec.next is not None and len(batch.items) == len(spec.seqs) and all(
+                seq is s and n == k + 1 for (seq, n), s in zip(batch.items, spec.seqs)):
+            return self._launch(batch, *spec.next, unresolved)  # the fused step gathered them already
         tokens = step.draws.tokens
         num_drawn = tokens.shape[0]
         # per token of the new step: where its input is (a draw, or a draft past the draws), whose count
@@ -456,7 +460,7 @@ class LLMEngine:
         counts = spec.counts if none not in count else torch.cat([spec.counts, spec.counts.new_zeros(1)])
         offsets = counts.index_select(0, index[1])
         inputs = pool.index_select(0, index[0] + offsets * index[2])
-        return self._launch(batch, inputs, offsets, dict(zip(map(id, seqs), unresolved)))
+        return self._launch(batch, inputs, offsets, unresolved)
 
     def _sample(self, step: LaunchedStep) -> LaunchedStep:
         """Queue the draws of a step launched ahead with guided rows, after the step before it was read

@@ -23,7 +23,7 @@ from engine.models import model_class
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.deepseek_vit import ImageEmbeds
 from engine.parallel import SINGLE, ParallelContext
-from engine.step_plan import DraftPlan, StepPlan, StepResult
+from engine.step_plan import DraftPlan, FusedVerify, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -582,7 +582,8 @@ class SpecGraphs:
     layer over every row and k drafts from each sequence's last accepted row; tokens, counts and drafts
     land back to back in one buffer, so the host launches one replay and starts one copy a step (instead
     of a decode replay, the eager draws and acceptance, the draft graph's buffer copies and replay, and a
-    copy of four tensors). Steps with other rows (prefills, sampled or penalized rows, fewer drafts)
+    copy of four tensors); the same buffer holds the next step's rows (each sequence's bonus token and
+    drafts) and their offsets, which a step launched ahead takes as they are. Steps with other rows (prefills, sampled or penalized rows, fewer drafts)
     take the decode and draft graphs. One rank only: the draft's inputs never leave the graph, so the
     other ranks' collectives would have nothing to broadcast."""
 
@@ -618,7 +619,10 @@ class SpecGraphs:
         firsts = self.firsts[:num_seqs]
         drafts = runner._draft(tokens, pos, meta, hidden, firsts + counts,
                                decode.block_tables.index_select(0, firsts), k)  # [S, k]
-        return torch.cat([tokens, counts, drafts.flatten()])
+        # the next step's rows, as `LLMEngine._launch_after_drafts` would gather them: bonus token, drafts
+        following = torch.cat([drawn.gather(1, counts[:, None]), drafts], dim=1)  # [S, k + 1]
+        offsets = counts[:, None].expand(num_seqs, rows)
+        return torch.cat([tokens, counts, drafts.flatten(), following.flatten(), offsets.flatten()])
 
     def _capture(self, num_seqs: int) -> None:
         stream = torch.cuda.Stream()
@@ -645,11 +649,9 @@ class SpecGraphs:
         logger.info("captured %d CUDA graphs for fused speculative steps of %d drafts", len(self.graphs), self.k)
 
     @torch.inference_mode()
-    def replay(self, plan: StepPlan, inputs: torch.Tensor | None, offsets: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Load the plan's rows into the decode graphs' buffers, one replay -> (tokens [T], counts [S],
-        drafts [S, k], the buffer that holds all three): views of the graph's output buffer, rewritten
-        by the next replay (whatever reads them on the device is queued before it)."""
+    def replay(self, plan: StepPlan, inputs: torch.Tensor | None, offsets: torch.Tensor | None) -> FusedVerify:
+        """Load the plan's rows into the decode graphs' buffers, one replay -> its outputs (views of the
+        graph's output buffer)."""
         decode = self.runner.graphs
         num_seqs, n = len(plan.slots), plan.num_tokens
         padded = self.padded(num_seqs)
@@ -661,10 +663,12 @@ class SpecGraphs:
             decode.block_tables[n:end].fill_(decode.scratch_block)
         self.graphs[padded].replay()
         out, k = self.outputs[padded], self.k
-        counts_at = padded * self.rows
+        counts_at = end
         drafts_at = counts_at + padded
-        return (out[:n], out[counts_at : counts_at + num_seqs],
-                out[drafts_at : drafts_at + num_seqs * k].view(num_seqs, k), out[: drafts_at + num_seqs * k])
+        next_at = drafts_at + padded * k
+        return FusedVerify(out[:n], out[counts_at : counts_at + num_seqs],
+                           out[drafts_at : drafts_at + num_seqs * k].view(num_seqs, k), out[: drafts_at + num_seqs * k],
+                           out[next_at : next_at + n], out[next_at + end : next_at + end + n])
 
 
 class DecodeGraphs:

@@ -86,9 +86,22 @@ class StepResult:
 
     logits: torch.Tensor | None  # [len(sample_indices), vocab] float32
     all_logits: torch.Tensor | None = None  # [num_tokens, vocab] float32 when the plan collects them
-    # a fused verification (`StepPlan.fused_verify`): (tokens [T], accepted counts [S], drafts [S, k], the
-    # device buffer whose views they are: one copy brings all three to the host)
-    spec: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    spec: "FusedVerify | None" = None  # a fused verification's outputs (`StepPlan.fused_verify`)
+
+
+@dataclass
+class FusedVerify:
+    """A fused verification's outputs on the device: views of one buffer that the graph's next replay
+    rewrites (whatever reads them on the device is queued before it)."""
+
+    tokens: torch.Tensor  # [T] the greedy draw at every row
+    counts: torch.Tensor  # [S] drafts each sequence accepted
+    drafts: torch.Tensor  # [S, k] its next drafts
+    sent: torch.Tensor  # the span that holds those three: one copy brings them to the host
+    # the next step's rows where every sequence goes on with k drafts: its bonus token (the draw at its last
+    # accepted row) and drafts [T], and their positions past the host's (the sequence's count) [T]
+    next_inputs: torch.Tensor
+    next_offsets: torch.Tensor
 
 
 class PlanBuilder:
