@@ -78,8 +78,12 @@ def eager_graphs(llm: LLM, fused: bool) -> None:
             drafts.graphs[key] = EagerGraph(lambda key=key: drafts.outputs.__setitem__(key, drafts._draft(key)))
     if fused:
         spec = runner.spec_graphs = SpecGraphs(runner)
-        spec._capture = lambda n: spec.graphs.__setitem__(
-            n, EagerGraph(lambda: spec.outputs.__setitem__(n, spec._step(n))))
+
+        def capture(n):  # as a graph does, each replay writes the same output buffer
+            spec.outputs[n] = spec._step(n)
+            spec.graphs[n] = EagerGraph(lambda: spec.outputs[n].copy_(spec._step(n)))
+
+        spec._capture = capture
         spec.capture_all()
 
 

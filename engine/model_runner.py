@@ -596,7 +596,9 @@ class SpecGraphs:
         # each sequence's first row: its block table, and its last accepted row is first + count
         self.firsts = torch.arange(0, decode.max_batch, self.rows, device=runner.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # [S * (k + 1) + S + S * k] int64: tokens, counts, drafts
+        # [S * (k + 1) + S + S * k + 2 * S * (k + 1)] int64: tokens, counts, drafts, next rows, their offsets
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.views: dict[int, FusedVerify] = {}  # per sequence count: the same views every replay
         self.pool = None
 
     def padded(self, num_seqs: int) -> int | None:
@@ -662,12 +664,19 @@ class SpecGraphs:
             decode.positions[n:end].zero_()
             decode.block_tables[n:end].fill_(decode.scratch_block)
         self.graphs[padded].replay()
-        out, k = self.outputs[padded], self.k
-        counts_at = end
-        drafts_at = counts_at + padded
+        views = self.views.get(num_seqs)
+        if views is None:
+            views = self.views[num_seqs] = self._views(padded, num_seqs)
+        return views
+
+    def _views(self, padded: int, num_seqs: int) -> FusedVerify:
+        """The graph of `padded` sequences' outputs for its first num_seqs."""
+        out, k, end, n = self.outputs[padded], self.k, padded * self.rows, num_seqs * self.rows
+        drafts_at = end + padded
         next_at = drafts_at + padded * k
-        return FusedVerify(out[:n], out[counts_at : counts_at + num_seqs],
-                           out[drafts_at : drafts_at + num_seqs * k].view(num_seqs, k), out[: drafts_at + num_seqs * k],
+        return FusedVerify(out[:n], out[end : end + num_seqs],
+                           out[drafts_at : drafts_at + num_seqs * k].view(num_seqs, k),
+                           (out[: drafts_at + num_seqs * k], [n, end - n, num_seqs, padded - num_seqs, num_seqs * k]),
                            out[next_at : next_at + n], out[next_at + end : next_at + end + n])
 
 

@@ -152,7 +152,7 @@ class Draws:
         if send:
             self.send()
 
-    def send(self, *more: torch.Tensor, within: torch.Tensor | None = None) -> int:
+    def send(self, *more: torch.Tensor, within: tuple[torch.Tensor, list[int]] | None = None) -> int:
         """Start the copy to the host, with more of the step's tensors after the draws' own (one copy, one
         wait) -> where those begin in `copy.get()`. within: one device buffer holding them all (`ToHost`)."""
         self.copy = ToHost(*self.parts, *more, within=within)

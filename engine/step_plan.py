@@ -97,7 +97,8 @@ class FusedVerify:
     tokens: torch.Tensor  # [T] the greedy draw at every row
     counts: torch.Tensor  # [S] drafts each sequence accepted
     drafts: torch.Tensor  # [S, k] its next drafts
-    sent: torch.Tensor  # the span that holds those three: one copy brings them to the host
+    # the span that holds those three, and its pieces' sizes (padding between): one copy to the host (`ToHost`)
+    sent: tuple[torch.Tensor, list[int]]
     # the next step's rows where every sequence goes on with k drafts: its bonus token (the draw at its last
     # accepted row) and drafts [T], and their positions past the host's (the sequence's count) [T]
     next_inputs: torch.Tensor
