@@ -2,7 +2,7 @@
 the decode and draft graphs, and fused speculative steps (`SpecGraphs`: verify, accept and draft in one
 replay) -> torch calls per step and host milliseconds per step, outside the graph replays.
 
-    python benchmarks/spec_host_work.py [--k 3] [--max-tokens 96] [--rounds 3] [--device cpu]
+    python -m benchmarks.spec_host_work [--k 3] [--max-tokens 96] [--rounds 3] [--device cpu|cuda] [--dtype float32]
 
 On a CPU each graph's function runs where its replay would be (as the tests run the graph path's host
 side) and neither its calls nor its time count; on a GPU the graphs are captured and replayed, and the
@@ -87,15 +87,16 @@ def eager_graphs(llm: LLM, fused: bool) -> None:
         spec.capture_all()
 
 
-def measure(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float], int]:
-    """One request to its end, from its second step -> (torch calls per step, host seconds per step, steps
-    that emitted tokens). The request's last steps draft fewer than k tokens and run eagerly: the medians
+def measure(llm: LLM, prompt: list[int], max_tokens: int, count: bool) -> tuple[list[int], list[float], int]:
+    """One request to its end, from its second step -> (torch calls per step, host seconds per step, the
+    number of steps). The request's last steps draft fewer than k tokens and run eagerly: the medians
     are the steady state's."""
     eng = llm.engine
     eng.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     eng.step()  # the prefill
     calls, seconds = [], []
-    with COUNTER:
+    # counting costs host time itself: a round either counts (calls) or is timed (seconds)
+    with COUNTER if count else contextlib.nullcontext():
         while eng.has_unfinished_requests():
             COUNTER.calls, COUNTER.paused_seconds = 0, 0.0
             start = time.perf_counter()
@@ -112,6 +113,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
     args = p.parse_args()
     on_gpu = args.device == "cuda"
     settings = [("plain", 0, False), (f"k = {args.k}, decode + draft graphs", args.k, False),
@@ -119,7 +121,7 @@ def main() -> None:
     engines = []
     for name, k, fused in settings:
         spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
-        llm = LLM(args.model, dtype="float32", device=args.device, max_num_seqs=4, async_scheduling="on",
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=4, async_scheduling="on",
                   speculative_config=spec)
         if on_gpu:
             if not fused and llm.engine.runner.spec_graphs is not None:
@@ -131,14 +133,14 @@ def main() -> None:
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What does json.dumps do?"}]),
                         add_bos=False)
     results = {name: [] for name, _, _ in settings}
-    for _ in range(args.rounds):  # interleaved: the host's speed drifts
+    for r in range(args.rounds + 1):  # interleaved: the host's speed drifts; the first round counts calls
         for (name, _, _), llm in zip(settings, engines):
-            results[name].append(measure(llm, prompt, args.max_tokens))
+            results[name].append(measure(llm, prompt, args.max_tokens, count=r == 0))
     print(f"one stream, {args.max_tokens} greedy tokens, {args.device}, medians over the steps of {args.rounds} rounds")
     print(f"{'setting':<36} {'steps':>6} {'torch calls/step':>17} {'host ms/step':>13} {'host ms/token':>14}")
     for name, runs in results.items():
-        calls = statistics.median(c for r in runs for c in r[0])
-        seconds = statistics.median(s for r in runs for s in r[1])
+        calls = statistics.median(runs[0][0])
+        seconds = statistics.median(s for r in runs[1:] for s in r[1])
         steps = runs[0][2]
         per_token = seconds * steps / args.max_tokens  # every step at the median
         print(f"{name:<36} {steps:>6} {calls:>17.1f} {1e3 * seconds:>13.3f} {1e3 * per_token:>14.3f}")
