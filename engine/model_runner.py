@@ -583,9 +583,10 @@ class SpecGraphs:
     land back to back in one buffer, so the host launches one replay and starts one copy a step (instead
     of a decode replay, the eager draws and acceptance, the draft graph's buffer copies and replay, and a
     copy of four tensors); the same buffer holds the next step's rows (each sequence's bonus token and
-    drafts) and their offsets, which a step launched ahead takes as they are. Steps with other rows (prefills, sampled or penalized rows, fewer drafts)
-    take the decode and draft graphs. One rank only: the draft's inputs never leave the graph, so the
-    other ranks' collectives would have nothing to broadcast."""
+    drafts) and their offsets, which a step launched ahead takes as they are. Steps with other rows
+    (prefills, sampled or penalized rows, fewer drafts) take the decode and draft graphs. One rank only:
+    the draft's inputs never leave the graph, so the other ranks' collectives would have nothing to
+    broadcast."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
