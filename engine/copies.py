@@ -32,11 +32,23 @@ class ToHost:
     """Device tensors copied to the host behind the work queued before them; `get()` waits for those
     copies only (not for anything queued later)."""
 
-    def __init__(self, *tensors: torch.Tensor) -> None:
-        if tensors[0].device.type != "cuda":
-            self.host, self.ready = [t.cpu() for t in tensors], None
+    def __init__(self, *tensors: torch.Tensor, within: tuple[torch.Tensor, list[int]] | None = None) -> None:
+        """within: (a contiguous device buffer, the sizes of its consecutive pieces) where the tensors are
+        its first, third, fifth ... pieces (a fused speculative step's output, with padding between):
+        copied whole, in one transfer, nothing gathered first."""
+        self.ready = None
+        if within is not None:  # (on a CPU too: the buffer is rewritten by its next step before it is read)
+            span, sizes = within
+            on_gpu = span.device.type == "cuda"
+            buffer = torch.empty(span.shape, dtype=span.dtype, pin_memory=on_gpu)
+            buffer.copy_(span, non_blocking=on_gpu)
+            self.host = [piece.view(t.shape) for piece, t in zip(buffer.split(sizes)[::2], tensors)]
+            if not on_gpu:
+                return
+        elif tensors[0].device.type != "cuda":
+            self.host = [t.cpu() for t in tensors]
             return
-        if len(tensors) > 1 and all(t.dtype == tensors[0].dtype for t in tensors):
+        elif len(tensors) > 1 and all(t.dtype == tensors[0].dtype for t in tensors):
             # one buffer, one transfer (a speculative step's tokens, accepted counts and drafts)
             flat = torch.cat([t.reshape(-1) for t in tensors])
             buffer = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)

@@ -309,12 +309,15 @@ class LLMEngine:
                 self._unpin(seq)
         timer = StepTimer(self.runner.device) if self.kv is not None and batch.prefills else None
         plan = self.planner.build(batch, inputs_on_device=inputs is not None, shifted=offsets is not None)
+        drafts_of = {id(seq): d for seq, d in zip(batch.verifies, batch.num_drafts)}
+        plan.fused_verify = self._fuses(batch, plan, drafts_of, unresolved)
         result = self.executor.execute(plan, inputs, offsets)
+        if result.spec is not None:
+            return self._launched_fused(batch, result.spec)
         logits = result.logits
         if timer is not None:
             timer.stop()  # read when the step's tokens are: the prefill rate the pull policy weighs
         items = batch.items
-        drafts_of = {id(seq): d for seq, d in zip(batch.verifies, batch.num_drafts)}
         offset, groups = 0, []
         for seq, n in items:
             if seq.collect_logits:
@@ -348,6 +351,38 @@ class LLMEngine:
             spec = self.speculator.launch(plan, items, groups, draws.tokens if draws else None,
                                           len(self.scheduler.running), self.runner.device, inputs, unresolved, draws)
         return LaunchedStep(batch, groups, draws, timer, spec)
+
+    def _fuses(self, batch: ScheduledBatch, plan, drafts_of: dict[int, int], unresolved: dict[int, int] | None) -> bool:
+        """Whether a step may verify, accept and draft in one replay (`StepPlan.fused_verify`): every row a
+        verification of k drafts by a greedy request that needs nothing of the host (no logprobs,
+        penalties, grammar or prompt scoring) and drafts again after it."""
+        sp = self.speculator
+        if sp is None or self.runner.spec_graphs is None or len(drafts_of) != len(batch.items) or batch.prefills:
+            return False
+        if not sp.drafts_at(len(self.scheduler.running)):
+            return False
+        k, unresolved = sp.k, unresolved or {}
+        for (seq, n), start in zip(batch.items, plan.num_computed):
+            p = seq.params
+            if (n != k + 1 or drafts_of[id(seq)] != k or not p.is_greedy or p.logprobs is not None
+                    or p.presence_penalty or p.frequency_penalty
+                    or not sp.may_draft(seq, start + n + unresolved.get(id(seq), 0))):
+                return False
+        return True
+
+    def _launched_fused(self, batch: ScheduledBatch, fused) -> LaunchedStep:
+        """A fused verification's step (`SpecGraphs`): its tokens, accepted counts and drafts already on
+        the device (`FusedVerify`), one copy to the host for all three."""
+        k = self.speculator.k
+        seqs = [seq for seq, _ in batch.items]
+        for seq in seqs:
+            seq.num_computed_tokens += 1  # the drafts count once accepted (`_resolve`)
+            seq.num_inflight_tokens += 1
+        draws = Draws(fused.tokens, [seq for seq in seqs for _ in range(k + 1)], None, send=False)
+        offset = draws.send(fused.counts, fused.drafts, within=fused.sent)
+        spec_step = SpecStep(seqs, [k] * len(seqs), [True] * len(seqs), draws.copy, fused.counts, fused.drafts,
+                             offset, (fused.next_inputs, fused.next_offsets))
+        return LaunchedStep(batch, [(seq, k + 1) for seq in seqs], draws, None, spec_step)
 
     def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
         """The decode step after `step`, launched before its tokens reach the host; None where the next
@@ -404,6 +439,10 @@ class LLMEngine:
         batch = self.scheduler.schedule_ahead(seqs, num_drafts, unresolved)
         if batch is None:
             return None
+        unresolved = dict(zip(map(id, seqs), unresolved))
+        if spec.next is not None and len(batch.items) == len(spec.seqs) and all(
+                seq is s and n == k + 1 for (seq, n), s in zip(batch.items, spec.seqs)):
+            return self._launch(batch, *spec.next, unresolved)  # the fused step gathered them already
         tokens = step.draws.tokens
         num_drawn = tokens.shape[0]
         # per token of the new step: where its input is (a draw, or a draft past the draws), whose count
@@ -421,7 +460,7 @@ class LLMEngine:
         counts = spec.counts if none not in count else torch.cat([spec.counts, spec.counts.new_zeros(1)])
         offsets = counts.index_select(0, index[1])
         inputs = pool.index_select(0, index[0] + offsets * index[2])
-        return self._launch(batch, inputs, offsets, dict(zip(map(id, seqs), unresolved)))
+        return self._launch(batch, inputs, offsets, unresolved)
 
     def _sample(self, step: LaunchedStep) -> LaunchedStep:
         """Queue the draws of a step launched ahead with guided rows, after the step before it was read

@@ -23,7 +23,7 @@ from engine.models import model_class
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.deepseek_vit import ImageEmbeds
 from engine.parallel import SINGLE, ParallelContext
-from engine.step_plan import DraftPlan, StepPlan, StepResult
+from engine.step_plan import DraftPlan, FusedVerify, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +180,7 @@ class ModelRunner:
         self.tables: BlockTables | None = None
         self.graphs: DecodeGraphs | None = None
         self.draft_graphs: DraftGraphs | None = None
+        self.spec_graphs: SpecGraphs | None = None
         self.warmed_up = False
         # the last step's rows for the MTP draft after it: (plan, positions [T], block tables [T, width], its
         # metadata, hidden [T, hidden]); after a replayed step only plan and hidden (the rest is in the
@@ -265,6 +266,8 @@ class ModelRunner:
         if self.use_cuda_graphs:
             self.graphs = DecodeGraphs(self)
             self.draft_graphs = DraftGraphs(self) if self.num_speculative_tokens else None
+            if self.num_speculative_tokens and self.par.tp_size == 1:
+                self.spec_graphs = SpecGraphs(self)
             if self.config.extra.get("capture_graphs_at_start", True):
                 from engine.kernels._util import on_compile
 
@@ -274,6 +277,8 @@ class ModelRunner:
                 self.graphs.capture_all()
                 if self.draft_graphs is not None:
                     self.draft_graphs.capture_all()
+                if self.spec_graphs is not None:
+                    self.spec_graphs.capture_all()
                 # anything built from here on stalls a serving step: name it, so warm_up can learn it
                 on_compile(lambda variant: logger.warning("Triton built a kernel variant after warm-up "
                                                           "(this step stalls until it is ready): %s", variant))
@@ -366,6 +371,9 @@ class ModelRunner:
         `shifted` (launched before a speculative step's accepted counts were read)."""
         for key in plan.drop_images:
             self.image_embeds.pop(key, None)
+        if plan.use_graph and plan.fused_verify and self.spec_graphs is not None and self.spec_graphs.takes(plan):
+            self.last_step = None  # drafted already: nothing for `propose`
+            return StepResult(None, spec=self.spec_graphs.replay(plan, inputs, offsets))
         if plan.use_graph:
             return self._replay(plan, inputs, offsets)
         if offsets is not None:
@@ -575,6 +583,112 @@ class DraftGraphs:
             self.draft_tables[s : key[1]].fill_(self.runner.graphs.scratch_block)
         self.graphs[key].replay()
         return self.outputs[key][:s].clone()
+
+
+class SpecGraphs:
+    """A whole greedy speculative step as one CUDA graph per padded count of sequences S, each verifying
+    k drafts (k + 1 rows): the target over the rows the decode graphs' buffers hold, the greedy draw at
+    every row, the accepted counts (the leading drafts equal to the draw at the row before each), the MTP
+    layer over every row and k drafts from each sequence's last accepted row; tokens, counts and drafts
+    land back to back in one buffer, so the host launches one replay and starts one copy a step (instead
+    of a decode replay, the eager draws and acceptance, the draft graph's buffer copies and replay, and a
+    copy of four tensors); the same buffer holds the next step's rows (each sequence's bonus token and
+    drafts) and their offsets, which a step launched ahead takes as they are. Steps with other rows
+    (prefills, sampled or penalized rows, fewer drafts) take the decode and draft graphs. One rank only:
+    the draft's inputs never leave the graph, so the other ranks' collectives would have nothing to
+    broadcast."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.k = runner.num_speculative_tokens
+        decode = runner.graphs
+        self.rows = self.k + 1
+        self.sizes = [s for s in DecodeGraphs.SIZES if s * self.rows <= decode.max_batch]
+        # each sequence's first row: its block table, and its last accepted row is first + count
+        self.firsts = torch.arange(0, decode.max_batch, self.rows, device=runner.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # [S * (k + 1) + S + S * k + 2 * S * (k + 1)] int64: tokens, counts, drafts, next rows, their offsets
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.views: dict[int, FusedVerify] = {}  # per sequence count: the same views every replay
+        self.pool = None
+
+    def padded(self, num_seqs: int) -> int | None:
+        return next((s for s in self.sizes if s >= num_seqs), None)
+
+    def takes(self, plan: StepPlan) -> bool:
+        """Whether a plan the engine marked `fused_verify` fits a graph: k + 1 rows per sequence."""
+        return (self.padded(len(plan.slots)) in self.graphs and plan.num_prefills == len(plan.slots)
+                and all(n == self.rows for n in plan.query_lens))
+
+    def _step(self, num_seqs: int) -> torch.Tensor:
+        runner, decode, k, rows = self.runner, self.runner.graphs, self.k, self.rows
+        n = num_seqs * rows
+        meta, pos = decode.metadata(n)
+        ids = decode.input_ids[:n]
+        hidden = runner.model(ids, pos, meta)
+        tokens = runner.model.compute_logits(hidden).argmax(dim=-1)  # [n]: every row greedy
+        drawn = tokens.view(num_seqs, rows)
+        counts = (drawn[:, :k] == ids.view(num_seqs, rows)[:, 1:]).long().cumprod(dim=1).sum(dim=1)  # [S]
+        firsts = self.firsts[:num_seqs]
+        drafts = runner._draft(tokens, pos, meta, hidden, firsts + counts,
+                               decode.block_tables.index_select(0, firsts), k)  # [S, k]
+        # the next step's rows, as `LLMEngine._launch_after_drafts` would gather them: bonus token, drafts
+        following = torch.cat([drawn.gather(1, counts[:, None]), drafts], dim=1)  # [S, k + 1]
+        offsets = counts[:, None].expand(num_seqs, rows)
+        return torch.cat([tokens, counts, drafts.flatten(), following.flatten(), offsets.flatten()])
+
+    def _capture(self, num_seqs: int) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # compile and let cuBLAS choose outside the capture
+            self._step(num_seqs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[num_seqs] = self._step(num_seqs)
+        self.pool = graph.pool()
+        self.graphs[num_seqs] = graph
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        decode = self.runner.graphs
+        for size in sorted(self.sizes, reverse=True):  # largest first: the smaller ones reuse its pool
+            rows = size * self.rows
+            # rows at position 0 of the scratch block; the next step's load rewrites them
+            decode.input_ids[:rows].zero_()
+            decode.positions[:rows].zero_()
+            decode.block_tables[:rows].fill_(decode.scratch_block)
+            self._capture(size)
+        logger.info("captured %d CUDA graphs for fused speculative steps of %d drafts", len(self.graphs), self.k)
+
+    @torch.inference_mode()
+    def replay(self, plan: StepPlan, inputs: torch.Tensor | None, offsets: torch.Tensor | None) -> FusedVerify:
+        """Load the plan's rows into the decode graphs' buffers, one replay -> its outputs (views of the
+        graph's output buffer)."""
+        decode = self.runner.graphs
+        num_seqs, n = len(plan.slots), plan.num_tokens
+        padded = self.padded(num_seqs)
+        decode.load(plan, inputs, offsets)
+        end = padded * self.rows
+        if decode.padded(n) < end:  # padding sequences past load's: token 0 at position 0 of the scratch block
+            decode.input_ids[n:end].zero_()
+            decode.positions[n:end].zero_()
+            decode.block_tables[n:end].fill_(decode.scratch_block)
+        self.graphs[padded].replay()
+        views = self.views.get(num_seqs)
+        if views is None:
+            views = self.views[num_seqs] = self._views(padded, num_seqs)
+        return views
+
+    def _views(self, padded: int, num_seqs: int) -> FusedVerify:
+        """The graph of `padded` sequences' outputs for its first num_seqs."""
+        out, k, end, n = self.outputs[padded], self.k, padded * self.rows, num_seqs * self.rows
+        drafts_at = end + padded
+        next_at = drafts_at + padded * k
+        return FusedVerify(out[:n], out[end : end + num_seqs],
+                           out[drafts_at : drafts_at + num_seqs * k].view(num_seqs, k),
+                           (out[: drafts_at + num_seqs * k], [n, end - n, num_seqs, padded - num_seqs, num_seqs * k]),
+                           out[next_at : next_at + n], out[next_at + end : next_at + end + n])
 
 
 class DecodeGraphs:

@@ -152,10 +152,10 @@ class Draws:
         if send:
             self.send()
 
-    def send(self, *more: torch.Tensor) -> int:
+    def send(self, *more: torch.Tensor, within: tuple[torch.Tensor, list[int]] | None = None) -> int:
         """Start the copy to the host, with more of the step's tensors after the draws' own (one copy, one
-        wait) -> where those begin in `copy.get()`."""
-        self.copy = ToHost(*self.parts, *more)
+        wait) -> where those begin in `copy.get()`. within: one device buffer holding them all (`ToHost`)."""
+        self.copy = ToHost(*self.parts, *more, within=within)
         return len(self.parts)
 
     def result(self) -> tuple[list[int], list[dict[int, float] | None]]:

@@ -77,6 +77,9 @@ class SpecStep:
     counts: torch.Tensor | None = None  # the same on the device: a step launched ahead reads them there
     drafts: torch.Tensor | None = None
     offset: int = 0
+    # a fused step's next rows and their offsets on the device (`FusedVerify`), for a step launched ahead
+    # with every sequence going on with k drafts
+    next: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def result(self) -> tuple[list[int], list[list[int]]]:
         """-> (accepted drafts per sequence, next drafts per drafting sequence)."""

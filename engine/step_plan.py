@@ -51,6 +51,10 @@ class StepPlan:
     # launched ahead of a speculative step: each token's position is num_computed's plus an offset known
     # only on the device (`offsets` [T] next to the plan: the drafts that step accepts for its sequence)
     shifted: bool = False
+    # every row a greedy verification of k drafts whose sequence drafts again (k + 1 tokens each): the
+    # runner may verify, accept and draft in one replay (`model_runner.SpecGraphs`) instead of handing
+    # logits back
+    fused_verify: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +86,23 @@ class StepResult:
 
     logits: torch.Tensor | None  # [len(sample_indices), vocab] float32
     all_logits: torch.Tensor | None = None  # [num_tokens, vocab] float32 when the plan collects them
+    spec: "FusedVerify | None" = None  # a fused verification's outputs (`StepPlan.fused_verify`)
+
+
+@dataclass
+class FusedVerify:
+    """A fused verification's outputs on the device: views of one buffer that the graph's next replay
+    rewrites (whatever reads them on the device is queued before it)."""
+
+    tokens: torch.Tensor  # [T] the greedy draw at every row
+    counts: torch.Tensor  # [S] drafts each sequence accepted
+    drafts: torch.Tensor  # [S, k] its next drafts
+    # the span that holds those three, and its pieces' sizes (padding between): one copy to the host (`ToHost`)
+    sent: tuple[torch.Tensor, list[int]]
+    # the next step's rows where every sequence goes on with k drafts: its bonus token (the draw at its last
+    # accepted row) and drafts [T], and their positions past the host's (the sequence's count) [T]
+    next_inputs: torch.Tensor
+    next_offsets: torch.Tensor
 
 
 class PlanBuilder:

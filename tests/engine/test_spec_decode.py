@@ -256,6 +256,88 @@ def test_the_graph_path_on_a_cpu_places_rows_by_their_offsets(monkeypatch, tiny_
     assert launches.count(True) == len(launches) - 2 and len(replays) > 10
 
 
+def fused_graphs(monkeypatch, llm) -> list[int]:
+    """The decode and fused speculative graphs' host side on a CPU, each graph's function run where its
+    replay would be -> a list that gets each fused replay's sequence count."""
+    import engine.kernels.sampling
+    from engine.model_runner import DecodeGraphs, SpecGraphs
+
+    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, **kwargs: logits.argmax(-1))
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, batch: self.graphs.__setitem__(
+        batch, EagerGraph(lambda: self.outputs.__setitem__(batch, self._step(batch)))))
+
+    def capture(self, n):  # as a graph does, each replay writes the same output buffer
+        self.outputs[n] = self._step(n)
+        self.graphs[n] = EagerGraph(lambda: self.outputs[n].copy_(self._step(n)))
+
+    monkeypatch.setattr(SpecGraphs, "_capture", capture)
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(runner)
+    runner.graphs.capture_all()
+    fused = runner.spec_graphs = SpecGraphs(runner)
+    fused.capture_all()
+    replays, replay = [], fused.replay
+    fused.replay = lambda plan, *args: replays.append(len(plan.slots)) or replay(plan, *args)
+    return replays
+
+
+@pytest.mark.parametrize("k,mode", [(1, "on"), (2, "off"), (3, "on"), (4, "on"), (4, "off")])
+def test_fused_speculative_steps_give_the_plain_tokens(monkeypatch, tiny_prompts, plain_tokens, k, mode):
+    """A greedy step of verifications verifies, accepts, gathers and drafts in one replay (tokens, counts and
+    drafts from one buffer); with async scheduling the step after it is still launched ahead. Greedy
+    tokens are the plain ones, for one stream and four (three of them padded to four sequences)."""
+    llm = LLM("deepseek-tiny", dtype="float32", max_num_seqs=4, async_scheduling=mode, speculative_config=spec(k))
+    replays = fused_graphs(monkeypatch, llm)
+    launches = record_launches(llm.engine)
+    assert [o.token_ids for o in llm.generate(tiny_prompts, GREEDY)] == plain_tokens
+    assert len(replays) > 5 and 4 in replays
+    assert any(launches) == (mode == "on")
+    del replays[:]
+    assert [o.token_ids for o in llm.generate(tiny_prompts[1:], GREEDY)] == plain_tokens[1:]
+    assert 3 in replays
+    assert llm.generate([tiny_prompts[2]], GREEDY)[0].token_ids == plain_tokens[2] and 1 in replays
+    s = llm.engine.speculator
+    assert s.num_accepted_tokens / s.num_draft_tokens > (0.55 if k == 1 else 0.3)
+    assert llm.engine.kv_cache_usage == 0.0 and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_fused_steps_stop_inside_accepted_drafts_and_keep_host_rows_apart(monkeypatch, tiny_prompts, plain_tokens,
+                                                                         mode):
+    """A stop token or the length limit inside a fused step's accepted tokens ends the request there; a
+    penalized or sampled request keeps its steps on the host's path, and the greedy ones' tokens stay
+    the plain ones; an abort between fused steps drops the request's rows and every block comes back."""
+    llm = LLM("deepseek-tiny", dtype="float32", max_num_seqs=4, async_scheduling=mode, speculative_config=spec(3))
+    replays = fused_graphs(monkeypatch, llm)
+    plain = plain_tokens[0]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[plain[17]]),
+              SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[llm.tokenizer.decode(plain[25:27])])]
+    outs = llm.generate([tiny_prompts[0]] * 3, params)
+    assert outs[0].token_ids == plain[: plain.index(plain[17]) + 1] and outs[0].finish_reason == "stop"
+    assert outs[1].token_ids == plain[:13] and outs[1].finish_reason == "length"
+    assert outs[2].token_ids == plain[:27] and outs[2].finish_reason == "stop"
+    assert 3 in replays
+    del replays[:]
+    mixed = [GREEDY, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=1.0)]
+    assert llm.generate(tiny_prompts[:2], mixed)[0].token_ids == plain_tokens[0]
+    assert 2 not in replays and 1 in replays  # fused only once the penalized request is done
+
+    eng = llm.engine
+    for i, p in enumerate(tiny_prompts):
+        eng.add_request(f"r{i}", p, GREEDY)
+    finished, aborted = {}, False
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if not aborted and eng.requests["r1"].metrics.num_verify_steps >= 2:
+            eng.abort_request("r1")  # with async scheduling: a fused step holding its rows is in flight
+            aborted = True
+    assert aborted and "r1" not in finished
+    assert [finished[f"r{i}"].token_ids for i in (0, 2, 3)] == [plain_tokens[i] for i in (0, 2, 3)]
+    assert eng.kv_cache_usage == 0.0 and not eng.block_manager.num_hashed_blocks
+
 def test_device_noise_keys_are_the_hosts():
     """A row launched before its position is known keys its noise on the device: the same 63-bit keys."""
     import random
@@ -395,7 +477,8 @@ def test_speculative_config_is_parsed_and_checked():
 def test_on_the_gpu_graphs_give_the_plain_tokens(tiny_prompts, k):
     """The fast path: verification rows replayed from the decode graphs, the draft from its own graphs,
     steps launched ahead of the verification before them (positions and noise keys shifted on the
-    device); greedy and seeded sampled tokens as plain decoding's (the sampling noise is keyed by position)."""
+    device); greedy and seeded sampled tokens as plain decoding's (the sampling noise is keyed by position).
+    Greedy-only steps verify, accept and draft in one fused replay, its three outputs copied as one span."""
     params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True)]
     batch = [tiny_prompts[0], tiny_prompts[1], tiny_prompts[1]]
     plain = LLM("deepseek-tiny", dtype="float32").generate(batch, [params[0], params[0], params[1]])
@@ -405,8 +488,16 @@ def test_on_the_gpu_graphs_give_the_plain_tokens(tiny_prompts, k):
     outs = llm.generate(batch, [params[0], params[0], params[1]])
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert launches.count(True) >= len(launches) - 3
-    one = llm.generate([tiny_prompts[3]], GREEDY)[0]  # one stream: the (k + 1)-row graphs
+    fused = llm.engine.runner.spec_graphs
+    assert fused.graphs
+    replays, replay = [], fused.replay
+    fused.replay = lambda plan, *args: replays.append(len(plan.slots)) or replay(plan, *args)
+    one = llm.generate([tiny_prompts[3]], GREEDY)[0]  # one stream: the fused (k + 1)-row graph
     assert one.token_ids == LLM("deepseek-tiny", dtype="float32").generate([tiny_prompts[3]], GREEDY)[0].token_ids
+    assert len(replays) > 5 and set(replays) == {1}
+    two = llm.generate(tiny_prompts[:3], GREEDY)  # three streams: padded to a graph of four sequences
+    assert [o.token_ids for o in two] == [o.token_ids for o in LLM("deepseek-tiny", dtype="float32").generate(
+        tiny_prompts[:3], GREEDY)] and 3 in replays
 
 
 def test_served_with_the_flag_through_the_official_client(tmp_path, tiny_prompts, plain_tokens):
