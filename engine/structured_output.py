@@ -122,6 +122,8 @@ def apply_guides(logits: "torch.Tensor", guides: list, parallel: bool = False) -
     constraint). One [R', V / 32] int32 bitmask crosses to the device per step."""
     import torch
 
+    from engine.copies import index_to_device
+
     rows = [i for i, g in enumerate(guides) if g is not None]
     if not rows:
         return
@@ -132,7 +134,9 @@ def apply_guides(logits: "torch.Tensor", guides: list, parallel: bool = False) -
     mask = bitmask.to(logits.device, non_blocking=True)
     bits = (mask[:, :, None] >> torch.arange(32, dtype=torch.int32, device=logits.device)) & 1
     allowed = bits.view(len(rows), words * 32)[:, :vocab].bool()
-    index = torch.tensor(rows, device=logits.device) if len(rows) < logits.shape[0] else None
+    # the guided rows' index through a pinned copy: a pageable one waits for the step in flight
+    # (engine.copies), and only batches mixing guided and free rows need the index
+    index = index_to_device(tuple(rows), logits.device) if len(rows) < logits.shape[0] else None
     if index is None:
         logits.masked_fill_(~allowed, float("-inf"))
     else:
