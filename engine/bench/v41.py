@@ -12,7 +12,7 @@ import torch
 
 from engine.bench.ours import BlockPool, measure_decode, one_decode, time_replayed
 from engine.bench.roofline import expected_experts, fractions, param_bytes
-from engine.bench.v4 import run_v4
+from engine.bench.v4 import V4Costs, run_v4
 from engine.config import DeepseekV41Config
 from engine.model_runner import ModelRunner
 
@@ -36,8 +36,9 @@ def _row_bytes(codec, dtype: torch.dtype) -> int:
     return width * torch.empty((), dtype=stored).element_size()
 
 
-class V41Costs:
-    """Bytes and FLOPs of V4.1 phases from the model's own parameters, shape and cache rows as stored."""
+class V41Costs(V4Costs):
+    """Bytes and FLOPs of V4.1 phases from the model's own parameters, shape and cache rows as stored
+    (a step's total over its layers: V4Costs.decode)."""
 
     def __init__(self, model: torch.nn.Module, cfg: DeepseekV41Config, kv_elem_bytes: int):
         self.cfg = cfg
@@ -95,13 +96,6 @@ class V41Costs:
         total_bytes = layer["rest_bytes"] + experts * layer["expert_bytes"] + batch * (kv_bytes + layer["engram_bytes"])
         flops = 2.0 * batch * (layer["rest_numel"] + c.num_experts_per_tok * layer["expert_numel"])
         return total_bytes, flops + batch * attn_flops
-
-    def decode(self, batch: int, context: int) -> tuple[float, float]:
-        total_bytes, total_flops = float(self.head_bytes), 2.0 * batch * self.head_numel
-        for i in range(len(self.layers)):
-            b, f = self.decode_layer(i, batch, context)
-            total_bytes, total_flops = total_bytes + b, total_flops + f
-        return total_bytes, total_flops
 
     def prefill(self, length: int) -> tuple[float, float]:
         c = self.cfg
