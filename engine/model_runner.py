@@ -500,6 +500,25 @@ def decode_rows_metadata(positions: torch.Tensor, tables: torch.Tensor, block_si
     ), positions
 
 
+def capture_graph(step, pool, reset=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """step() run once on a side stream (Triton compiles, cuBLAS chooses: outside the capture), then
+    captured into the memory pool `pool` -> (the graph, step's outputs in its buffers). reset(): puts
+    back the state step() advances, after each of the two runs."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+        if reset is not None:
+            reset()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = step()
+    if reset is not None:
+        reset()
+    return graph, outputs
+
+
 class DraftGraphs:
     """The MTP draft after a verification step replayed from a decode graph, as CUDA graphs too: one per
     (rows of the step, drafting sequences), both padded, captured at start for the steps where every
@@ -548,14 +567,7 @@ class DraftGraphs:
             # rows one past position 0 (of the scratch block) as a replayed step leaves them; the next
             # step's load rewrites them
             decode.positions[: key[0]].clamp_(min=1)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # compile and let cuBLAS choose outside the capture
-                self._draft(key)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[key] = self._draft(key)
+            graph, self.outputs[key] = capture_graph(lambda: self._draft(key), self.pool)
             self.pool = graph.pool()
             self.graphs[key] = graph
         logger.info("captured %d CUDA graphs for MTP drafts of %d tokens", len(self.graphs), self.k)
@@ -638,14 +650,7 @@ class SpecGraphs:
         return torch.cat([tokens, counts, drafts.flatten(), following.flatten(), offsets.flatten()])
 
     def _capture(self, num_seqs: int) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # compile and let cuBLAS choose outside the capture
-            self._step(num_seqs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[num_seqs] = self._step(num_seqs)
+        graph, self.outputs[num_seqs] = capture_graph(lambda: self._step(num_seqs), self.pool)
         self.pool = graph.pool()
         self.graphs[num_seqs] = graph
 
@@ -774,17 +779,7 @@ class DecodeGraphs:
             for t, saved in zip((self.input_ids, self.positions, self.step), state):
                 t.copy_(saved)
 
-        # a warm-up run compiles the Triton kernels and lets cuBLAS choose, outside the capture
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._step(batch)
-            restore()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[batch] = self._step(batch)
-        restore()
+        graph, self.outputs[batch] = capture_graph(lambda: self._step(batch), self.pool, restore)
         self.pool = graph.pool()
         self.graphs[batch] = graph
         logger.info("captured a CUDA graph for decode batches of %d", batch)
