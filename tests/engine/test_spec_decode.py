@@ -120,14 +120,22 @@ def test_an_abort_in_the_middle_of_a_verified_step(tiny_prompts, plain_tokens):
         return propose(draft, next_ids, accepted)
 
     eng.executor.propose = abort_during
+    finished = step_to_the_end(eng)
+    assert aborted and "r1" not in finished
+    assert [finished[f"r{i}"].token_ids for i in (0, 2, 3)] == [plain_tokens[i] for i in (0, 2, 3)]
+    assert eng.kv_cache_usage == 0.0 and not eng.block_manager.num_hashed_blocks
+
+
+def step_to_the_end(eng, after_step=lambda: None) -> dict:
+    """Step the engine until every request ends -> request id -> its final output; after_step() runs
+    after each step."""
     finished = {}
     while eng.has_unfinished_requests():
         for out in eng.step():
             if out.finished:
                 finished[out.request_id] = out
-    assert aborted and "r1" not in finished
-    assert [finished[f"r{i}"].token_ids for i in (0, 2, 3)] == [plain_tokens[i] for i in (0, 2, 3)]
-    assert eng.kv_cache_usage == 0.0 and not eng.block_manager.num_hashed_blocks
+        after_step()
+    return finished
 
 
 def record_launches(eng) -> list[bool]:
@@ -195,11 +203,7 @@ def test_an_abort_while_two_speculative_steps_are_in_flight(tiny_prompts, plain_
         return execute(plan, inputs, offsets)
 
     eng.executor.execute = abort_during
-    finished = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                finished[out.request_id] = out
+    finished = step_to_the_end(eng)
     assert aborted == [4] and "r1" not in finished  # the launched step still held r1's rows
     assert [finished[f"r{i}"].token_ids for i in (0, 2, 3)] == [plain_tokens[i] for i in (0, 2, 3)]
     assert eng.kv_cache_usage == 0.0 and not eng.block_manager.num_hashed_blocks
@@ -326,14 +330,14 @@ def test_fused_steps_stop_inside_accepted_drafts_and_keep_host_rows_apart(monkey
     eng = llm.engine
     for i, p in enumerate(tiny_prompts):
         eng.add_request(f"r{i}", p, GREEDY)
-    finished, aborted = {}, False
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                finished[out.request_id] = out
+    aborted = []
+
+    def abort_after_two_verifications():
         if not aborted and eng.requests["r1"].metrics.num_verify_steps >= 2:
             eng.abort_request("r1")  # with async scheduling: a fused step holding its rows is in flight
-            aborted = True
+            aborted.append(True)
+
+    finished = step_to_the_end(eng, abort_after_two_verifications)
     assert aborted and "r1" not in finished
     assert [finished[f"r{i}"].token_ids for i in (0, 2, 3)] == [plain_tokens[i] for i in (0, 2, 3)]
     assert eng.kv_cache_usage == 0.0 and not eng.block_manager.num_hashed_blocks
