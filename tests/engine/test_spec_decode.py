@@ -169,20 +169,25 @@ def test_async_speculative_steps_go_ahead_and_give_the_plain_tokens(tiny_prompts
     assert llm.engine.kv_cache_usage == 0.0 and not llm.engine.has_unfinished_requests()
 
 
+def check_stops_inside_drafts(llm, prompt: list[int], plain: list[int]) -> None:
+    """A stop token, max_tokens and a stop string that fall inside drafted tokens end their requests
+    exactly where plain decoding would."""
+    params = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[plain[17]]),
+              SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[llm.tokenizer.decode(plain[25:27])])]
+    outs = llm.generate([prompt] * 3, params)
+    assert outs[0].token_ids == plain[: plain.index(plain[17]) + 1] and outs[0].finish_reason == "stop"
+    assert outs[1].token_ids == plain[:13] and outs[1].finish_reason == "length"
+    assert outs[2].token_ids == plain[:27] and outs[2].finish_reason == "stop"
+
+
 @pytest.mark.parametrize("mode", ["off", "on"])
 def test_stop_tokens_and_max_tokens_inside_accepted_drafts(tiny_prompts, plain_tokens, mode):
     """A stop token or the length limit reached inside a step's accepted tokens ends the request there;
     with async scheduling the step launched after it drops the request's rows."""
     llm = LLM("deepseek-tiny", dtype="float32", async_scheduling=mode, speculative_config=spec(3))
     launches = record_launches(llm.engine)
-    plain = plain_tokens[0]
-    params = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[plain[17]]),
-              SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[llm.tokenizer.decode(plain[25:27])])]
-    outs = llm.generate([tiny_prompts[0]] * 3, params)
-    assert outs[0].token_ids == plain[: plain.index(plain[17]) + 1] and outs[0].finish_reason == "stop"
-    assert outs[1].token_ids == plain[:13] and outs[1].finish_reason == "length"
-    assert outs[2].token_ids == plain[:27] and outs[2].finish_reason == "stop"
+    check_stops_inside_drafts(llm, tiny_prompts[0], plain_tokens[0])
     assert any(launches) == (mode == "on")
     assert llm.engine.kv_cache_usage == 0.0
 
@@ -313,14 +318,7 @@ def test_fused_steps_stop_inside_accepted_drafts_and_keep_host_rows_apart(monkey
     the plain ones; an abort between fused steps drops the request's rows and every block comes back."""
     llm = LLM("deepseek-tiny", dtype="float32", max_num_seqs=4, async_scheduling=mode, speculative_config=spec(3))
     replays = fused_graphs(monkeypatch, llm)
-    plain = plain_tokens[0]
-    params = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[plain[17]]),
-              SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[llm.tokenizer.decode(plain[25:27])])]
-    outs = llm.generate([tiny_prompts[0]] * 3, params)
-    assert outs[0].token_ids == plain[: plain.index(plain[17]) + 1] and outs[0].finish_reason == "stop"
-    assert outs[1].token_ids == plain[:13] and outs[1].finish_reason == "length"
-    assert outs[2].token_ids == plain[:27] and outs[2].finish_reason == "stop"
+    check_stops_inside_drafts(llm, tiny_prompts[0], plain_tokens[0])
     assert 3 in replays
     del replays[:]
     mixed = [GREEDY, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=1.0)]
