@@ -364,8 +364,7 @@ class LLMEngine:
         k, unresolved = sp.k, unresolved or {}
         for (seq, n), start in zip(batch.items, plan.num_computed):
             p = seq.params
-            if (n != k + 1 or drafts_of[id(seq)] != k or not p.is_greedy or p.logprobs is not None
-                    or p.presence_penalty or p.frequency_penalty
+            if (n != k + 1 or drafts_of[id(seq)] != k or not p.is_greedy or p.logprobs is not None or p.has_penalties
                     or not sp.may_draft(seq, start + n + unresolved.get(id(seq), 0))):
                 return False
         return True
@@ -402,7 +401,7 @@ class LLMEngine:
                 continue  # a length limit: known ahead, no row needed
             if id(seq) not in row or seq.collect_logits:
                 return None  # not in that step, or scoring (every position's logits, one step at a time)
-            if spec is not None and (seq.params.presence_penalty or seq.params.frequency_penalty):
+            if spec is not None and seq.params.has_penalties:
                 return None  # its penalties count the tokens before each row: how many is read first
             seqs.append(seq)
             rows.append(row[id(seq)])

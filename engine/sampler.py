@@ -120,8 +120,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], pending: torch.T
     for i, seq in enumerate(seqs):
         p = seq.params
         drafts = drafts_before[i] if drafts_before else []
-        if not (p.presence_penalty or p.frequency_penalty) or not (seq.output_token_ids or pending is not None
-                                                                   or drafts):
+        if not p.has_penalties or not (seq.output_token_ids or pending is not None or drafts):
             continue
         counts = torch.zeros(logits.shape[1], dtype=logits.dtype, device=logits.device)
         if seq.output_token_ids or drafts:

@@ -38,6 +38,11 @@ class SamplingParams:
         # below 1e-5 dividing by the temperature overflows float32 logits: that is argmax anyway
         return self.temperature < 1e-5 or self.top_k == 1
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the tokens before a position change its logits (presence / frequency penalties)."""
+        return bool(self.presence_penalty or self.frequency_penalty)
+
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
