@@ -18,7 +18,10 @@ row i's input is the target's hidden state at i and the token after i), then dra
 request's last accepted row: k tokens, the layer fed its own output past the first, as SGLang and
 vLLM reuse one MTP layer for several drafts. Rejected rows' cache entries, the target's and the MTP
 layer's, sit past the request's computed tokens: the next step writes those positions before any
-query reads them, and the prefix cache registers a block only once its tokens are accepted.
+query reads them, and the prefix cache registers a block only once its tokens are accepted. State that
+is not a row per position (DeepSeek-V4's compressors' open windows) is put back on the device to the
+state after each verification's last accepted token before the MTP pass (`DraftPlan.verifications`
+and their accepted counts, the model's `keep_accepted`; engine.models.deepseek_v4 says why it is exact).
 """
 
 from dataclasses import dataclass

@@ -5,6 +5,31 @@ Module and parameter names are DeepSeek's (layers.N.attn.wq_a, layers.N.hc_attn_
 embed, head); `checkpoint_name` maps the transformers 5 spellings of a saved checkpoint onto them.
 Shapes below for V4 Flash: hidden 4096, 64 heads of 512 (the last 64 rotary), q LoRA 1024, 8 output
 groups of LoRA 1024, 4 residual streams, 256 experts top-6 of width 2048 plus one shared.
+
+Speculative decoding drafts with the checkpoint's MTP block (`mtp.0`, `MultiTokenPredictor`). A
+verification (a sequence's last token and its k drafts, k + 1 rows at consecutive positions) runs as a
+chunk, row by row (`Attention._prefill`, `Compressor._prefill`), never through the decode path, whose
+rows are one token of one sequence each. What its rejected rows leave behind, and why the next steps
+read only what the accepted tokens alone would have written:
+  - Window rows and compressed / indexer entries: a row per position, and an entry closed at position
+    p is visible only to queries at t >= p. In the step itself the rows at or past a rejected position
+    are rejected too (their draws are dropped). The next step's first row is the first rejected
+    position, and each step writes its positions' window rows and the entries its tokens close before
+    its attention reads them (the compressors run first); a step that does not reach p has no query
+    that sees p. The prefix cache registers only full blocks of accepted tokens.
+  - The compressors' open state (float32, one row per block, updated in place) is not derivable from
+    the entries: the step leaves the state after its last row, rejected drafts folded in, in the row of
+    the last block it reaches. So each compressor also keeps, for each row, the state after each of its
+    first k + 1 tokens (`Compressor.candidates`: folded one token at a time, as a decode step folds
+    them, from the state the block held before the step), and once the accepted counts are known on
+    the device (`keep_accepted`, before the MTP pass) the state after the last accepted token is
+    written to the row of the block holding that token: the state a step ending at that token leaves,
+    which the next step reads (the row of the block holding the token before its first). It is exact:
+    a function of the accepted tokens only, the same fold plain decoding runs. Rows of blocks past it
+    (reached by rejected rows only) are rewritten by the next step that reaches them before anyone
+    reads them (a step writes the state row of every block it reaches); a full block's row, the state at
+    its end, depends on its own tokens only, so a rollback never changes it but to the same value.
+  - The MTP block attends its sliding window only: its window rows are the target's case above.
 """
 
 import dataclasses

@@ -101,6 +101,33 @@ def test_greedy_tokens_are_hf_with_drafts_accepted_in_part(v4mtp, batch, k):
     assert {0, k} <= set(counts) and (k == 1 or 1 in counts or 2 in counts)
 
 
+def test_drafts_through_the_decode_path_the_graphs_capture(v4mtp, batch):
+    """Attention's device-only decode path on (as the decode CUDA graphs run it, here on the CPU): the MTP
+    block's draft steps take it, verifications still run as chunks; tokens stay HF's."""
+    _, path = v4mtp
+    llm = engine(path, 3, max_model_len=128)
+    for attn in llm.engine.runner.model.attention_layers():
+        attn.use_kernels = True
+    oracle_drafts(llm, batch[1])
+    check_greedy(llm, batch)
+
+
+def test_two_ranks_roll_back_as_one(v4mtp, batch):
+    """TP=2: every rank receives the verifications' accepted counts and puts its replicated compressor
+    state back; greedy tokens are HF's."""
+    _, path = v4mtp
+    ids, continuations = batch
+    llm = engine(path, 2, tensor_parallel_size=2)
+    try:
+        counts = oracle_drafts(llm, continuations)  # rank 0's drafts; each rank runs the MTP pass
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        for p, out in zip(ids[:2], llm.generate(ids[:2], params)):
+            assert out.token_ids == continuations[tuple(p)][:10]
+        assert 0 < sum(counts) < 2 * len(counts)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_the_trained_layer_drafts_and_the_tokens_stay_hf(v4mtp, batch):
     """The checkpoint's own MTP block proposes (loaded from `mtp.0.*`, the kv norm spelled `kv_norm`)."""
     _, path = v4mtp
