@@ -168,8 +168,11 @@ class Compressor(nn.Module):
         if decode:
             self._decode(c, g, positions, meta.block_tables.long(), meta.block_size, cache, state, offset)
         else:
-            if self.kept_rows:  # before _prefill writes the state each row starts from
+            # before _prefill writes the state each row starts from; steps of longer chunks only verify nothing
+            if self.kept_rows and min(meta.query_lens_cpu) <= self.kept_rows:
                 self.candidates = self._candidates(c, g, positions, meta, state, offset)
+            else:
+                self.candidates = None
             self._prefill(c, g, meta, cache, state, offset)
 
     def _candidates(self, c: torch.Tensor, g: torch.Tensor, t: torch.Tensor, meta: AttentionMetadata,

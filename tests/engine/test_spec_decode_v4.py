@@ -91,12 +91,17 @@ def check_greedy(llm: LLM, batch, params=GREEDY) -> None:
     assert llm.engine.kv_cache_usage == 0.0
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_greedy_tokens_are_hf_with_drafts_accepted_in_part(v4mtp, batch, k):
+@pytest.mark.parametrize("k,mode", [(1, "off"), (3, "off"), (3, "on")])
+def test_greedy_tokens_are_hf_with_drafts_accepted_in_part(v4mtp, batch, k, mode):
+    """With async scheduling a step goes ahead of the verification before it, whose rollback it finds done."""
+    from tests.engine.test_spec_decode import record_launches
+
     _, path = v4mtp
-    llm = engine(path, k)
+    llm = engine(path, k, async_scheduling=mode)
     counts = oracle_drafts(llm, batch[1])
+    launches = record_launches(llm.engine)
     check_greedy(llm, batch)
+    assert any(launches) == (mode == "on")
     # none, some and (k = 3) all of a verification's drafts accepted
     assert {0, k} <= set(counts) and (k == 1 or 1 in counts or 2 in counts)
 
