@@ -584,8 +584,9 @@ class MultiTokenPredictor(Block):
     def __init__(self, cfg: DeepseekV4Config, layer: int, ropes: dict[str, Rope], par: ParallelContext = SINGLE,
                  max_position: int = 0):
         n = layer + 1 - len(cfg.compress_ratios)  # the block's layer past the target's: window only, no hash
-        super().__init__(dataclasses.replace(cfg, compress_ratios=cfg.compress_ratios + (0,) * n,
-                                             hash_layers=cfg.hash_layers + (False,) * n), layer, ropes, par, max_position)
+        block = dataclasses.replace(cfg, compress_ratios=cfg.compress_ratios + (0,) * n,
+                                    hash_layers=cfg.hash_layers + (False,) * n)
+        super().__init__(block, layer, ropes, par, max_position)
         hidden = cfg.hidden_size
         self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps)
@@ -600,7 +601,7 @@ class MultiTokenPredictor(Block):
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """embeds [T, hidden] of tokens i+1, streams [T, hc_mult, hidden] the target's at i (or this layer's
-        own, drafting further ahead) -> this layer's streams [T, hc_mult, hidden] (`logits` reads them)."""
+        own, drafting further ahead) -> this layer's streams [T, hc_mult, hidden] (`collapse_head` reads them)."""
         h = self.e_proj(self.enorm(embeds)).unsqueeze(1) + self.h_proj(self.hnorm(streams))
         return super().forward(positions, h, input_ids, meta)
 
@@ -664,6 +665,7 @@ class DeepseekV4ForCausalLM(DeepseekV4Base):
         return self.mtp[0](positions, self.embed(next_ids), hidden, next_ids, meta)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's streams -> its hc_head and norm, then the shared head: logits [T, vocab] float32."""
         return self.head(self.mtp[0].collapse_head(hidden)).float()
 
     def keep_verification_states(self, num_rows: int) -> None:
