@@ -5,7 +5,8 @@ The tiny shape follows HF's own V4 test (hidden 64, 4 heads of 32 with 8 rotary,
 every kind: CSA pools 4 tokens (overlapping), HCA 8, the sliding window is 8. HF's initializer leaves
 the position biases, sinks, mHC biases and the hash table at zero or one; they get random values here
 so every term is exercised. save_hf_checkpoint / hf_logits / hf_greedy (hf_oracle) serve V4 as they are:
-save_pretrained writes DeepSeek's layout (attn.wq_a, ffn.experts.E.w1, ...).
+save_pretrained writes DeepSeek's layout (attn.wq_a, ffn.experts.E.w1, ...). HF has no MTP block;
+add_mtp_block writes one (`mtp.0.*`) beside a saved checkpoint for speculative decoding.
 """
 
 import json
@@ -63,18 +64,15 @@ def add_mtp_block(path: Path, seed: int = 0) -> None:
     build_v4_model makes them), the kv norm spelled `attn.kv_norm` as DeepSeek's release does, and the
     block's own enorm, hnorm, e_proj, h_proj, norm and hc_head; num_nextn_predict_layers becomes 1. The
     target's tensors are untouched: the HF model saved there stays the oracle."""
-    from safetensors.torch import save_file
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
 
     config = json.loads((path / "config.json").read_text())
     one = build_v4_model(seed, num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"])
-    tmp = path / "mtp-src"
-    one.save_pretrained(tmp)
-    from safetensors.torch import load_file
-
-    layer = load_file(tmp / "model.safetensors")
-    for f in tmp.iterdir():
-        f.unlink()
-    tmp.rmdir()
+    with tempfile.TemporaryDirectory() as tmp:
+        one.save_pretrained(tmp)
+        layer = load_file(Path(tmp) / "model.safetensors")
     g = torch.Generator().manual_seed(seed)
     hidden, n = config["hidden_size"], config["hc_mult"]
     mtp = {}
