@@ -174,14 +174,16 @@ class Speculator:
         if counts is not None and len(rows) < len(seqs):
             keep = [i for i, d in enumerate(drafting) if d]
             draft_counts = counts.index_select(0, to_device(keep, torch.long, device)) if keep else None
-        # the verifications' rows and accepted counts: V4 rolls its compressors' state back by them
+        # the verifications' plan rows and accepted counts: V4 puts its compressors' state back by them
         checked = [i for i, n in enumerate(verified) if n]
-        verified_counts = counts
-        if checked and len(checked) < len(seqs):
-            verified_counts = counts.index_select(0, to_device(checked, torch.long, device))
-        row_of = {id(seq): i for i, (seq, _) in enumerate(items)}
-        draft = DraftPlan(self.k if rows else 0, rows, slots, [row_of[id(seqs[i])] for i in checked])
-        drafts = self.executor.propose(draft, next_dev, draft_counts, verified_counts if checked else None)
+        verifications, verified_counts = [], None
+        if checked:
+            row_of = {id(seq): i for i, (seq, _) in enumerate(items)}
+            verifications = [row_of[id(seqs[i])] for i in checked]
+            verified_counts = (counts if len(checked) == len(seqs)
+                               else counts.index_select(0, to_device(checked, torch.long, device)))
+        drafts = self.executor.propose(DraftPlan(self.k if rows else 0, rows, slots, verifications), next_dev,
+                                       draft_counts, verified_counts)
         parts = [t for t in (counts, drafts) if t is not None]
         if draws is not None:
             offset = draws.send(*parts)
