@@ -1,7 +1,7 @@
 """Speculative decoding on DeepSeek-V4 with its MTP block (`mtp.0`), on the tiny HF-oracle checkpoint (float32,
-CPU): greedy tokens are HF's with and without speculation, through windows of every kind (CSA pools 4 tokens,
-HCA 8, the sliding window 8, blocks of 8), chunked prefill, preemption, an abort inside a verified step and a
-prefix cached after a speculative request.
+CPU): greedy tokens are HF's (as they are without speculation: tests/engine/test_deepseek_v4.py) through
+windows of every kind (CSA pools 4 tokens, HCA 8, the sliding window 8, blocks of 8), chunked prefill,
+preemption, an abort inside a verified step and a prefix cached after a speculative request.
 
 The checkpoint's MTP block is random, so its drafts are almost never accepted; `oracle_drafts` swaps the drafts
 it proposes (after the real MTP pass) for HF's greedy tokens with every fifth position wrong, so verifications
@@ -14,6 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from tests.engine.hf_oracle import hf_greedy, hf_logits, prompts, save_hf_checkpoint
 from tests.engine.hf_oracle_v4 import VOCAB, add_mtp_block, build_v4_model
+from tests.engine.test_spec_decode import record_launches, step_to_the_end
 
 NEW = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
@@ -94,8 +95,6 @@ def check_greedy(llm: LLM, batch, params=GREEDY) -> None:
 @pytest.mark.parametrize("k,mode", [(1, "off"), (3, "off"), (3, "on")])
 def test_greedy_tokens_are_hf_with_drafts_accepted_in_part(v4mtp, batch, k, mode):
     """With async scheduling a step goes ahead of the verification before it, whose rollback it finds done."""
-    from tests.engine.test_spec_decode import record_launches
-
     _, path = v4mtp
     llm = engine(path, k, async_scheduling=mode)
     counts = oracle_drafts(llm, batch[1])
@@ -173,8 +172,6 @@ def test_chunked_prefill_and_preemption(v4mtp, batch):
 def test_an_abort_in_the_middle_of_a_verified_step(v4mtp, batch):
     """A request aborted after its verification's forward, before its tokens are read: the step's state
     rollback and MTP pass still run over its rows; the others go on as if alone, every block comes back."""
-    from tests.engine.test_spec_decode import step_to_the_end
-
     _, path = v4mtp
     ids, continuations = batch
     llm = engine(path, 3)
