@@ -47,9 +47,10 @@ class InProcessExecutor:
         plan.use_graph = self.runner.takes_graph(plan)
         return self.driver.execute(plan, inputs, offsets)
 
-    def propose(self, draft: DraftPlan, next_ids: torch.Tensor, accepted: torch.Tensor | None) -> torch.Tensor | None:
+    def propose(self, draft: DraftPlan, next_ids: torch.Tensor, accepted: torch.Tensor | None,
+                verified: torch.Tensor | None = None) -> torch.Tensor | None:
         """The MTP draft after the step just executed -> [S, num_drafts] on rank 0's device, or None."""
-        return self.driver.propose(draft, next_ids, accepted)
+        return self.driver.propose(draft, next_ids, accepted, verified)
 
     def shutdown(self) -> None:
         pass
@@ -91,9 +92,10 @@ class MultiprocExecutor(InProcessExecutor):
         dist.broadcast_object_list([plan], src=0, group=self.control)
         return self.driver.execute(plan, inputs, offsets)
 
-    def propose(self, draft: DraftPlan, next_ids: torch.Tensor, accepted: torch.Tensor | None) -> torch.Tensor | None:
+    def propose(self, draft: DraftPlan, next_ids: torch.Tensor, accepted: torch.Tensor | None,
+                verified: torch.Tensor | None = None) -> torch.Tensor | None:
         dist.broadcast_object_list([draft], src=0, group=self.control)
-        return self.driver.propose(draft, next_ids, accepted)
+        return self.driver.propose(draft, next_ids, accepted, verified)
 
     def shutdown(self) -> None:
         self._finalizer()

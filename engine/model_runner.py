@@ -170,6 +170,9 @@ class ModelRunner:
             self.model.bind_tokenizer(str(tok) if tok is not None and tok.is_file() else None)
             self.model.place_engram_tables(config.engram_tables)
         self.model.eval()
+        if self.num_speculative_tokens and hasattr(self.model, "keep_verification_states"):
+            # V4: a verification's compressor states, one per row, so rejected drafts can be undone
+            self.model.keep_verification_states(1 + self.num_speculative_tokens)
         if self.backend == "triton":
             enable_kernels(self.model)
         self.kv_specs = self._kv_cache_specs(config.kv_cache_dtype)
@@ -265,8 +268,10 @@ class ModelRunner:
                     self.block_size, num_blocks * self.block_size, num_blocks * self.block_bytes / 2**30, self.dtype)
         if self.use_cuda_graphs:
             self.graphs = DecodeGraphs(self)
-            self.draft_graphs = DraftGraphs(self) if self.num_speculative_tokens else None
-            if self.num_speculative_tokens and self.par.tp_size == 1:
+            # verifications replay the decode graphs only where they take prefill-style rows (not V4's)
+            verifies_in_graphs = getattr(self.model, "graph_prefill_rows", True)
+            self.draft_graphs = DraftGraphs(self) if self.num_speculative_tokens and verifies_in_graphs else None
+            if self.num_speculative_tokens and verifies_in_graphs and self.par.tp_size == 1:
                 self.spec_graphs = SpecGraphs(self)
             if self.config.extra.get("capture_graphs_at_start", True):
                 from engine.kernels._util import on_compile
@@ -424,14 +429,19 @@ class ModelRunner:
         return StepResult(logits.index_select(0, to_device(rows, torch.long, self.device)))
 
     @torch.inference_mode()
-    def propose(self, draft: DraftPlan, next_ids: torch.Tensor, accepted: torch.Tensor | None) -> torch.Tensor | None:
+    def propose(self, draft: DraftPlan, next_ids: torch.Tensor, accepted: torch.Tensor | None,
+                verified: torch.Tensor | None = None) -> torch.Tensor | None:
         """The MTP draft after the step just run (`last_step`): the MTP layer over every row of the step
         (next_ids [T]: the token after each row), so its cache holds each position; then, for each
         drafting sequence, from its row `draft.rows[i] + accepted[i]` (its last accepted one) the drafts
         one after another, the layer fed its own output for the tokens past the first (as SGLang and vLLM
-        reuse one MTP layer for several) -> [S, num_drafts] int64, or None where nobody drafts."""
+        reuse one MTP layer for several) -> [S, num_drafts] int64, or None where nobody drafts. First, a
+        model with state that rejected drafts advanced (V4's compressors) puts it back: verified [V] the
+        drafts accepted by the step's verifications (`draft.verifications`)."""
         plan, positions, tables, meta, hidden = self.last_step
         self.last_step = None
+        if verified is not None and draft.verifications and hasattr(self.model, "keep_accepted"):
+            self.model.keep_accepted(index_to_device(tuple(draft.verifications), self.device), verified)
         rows = draft_tables = None
         if draft.num_drafts and draft.rows:
             packed = index_to_device((*draft.rows, *draft.slots), self.device)  # one copy for both
@@ -458,7 +468,7 @@ class ModelRunner:
         h, pos = h.index_select(0, rows), positions.index_select(0, rows)
         drafts = []
         for i in range(num_drafts):
-            drafts.append(self.model.compute_logits(h).argmax(dim=-1))  # [S]: greedy drafts
+            drafts.append(self.model.draft_logits(h).argmax(dim=-1))  # [S]: greedy drafts
             if i + 1 == num_drafts:
                 break
             step_meta, pos = decode_rows_metadata(pos + 1, tables, self.block_size)

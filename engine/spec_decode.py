@@ -18,7 +18,10 @@ row i's input is the target's hidden state at i and the token after i), then dra
 request's last accepted row: k tokens, the layer fed its own output past the first, as SGLang and
 vLLM reuse one MTP layer for several drafts. Rejected rows' cache entries, the target's and the MTP
 layer's, sit past the request's computed tokens: the next step writes those positions before any
-query reads them, and the prefix cache registers a block only once its tokens are accepted.
+query reads them, and the prefix cache registers a block only once its tokens are accepted. State that
+is not a row per position (DeepSeek-V4's compressors' open windows) is put back on the device to the
+state after each verification's last accepted token before the MTP pass (`DraftPlan.verifications`
+and their accepted counts, the model's `keep_accepted`; engine.models.deepseek_v4 says why it is exact).
 """
 
 from dataclasses import dataclass
@@ -171,7 +174,16 @@ class Speculator:
         if counts is not None and len(rows) < len(seqs):
             keep = [i for i, d in enumerate(drafting) if d]
             draft_counts = counts.index_select(0, to_device(keep, torch.long, device)) if keep else None
-        drafts = self.executor.propose(DraftPlan(self.k if rows else 0, rows, slots), next_dev, draft_counts)
+        # the verifications' plan rows and accepted counts: V4 puts its compressors' state back by them
+        checked = [i for i, n in enumerate(verified) if n]
+        verifications, verified_counts = [], None
+        if checked:
+            row_of = {id(seq): i for i, (seq, _) in enumerate(items)}
+            verifications = [row_of[id(seqs[i])] for i in checked]
+            verified_counts = (counts if len(checked) == len(seqs)
+                               else counts.index_select(0, to_device(checked, torch.long, device)))
+        drafts = self.executor.propose(DraftPlan(self.k if rows else 0, rows, slots, verifications), next_dev,
+                                       draft_counts, verified_counts)
         parts = [t for t in (counts, drafts) if t is not None]
         if draws is not None:
             offset = draws.send(*parts)

@@ -78,6 +78,10 @@ class DraftPlan:
     num_drafts: int  # tokens drafted per sequence (0: the MTP pass over the step's rows only)
     rows: list[int]  # per drafting sequence: the step row of its first sampled position
     slots: list[int]  # per drafting sequence: its block-table slot
+    # the step's verifications: each one's row (its index in the plan's slots), in the order of their accepted
+    # counts, which go with the plan ([V] on the device): a model whose state the rejected drafts advanced
+    # (V4's compressors) puts it back to the state after the last accepted token
+    verifications: list[int] = field(default_factory=list)
 
 
 @dataclass

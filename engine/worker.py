@@ -67,21 +67,27 @@ class Worker:
 
     @torch.inference_mode()
     def propose(self, draft: DraftPlan, next_ids: torch.Tensor | None = None,
-                accepted: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The MTP draft after the last step; next_ids [T] and accepted [S] are rank 0's, on its device
-        (the other ranks receive them: the draft runs the same collectives on every rank)."""
+                accepted: torch.Tensor | None = None, verified: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The MTP draft after the last step; next_ids [T], accepted [S] and verified [V] are rank 0's, on its
+        device (the other ranks receive them: the draft runs the same collectives on every rank; verified
+        only where the model rolls state back by it)."""
         runner = self.runner
         if self.par.tp_size > 1:
+            rolls_back = bool(draft.verifications) and hasattr(runner.model, "keep_accepted")
             if self.par.tp_rank != 0:
                 plan = runner.last_step[0]
                 next_ids = torch.empty(plan.num_tokens, dtype=torch.long, device=runner.device)
                 accepted = torch.empty(len(draft.rows), dtype=torch.long, device=runner.device)
+                verified = torch.empty(len(draft.verifications), dtype=torch.long, device=runner.device)
             next_ids = next_ids.contiguous()
             dist.broadcast(next_ids, src=0, group=self.par.group)
             if draft.rows:
                 accepted = accepted.contiguous()
                 dist.broadcast(accepted, src=0, group=self.par.group)
-        return runner.propose(draft, next_ids, accepted)
+            if rolls_back:
+                verified = verified.contiguous()
+                dist.broadcast(verified, src=0, group=self.par.group)
+        return runner.propose(draft, next_ids, accepted, verified)
 
     def _replicate(self, block_ids: list[int]) -> None:
         """Rank 0's rows of these blocks (pulled from a peer) into every rank's pool: MLA's latent cache is

@@ -277,6 +277,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         -> [T, hidden], whose logits (`compute_logits`) draft tokens i+2."""
         return self.mtp[0](positions, self.model.embed_tokens(next_ids), hidden, meta)
 
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's output (normed by its shared_head) -> logits of the drafts: the target's head."""
+        return self.compute_logits(hidden)
+
     def attention_layers(self) -> list[MLA]:
         """Every cached attention layer, the target's then the MTP draft's (layer index order)."""
         return [layer.self_attn for layer in (*self.model.layers, *self.mtp)]

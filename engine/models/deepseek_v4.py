@@ -5,8 +5,34 @@ Module and parameter names are DeepSeek's (layers.N.attn.wq_a, layers.N.hc_attn_
 embed, head); `checkpoint_name` maps the transformers 5 spellings of a saved checkpoint onto them.
 Shapes below for V4 Flash: hidden 4096, 64 heads of 512 (the last 64 rotary), q LoRA 1024, 8 output
 groups of LoRA 1024, 4 residual streams, 256 experts top-6 of width 2048 plus one shared.
+
+Speculative decoding drafts with the checkpoint's MTP block (`mtp.0`, `MultiTokenPredictor`). A
+verification (a sequence's last token and its k drafts, k + 1 rows at consecutive positions) runs as a
+chunk, row by row (`Attention._prefill`, `Compressor._prefill`), never through the decode path, whose
+rows are one token of one sequence each. What its rejected rows leave behind, and why the next steps
+read only what the accepted tokens alone would have written:
+  - Window rows and compressed / indexer entries: a row per position, and an entry closed at position
+    p is visible only to queries at t >= p. In the step itself the rows at or past a rejected position
+    are rejected too (their draws are dropped). The next step's first row is the first rejected
+    position, and each step writes its positions' window rows and the entries its tokens close before
+    its attention reads them (the compressors run first); a step that does not reach p has no query
+    that sees p. The prefix cache registers only full blocks of accepted tokens.
+  - The compressors' open state (float32, one row per block, updated in place) is not derivable from
+    the entries: the step leaves the state after its last row, rejected drafts folded in, in the row of
+    the last block it reaches. So each compressor also keeps, for each row, the state after each of its
+    first k + 1 tokens (`Compressor.candidates`: folded one token at a time, as a decode step folds
+    them, from the state the block held before the step), and once the accepted counts are known on
+    the device (`keep_accepted`, before the MTP pass) the state after the last accepted token is
+    written to the row of the block holding that token: the state a step ending at that token leaves,
+    which the next step reads (the row of the block holding the token before its first). It is exact:
+    a function of the accepted tokens only, the same fold plain decoding runs. Rows of blocks past it
+    (reached by rejected rows only) are rewritten by the next step that reaches them before anyone
+    reads them (a step writes the state row of every block it reaches); a full block's row, the state at
+    its end, depends on its own tokens only, so a rollback never changes it but to the same value.
+  - The MTP block attends its sliding window only: its window rows are the target's case above.
 """
 
+import dataclasses
 import re
 
 import torch
@@ -14,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import DeepseekV4Config
+from engine.copies import to_device
 from engine.kv_pool import KVCacheSpec, KVPool
 from engine.layers.attention import AttentionMetadata, write_kv_cache
 from engine.layers.compressed_attention import (
@@ -90,16 +117,37 @@ class Rope(nn.Module):
         return torch.cat([x[..., : -self.dim], rotated.to(x.dtype)], dim=-1)
 
 
+def kept_tokens(meta: AttentionMetadata, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first `count` tokens as flat indices of the step [R, count] (past the row's end, its last
+    token again) and whether each is the row's own [R, count] bool; built once a step, shared by the layers."""
+    kept = getattr(meta, "_v4_kept", None)
+    if kept is None:
+        qs = meta.query_start_loc_cpu
+        index = [[min(qs[i] + j, qs[i + 1] - 1) for j in range(count)] for i in range(len(qs) - 1)]
+        valid = [[int(qs[i] + j < qs[i + 1]) for j in range(count)] for i in range(len(qs) - 1)]
+        both = to_device([index, valid], torch.long, device)  # one copy for both
+        kept = meta._v4_kept = (both[0], both[1] > 0)
+    return kept
+
+
 class Compressor(nn.Module):
     """Pools each closed window of `ratio` tokens into one entry: per channel a softmax over the window's
     slots of wgate(x) + ape (position in the window) weighting wkv(x), then `norm` and RoPE at the window's
     first position. With overlap (CSA) wkv/wgate give 2 * dim: entry w pools series A of window w-1
     with series B of window w."""
 
+    # rows of at most this many tokens (a verification: its last token and the drafts) keep the state
+    # after each of their first tokens in `candidates`, for `Attention.keep_accepted`; 0: none (no
+    # speculative decoding). Set by the model runner.
+    kept_rows = 0
+
     def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float, rotary: Rope):
         super().__init__()
         width = 2 * dim if overlap else dim
         self.dim, self.ratio = dim, ratio
+        # the last eager step's states after each of every row's first kept_rows tokens [R, kept_rows,
+        # state_width] and the block each belongs to [R, kept_rows]; None once committed
+        self.candidates: tuple[torch.Tensor, torch.Tensor] | None = None
         self.wkv = Linear(hidden, width)
         self.wgate = Linear(hidden, width)
         self.ape = _fp32(ratio, width)
@@ -120,7 +168,31 @@ class Compressor(nn.Module):
         if decode:
             self._decode(c, g, positions, meta.block_tables.long(), meta.block_size, cache, state, offset)
         else:
+            # before _prefill writes the state each row starts from; steps of longer chunks only verify nothing
+            if self.kept_rows and min(meta.query_lens_cpu) <= self.kept_rows:
+                self.candidates = self._candidates(c, g, positions, meta, state, offset)
+            else:
+                self.candidates = None
             self._prefill(c, g, meta, cache, state, offset)
+
+    def _candidates(self, c: torch.Tensor, g: torch.Tensor, t: torch.Tensor, meta: AttentionMetadata,
+                    state: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's state after each of its first kept_rows tokens, folded in one token at a time as a
+        decode step does (`decode_pool`), from the state its block holds before the step -> (states [R,
+        kept_rows, state_width], their blocks [R, kept_rows]). Past a row's end the last state repeats."""
+        index, valid = kept_tokens(meta, self.kept_rows, c.device)  # [R, kept_rows]
+        width, bs = self.state_width, meta.block_size
+        tables = meta.block_tables.long()
+        pos = t[index]
+        before = tables.gather(1, ((pos[:, 0] - 1).clamp(min=0) // bs)[:, None])[:, 0]
+        held = torch.where((pos[:, :1] > 0), state[before, 0, offset: offset + width],
+                           empty_state(width, self.dim, c.device))
+        states = []
+        for j in range(self.kept_rows):
+            _, _, after = decode_pool(self.pooler, c[index[:, j]], g[index[:, j]], pos[:, j], held)
+            held = torch.where(valid[:, j, None], after, held)
+            states.append(held)
+        return torch.stack(states, 1), tables.gather(1, pos // bs)
 
     def _prefill(self, c: torch.Tensor, g: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor,
                  state: torch.Tensor, offset: int) -> None:
@@ -223,6 +295,18 @@ class Attention(nn.Module):
                 state += self.indexer.compressor.state_width
             specs.append(KVCacheSpec("compressor_state", self.layer, state, torch.float32, has_block_state=True))
         return specs
+
+    def keep_accepted(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
+        """After a verification: rows [V] of the step (each a sequence's last token and its drafts) kept
+        counts [V] of their drafts; each compressor's state row of the block that holds the last accepted
+        token becomes the state after that token (the step left the state after its last row there)."""
+        parts = [(self.compressor, 0)]
+        if self.indexer is not None:
+            parts.append((self.indexer.compressor, self.compressor.state_width))
+        for compressor, offset in parts:
+            states, blocks = compressor.candidates
+            compressor.candidates = None
+            self.state_cache[blocks[rows, counts], 0, offset: offset + compressor.state_width] = states[rows, counts]
 
     def bind(self, pool: KVPool) -> None:
         self.window_cache = pool.cache(self.layer, "window")
@@ -388,6 +472,14 @@ def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     return pre, post, comb
 
 
+def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """The streams' final collapse: h [T, n, hidden] -> sum_k pre_k h_k [T, hidden], pre = sigmoid(...) + eps."""
+    flat = unweighted_rms_norm(h.flatten(1).float(), norm_eps)
+    pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + hc_eps
+    return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
+
+
 class Block(nn.Module):
     """One layer over the residual streams [T, hc_mult, hidden]: at each site (attention, then MoE) the
     streams collapse by `pre` into the sublayer's input; its output y spreads back by `post` and the
@@ -481,32 +573,113 @@ class DeepseekV4Base(nn.Module):
             attn.bind(pool)
 
 
+class MultiTokenPredictor(Block):
+    """DeepSeek-V4's multi-token-prediction layer (`mtp.0`), the speculative draft: position i joins the
+    target's residual streams at i (before its hc_head) with the embedding of token i+1, per stream
+        h_k = e_proj(enorm(embed(t_{i+1}))) + h_proj(hnorm(stream_k)),
+    runs one mHC block over them (sliding-window attention only, its MoE routed by score and bias, never
+    by hash) and predicts token i+2 through its own hc_head and norm and the target's head. Embedding and
+    head are the target's. Its window cache is a layer of its own (index num_hidden_layers)."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int, ropes: dict[str, Rope], par: ParallelContext = SINGLE,
+                 max_position: int = 0):
+        n = layer + 1 - len(cfg.compress_ratios)  # the block's layer past the target's: window only, no hash
+        block = dataclasses.replace(cfg, compress_ratios=cfg.compress_ratios + (0,) * n,
+                                    hash_layers=cfg.hash_layers + (False,) * n)
+        super().__init__(block, layer, ropes, par, max_position)
+        hidden = cfg.hidden_size
+        self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.e_proj = Linear(hidden, hidden)
+        self.h_proj = Linear(hidden, hidden)
+        self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.hc_head_fn = _fp32(cfg.hc_mult, cfg.hc_mult * hidden)
+        self.hc_head_base = _fp32(cfg.hc_mult)
+        self.hc_head_scale = _fp32(1)
+        self.eps = (cfg.hc_eps, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, embeds: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """embeds [T, hidden] of tokens i+1, streams [T, hc_mult, hidden] the target's at i (or this layer's
+        own, drafting further ahead) -> this layer's streams [T, hc_mult, hidden] (`collapse_head` reads them)."""
+        h = self.e_proj(self.enorm(embeds)).unsqueeze(1) + self.h_proj(self.hnorm(streams))
+        return super().forward(positions, h, input_ids, meta)
+
+    def collapse_head(self, h: torch.Tensor) -> torch.Tensor:
+        """Its streams [T, hc_mult, hidden] -> the head's input [T, hidden]."""
+        return self.norm(hc_head(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, *self.eps))
+
+
 class DeepseekV4ForCausalLM(DeepseekV4Base):
-    def __init__(self, cfg: DeepseekV4Config, max_position: int, par: ParallelContext = SINGLE):
+    def __init__(self, cfg: DeepseekV4Config, max_position: int, par: ParallelContext = SINGLE,
+                 num_draft_layers: int = 0):
+        """num_draft_layers: the checkpoint's MTP layers to load as speculative drafts (0: none)."""
         super().__init__(cfg, max_position, par, Block)
         n = cfg.hc_mult
         self.hc_head_fn = _fp32(n, n * cfg.hidden_size)
         self.hc_head_base = _fp32(n)
         self.hc_head_scale = _fp32(1)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if num_draft_layers > cfg.num_nextn_predict_layers:
+            raise ValueError(f"speculative decoding with MTP needs the checkpoint's multi-token-prediction layer, "
+                             f"but its config has num_nextn_predict_layers={cfg.num_nextn_predict_layers}")
+        self.mtp = nn.ModuleList(MultiTokenPredictor(cfg, cfg.num_hidden_layers + j, self.ropes, par, max_position)
+                                 for j in range(num_draft_layers))
 
-    @staticmethod
-    def checkpoint_name(name: str) -> str | None:
-        """A checkpoint tensor's name as this model spells it; None for tensors it does not use (the
-        MTP block `mtp.*`: speculative decoding loads it apart)."""
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as this model spells it; None for tensors it does not use (the MTP
+        block `mtp.*` where it does not draft)."""
         name = name.removeprefix("model.")
-        if name.startswith("mtp."):
+        m = re.match(r"^mtp\.(\d+)\.", name)
+        if m and int(m.group(1)) >= len(self.mtp):
             return None
+        name = re.sub(r"\.attn\.kv_norm\.", ".attn.norm.", name)  # DeepSeek's release spells the kv norm so
         name = re.sub(r"^embed_tokens\.", "embed.", name)
         name = re.sub(r"^lm_head\.", "head.", name)
         return re.sub(r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1", name)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden] (after the streams' collapse and norm)."""
+        """input_ids, positions: [T] -> the residual streams [T, hc_mult, hidden] after the last layer (the MTP
+        layer reads them; `compute_logits` collapses them, as DeepSeek's head does)."""
         x = self.embed(input_ids)
         h = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, hc_mult, hidden]
         for layer in self.layers:
             h = layer(positions, h, input_ids, meta)
-        flat = unweighted_rms_norm(h.flatten(1).float(), self.config.rms_norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_head_fn) * self.hc_head_scale + self.hc_head_base) + self.config.hc_eps
-        return self.norm((pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype))
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Streams [T, hc_mult, hidden] -> collapsed by hc_head, normed, the head's logits [T, vocab] float32."""
+        c = self.config
+        return self.head(self.norm(hc_head(hidden, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps,
+                                           c.rms_norm_eps))).float()
+
+    # -- speculative decoding ---------------------------------------------------------------------------
+    def attention_layers(self) -> list[nn.Module]:
+        """The target's attention layers, then the MTP draft's (its window cache)."""
+        return [layer.attn for layer in (*self.layers, *self.mtp)]
+
+    def draft(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+              meta: AttentionMetadata) -> torch.Tensor:
+        """The MTP layer over rows at `positions`: next_ids [T] (tokens i+1), hidden [T, hc_mult, hidden] (the
+        streams at i) -> its streams [T, hc_mult, hidden], whose `draft_logits` draft tokens i+2."""
+        return self.mtp[0](positions, self.embed(next_ids), hidden, next_ids, meta)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's streams -> its hc_head and norm, then the shared head: logits [T, vocab] float32."""
+        return self.head(self.mtp[0].collapse_head(hidden)).float()
+
+    def keep_verification_states(self, num_rows: int) -> None:
+        """Steps keep their compressors' state after each of a row's first num_rows tokens (1 + the drafts a
+        verification checks), for `keep_accepted`."""
+        for attn in self.attention_layers():
+            for compressor in (attn.compressor, attn.indexer.compressor if attn.indexer is not None else None):
+                if compressor is not None:
+                    compressor.kept_rows = num_rows
+
+    def keep_accepted(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
+        """After the step just run verified drafts at rows [V] (its rows' indices), counts [V] of them
+        accepted: every compressor's open state goes back to the one after the last accepted token
+        (window rows and entries at rejected positions are rewritten before anything reads them)."""
+        for attn in self.attention_layers():
+            if attn.compressor is not None:
+                attn.keep_accepted(rows, counts)

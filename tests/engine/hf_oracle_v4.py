@@ -5,7 +5,8 @@ The tiny shape follows HF's own V4 test (hidden 64, 4 heads of 32 with 8 rotary,
 every kind: CSA pools 4 tokens (overlapping), HCA 8, the sliding window is 8. HF's initializer leaves
 the position biases, sinks, mHC biases and the hash table at zero or one; they get random values here
 so every term is exercised. save_hf_checkpoint / hf_logits / hf_greedy (hf_oracle) serve V4 as they are:
-save_pretrained writes DeepSeek's layout (attn.wq_a, ffn.experts.E.w1, ...).
+save_pretrained writes DeepSeek's layout (attn.wq_a, ffn.experts.E.w1, ...). HF has no MTP block;
+add_mtp_block writes one (`mtp.0.*`) beside a saved checkpoint for speculative decoding.
 """
 
 import json
@@ -54,6 +55,49 @@ def build_v4_model(seed: int = 0, **overrides) -> DeepseekV4ForCausalLM:
         else:
             gate.e_score_correction_bias.copy_(0.2 * torch.randn_like(gate.e_score_correction_bias))
     return model
+
+
+@torch.no_grad()
+def add_mtp_block(path: Path, seed: int = 0) -> None:
+    """Give a saved tiny V4 checkpoint DeepSeek's MTP block `mtp.0.*` (which save_pretrained never writes):
+    the layer names of a sliding-window, score-routed layer (those of a one-layer HF model, random as
+    build_v4_model makes them), the kv norm spelled `attn.kv_norm` as DeepSeek's release does, and the
+    block's own enorm, hnorm, e_proj, h_proj, norm and hc_head; num_nextn_predict_layers becomes 1. The
+    target's tensors are untouched: the HF model saved there stays the oracle."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((path / "config.json").read_text())
+    one = build_v4_model(seed, num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"])
+    with tempfile.TemporaryDirectory() as tmp:
+        one.save_pretrained(tmp)
+        layer = load_file(Path(tmp) / "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    hidden, n = config["hidden_size"], config["hc_mult"]
+    mtp = {}
+    for name, t in layer.items():
+        if name.startswith("model.layers.0."):
+            rest = name.removeprefix("model.layers.0.").replace("attn.norm.", "attn.kv_norm.")
+            mtp[f"mtp.0.{rest}"] = t
+    mtp.update({
+        "mtp.0.enorm.weight": 1 + 0.2 * torch.randn(hidden, generator=g),
+        "mtp.0.hnorm.weight": 1 + 0.2 * torch.randn(hidden, generator=g),
+        "mtp.0.e_proj.weight": 0.15 * torch.randn(hidden, hidden, generator=g),
+        "mtp.0.h_proj.weight": 0.15 * torch.randn(hidden, hidden, generator=g),
+        "mtp.0.norm.weight": 1 + 0.2 * torch.randn(hidden, generator=g),
+        "mtp.0.hc_head_fn": 0.15 * torch.randn(n, n * hidden, generator=g),
+        "mtp.0.hc_head_base": 0.5 * torch.randn(n, generator=g),
+        "mtp.0.hc_head_scale": 1 + 0.3 * torch.randn(1, generator=g),
+    })
+    save_file(mtp, path / "mtp.safetensors", metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].update(dict.fromkeys(mtp, "mtp.safetensors"))
+        index.write_text(json.dumps(data, indent=2))
+    config["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def quantize_v4_checkpoint(model: DeepseekV4ForCausalLM, path: Path, block: tuple[int, int]) -> None:

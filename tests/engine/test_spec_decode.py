@@ -113,11 +113,11 @@ def test_an_abort_in_the_middle_of_a_verified_step(tiny_prompts, plain_tokens):
         eng.add_request(f"r{i}", p, GREEDY)
     propose, aborted = eng.executor.propose, []
 
-    def abort_during(draft, next_ids, accepted):
+    def abort_during(draft, *args):
         if len(draft.rows) == 4 and not aborted and eng.scheduler.running[1].draft_token_ids:
             eng.abort_request("r1")  # after the verification's forward, before its tokens are read
             aborted.append(True)
-        return propose(draft, next_ids, accepted)
+        return propose(draft, *args)
 
     eng.executor.propose = abort_during
     finished = step_to_the_end(eng)
@@ -464,13 +464,14 @@ def test_speculative_config_is_parsed_and_checked():
                      ('{"num_speculative_tokens": 1, "draft_model": "x"}', "unknown"), ("{", "not valid JSON")]:
         with pytest.raises(ValueError, match=why):
             SpeculativeConfig.parse(bad)
-    v4 = ModelConfig.from_hf(preset_config("v4-tiny"))
-    with pytest.raises(ValueError, match="not implemented for DeepseekV4ForCausalLM"):
-        ModelRunner(EngineConfig(model="v4", dtype="float32", device="cpu", speculative_config=spec(1)), v4, None, 64)
-    no_mtp = ModelConfig.from_hf(preset_config("tiny"))  # num_nextn_predict_layers 0
-    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
-        ModelRunner(EngineConfig(model="tiny", dtype="float32", device="cpu", speculative_config=spec(1)), no_mtp,
-                    None, 64)
+    v41 = ModelConfig.from_hf(preset_config("v41-tiny"))  # V4.1 ships DSpark drafts, not an MTP layer
+    with pytest.raises(ValueError, match="not implemented for DeepseekV41ForCausalLM"):
+        ModelRunner(EngineConfig(model="v41", dtype="float32", device="cpu", speculative_config=spec(1)), v41, None, 64)
+    for preset in ("tiny", "v4-tiny"):  # num_nextn_predict_layers 0
+        no_mtp = ModelConfig.from_hf(preset_config(preset))
+        with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+            ModelRunner(EngineConfig(model=preset, dtype="float32", device="cpu", speculative_config=spec(1)), no_mtp,
+                        None, 64)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,225 @@
+"""Speculative decoding on DeepSeek-V4 with its MTP block (`mtp.0`), on the tiny HF-oracle checkpoint (float32,
+CPU): greedy tokens are HF's (as they are without speculation: tests/engine/test_deepseek_v4.py) through
+windows of every kind (CSA pools 4 tokens, HCA 8, the sliding window 8, blocks of 8), chunked prefill,
+preemption, an abort inside a verified step and a prefix cached after a speculative request.
+
+The checkpoint's MTP block is random, so its drafts are almost never accepted; `oracle_drafts` swaps the drafts
+it proposes (after the real MTP pass) for HF's greedy tokens with every fifth position wrong, so verifications
+accept none, some or all of their drafts, and a rejected draft sits inside an open compressor window most steps:
+the compressors' state must be put back to the one after the last accepted token."""
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.engine.hf_oracle import hf_greedy, hf_logits, prompts, save_hf_checkpoint
+from tests.engine.hf_oracle_v4 import VOCAB, add_mtp_block, build_v4_model
+from tests.engine.test_spec_decode import record_launches, step_to_the_end
+
+NEW = 20
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+
+def spec(k: int) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def v4mtp(tmp_path_factory):
+    hf = build_v4_model(seed=1)
+    path = save_hf_checkpoint(hf, tmp_path_factory.mktemp("v4mtp") / "ckpt")
+    add_mtp_block(path, seed=2)
+    return hf, path
+
+
+@pytest.fixture(scope="module")
+def batch(v4mtp) -> tuple[list[list[int]], dict[tuple, list[int]]]:
+    """Prompts of 13-45 tokens and each one's HF greedy continuation (a few tokens past NEW, for drafts)."""
+    hf, _ = v4mtp
+    ids = prompts(20, [45, 13, 30], VOCAB)
+    return ids, {tuple(p): hf_greedy(hf, p, NEW + 4) for p in ids}
+
+
+def engine(path, k: int, **args) -> LLM:
+    return LLM(str(path), dtype="float32", device="cpu", show_progress=False, block_size=8,
+               speculative_config=spec(k), **args)
+
+
+def oracle_drafts(llm: LLM, continuations: dict[tuple, list[int]]) -> list[int]:
+    """After the real MTP pass, each drafting sequence's drafts become its true next tokens, each position
+    that is a multiple of 5 made wrong -> a list that gets every verification's accepted count."""
+    eng = llm.engine
+    runner = eng.runner
+    draft = runner._draft
+
+    def drafting(next_ids, positions, meta, hidden, rows, tables, num_drafts):
+        drafts = draft(next_ids, positions, meta, hidden, rows, tables, num_drafts)
+        if drafts is None:
+            return None
+        by_block = {seq.block_table[0]: seq for seq in eng.scheduler.running if seq.block_table}
+        out = drafts.tolist()
+        for i, (first_block, p) in enumerate(zip(tables[:, 0].tolist(), positions[rows].tolist())):
+            seq = by_block.get(first_block)
+            if seq is None:  # aborted while its step ran: its drafts are dropped anyway
+                continue
+            prompt = seq.token_ids(0, seq.num_prompt_tokens)
+            if tuple(prompt) not in continuations:  # scored, not generated
+                continue
+            tokens = prompt + continuations[tuple(prompt)]
+            at = range(p + 2, p + 2 + num_drafts)
+            out[i] = [(tokens[q] + (q % 5 == 0)) % VOCAB if q < len(tokens) else 0 for q in at]
+        return torch.tensor(out, dtype=drafts.dtype)
+
+    runner._draft = drafting
+    counts = []
+    result = eng._resolve_spec
+
+    def resolve(spec):
+        accepted, next_drafts = result(spec)
+        if spec is not None:
+            counts.extend(accepted[id(seq)] for seq, n in zip(spec.seqs, spec.num_verified) if n)
+        return accepted, next_drafts
+
+    eng._resolve_spec = resolve
+    return counts
+
+
+def check_greedy(llm: LLM, batch, params=GREEDY) -> None:
+    ids, continuations = batch
+    for p, out in zip(ids, llm.generate(ids, params)):
+        assert out.token_ids == continuations[tuple(p)][: len(out.token_ids)]
+        assert len(out.token_ids) == params.max_tokens
+    assert llm.engine.kv_cache_usage == 0.0
+
+
+@pytest.mark.parametrize("k,mode", [(1, "off"), (3, "off"), (3, "on")])
+def test_greedy_tokens_are_hf_with_drafts_accepted_in_part(v4mtp, batch, k, mode):
+    """With async scheduling a step goes ahead of the verification before it, whose rollback it finds done."""
+    _, path = v4mtp
+    llm = engine(path, k, async_scheduling=mode)
+    counts = oracle_drafts(llm, batch[1])
+    launches = record_launches(llm.engine)
+    check_greedy(llm, batch)
+    assert any(launches) == (mode == "on")
+    # none, some and (k = 3) all of a verification's drafts accepted
+    assert {0, k} <= set(counts) and (k == 1 or 1 in counts or 2 in counts)
+
+
+def test_drafts_through_the_decode_path_the_graphs_capture(v4mtp, batch):
+    """Attention's device-only decode path on (as the decode CUDA graphs run it, here on the CPU): the MTP
+    block's draft steps take it, verifications still run as chunks; tokens stay HF's."""
+    _, path = v4mtp
+    llm = engine(path, 3, max_model_len=128)
+    for attn in llm.engine.runner.model.attention_layers():
+        attn.use_kernels = True
+    oracle_drafts(llm, batch[1])
+    check_greedy(llm, batch)
+
+
+def test_two_ranks_roll_back_as_one(v4mtp, batch):
+    """TP=2: every rank receives the verifications' accepted counts and puts its replicated compressor
+    state back; greedy tokens are HF's."""
+    _, path = v4mtp
+    ids, continuations = batch
+    llm = engine(path, 2, tensor_parallel_size=2)
+    try:
+        counts = oracle_drafts(llm, continuations)  # rank 0's drafts; each rank runs the MTP pass
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        for p, out in zip(ids[:2], llm.generate(ids[:2], params)):
+            assert out.token_ids == continuations[tuple(p)][:10]
+        assert 0 < sum(counts) < 2 * len(counts)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_the_trained_layer_drafts_and_the_tokens_stay_hf(v4mtp, batch):
+    """The checkpoint's own MTP block proposes (loaded from `mtp.0.*`, the kv norm spelled `kv_norm`)."""
+    _, path = v4mtp
+    llm = engine(path, 2)
+    mtp = llm.engine.runner.model.mtp[0]
+    assert mtp.attn.kind == "window" and not mtp.ffn.gate.hashed
+    check_greedy(llm, (batch[0][:2], batch[1]))
+    assert llm.engine.speculator.num_draft_tokens > 0
+
+
+def test_without_the_state_rollback_the_tokens_go_wrong(v4mtp, batch, monkeypatch):
+    """The scenario above is one where rejected drafts change the compressors' state: left in place, the
+    tokens leave HF's."""
+    from engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    monkeypatch.setattr(DeepseekV4ForCausalLM, "keep_accepted", lambda self, rows, counts: None)
+    _, path = v4mtp
+    llm = engine(path, 3)
+    oracle_drafts(llm, batch[1])
+    ids, continuations = batch
+    outs = llm.generate(ids, GREEDY)
+    assert any(o.token_ids != continuations[tuple(p)][:NEW] for p, o in zip(ids, outs))
+
+
+def test_chunked_prefill_and_preemption(v4mtp, batch):
+    _, path = v4mtp
+    # chunks of 7 tokens start and end inside windows of every kind, verifications share the budget
+    chunked = engine(path, 3, max_num_batched_tokens=7)
+    oracle_drafts(chunked, batch[1])
+    check_greedy(chunked, batch)
+    # 14 blocks of 8 cannot hold the three sequences (and their drafts' lookahead) at once
+    tight = engine(path, 3, num_kv_blocks=14, enable_prefix_caching=False)
+    oracle_drafts(tight, batch[1])
+    check_greedy(tight, batch)
+    assert tight.engine.scheduler.num_preemptions > 0
+
+
+def test_an_abort_in_the_middle_of_a_verified_step(v4mtp, batch):
+    """A request aborted after its verification's forward, before its tokens are read: the step's state
+    rollback and MTP pass still run over its rows; the others go on as if alone, every block comes back."""
+    _, path = v4mtp
+    ids, continuations = batch
+    llm = engine(path, 3)
+    oracle_drafts(llm, continuations)
+    eng = llm.engine
+    for i, p in enumerate(ids):
+        eng.add_request(f"r{i}", p, GREEDY)
+    propose, aborted = eng.executor.propose, []
+
+    def abort_during(draft, *args):
+        if len(draft.verifications) == 3 and not aborted:
+            eng.abort_request("r1")
+            aborted.append(True)
+        return propose(draft, *args)
+
+    eng.executor.propose = abort_during
+    finished = step_to_the_end(eng)
+    assert aborted and "r1" not in finished
+    assert [finished[f"r{i}"].token_ids for i in (0, 2)] == [continuations[tuple(ids[i])][:NEW] for i in (0, 2)]
+    assert eng.kv_cache_usage == 0.0
+
+
+def test_a_prefix_cached_by_a_speculative_request_is_a_fresh_prefills(v4mtp, batch):
+    """Turn 2 over the blocks turn 1 registered while verifying drafts (window rows, entries, indexer keys,
+    open state of every kind of layer): the logits HF gives for turn 2, and its greedy tokens."""
+    hf, path = v4mtp
+    llm = engine(path, 3)
+    continuations = dict(batch[1])
+    counts = oracle_drafts(llm, continuations)
+    turn1 = batch[0][0]
+    first = llm.generate([turn1], GREEDY)[0]
+    assert 0 < sum(counts) < 3 * len(counts)
+    turn2 = turn1 + first.token_ids + prompts(21, [11], VOCAB)[0]
+    continuations[tuple(turn2)] = want = hf_greedy(hf, turn2, 16)
+    again = llm.generate([turn2], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    # whole blocks of turn 1 (8 tokens each; those its last step's accepted drafts completed are not registered,
+    # the request ending there)
+    assert again.num_cached_tokens >= 48 and again.token_ids == want[:12]
+    ours = llm.score([turn2])[0]  # over the blocks turn 2 registered, speculating too
+    assert (ours - hf_logits(hf, turn2)).abs().max().item() <= 1e-4
+
+
+def test_sampled_requests_run_to_the_end_and_seeds_repeat(v4mtp, batch):
+    _, path = v4mtp
+    llm = engine(path, 2)
+    ids = batch[0][:2]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=12, ignore_eos=True) for s in (3, 4)]
+    first = [o.token_ids for o in llm.generate(ids, params)]
+    assert [len(t) for t in first] == [12, 12] and all(0 <= t < VOCAB for ts in first for t in ts)
+    assert [o.token_ids for o in llm.generate(ids, params)] == first
+    assert llm.engine.speculator.num_draft_tokens > 0 and llm.engine.kv_cache_usage == 0.0
