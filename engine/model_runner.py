@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.copies import index_to_device, to_device
+from engine.copies import HostSpan, index_to_device, to_device
 from engine.kv_pool import KVPool, block_bytes
 from engine.layers.attention import AttentionMetadata
 from engine.layers.fp8 import quantize_fp8_block
@@ -374,6 +374,8 @@ class ModelRunner:
         if plan.use_graph and plan.fused_verify and self.spec_graphs is not None and self.spec_graphs.takes(plan):
             self.last_step = None  # drafted already: nothing for `propose`
             return StepResult(None, spec=self.spec_graphs.replay(plan, inputs, offsets))
+        if self.spec_graphs is not None:
+            self.spec_graphs.resident = None  # this step's rows and positions are not what a fused one left
         if plan.use_graph:
             return self._replay(plan, inputs, offsets)
         if offsets is not None:
@@ -621,8 +623,11 @@ class SpecGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # [S * (k + 1) + S + S * k + 2 * S * (k + 1)] int64: tokens, counts, drafts, next rows, their offsets
         self.outputs: dict[int, torch.Tensor] = {}
-        self.views: dict[int, FusedVerify] = {}  # per sequence count: the same views every replay
+        self.views: dict[int, list[FusedVerify]] = {}  # per sequence count: the same views every replay
         self.pool = None
+        # the slots whose next rows the last replay left in the decode graphs' buffers; None once anything
+        # else ran (`ModelRunner.run`)
+        self.resident: tuple[int, ...] | None = None
 
     def padded(self, num_seqs: int) -> int | None:
         return next((s for s in self.sizes if s >= num_seqs), None)
@@ -647,10 +652,23 @@ class SpecGraphs:
         # the next step's rows, as `LLMEngine._launch_after_drafts` would gather them: bonus token, drafts
         following = torch.cat([drawn.gather(1, counts[:, None]), drafts], dim=1)  # [S, k + 1]
         offsets = counts[:, None].expand(num_seqs, rows)
+        # and into the buffers, as a decode graph steps its rows on: a step of the same sequences after this
+        # one finds them there (`replay`); each row moves past its sequence's accepted tokens and its own,
+        # padding sequences (the scratch block's table) stay at position 0
+        live = decode.block_tables[:n, 0] != decode.scratch_block
+        ids.copy_(following.flatten())
+        pos.add_((offsets.flatten() + 1) * live)
         return torch.cat([tokens, counts, drafts.flatten(), following.flatten(), offsets.flatten()])
 
     def _capture(self, num_seqs: int) -> None:
-        graph, self.outputs[num_seqs] = capture_graph(lambda: self._step(num_seqs), self.pool)
+        decode = self.runner.graphs
+        saved = [t.clone() for t in (decode.input_ids, decode.positions)]
+
+        def restore():  # the step moves the rows on: the capture's runs leave them where they were
+            decode.input_ids.copy_(saved[0])
+            decode.positions.copy_(saved[1])
+
+        graph, self.outputs[num_seqs] = capture_graph(lambda: self._step(num_seqs), self.pool, restore)
         self.pool = graph.pool()
         self.graphs[num_seqs] = graph
 
@@ -669,30 +687,39 @@ class SpecGraphs:
     @torch.inference_mode()
     def replay(self, plan: StepPlan, inputs: torch.Tensor | None, offsets: torch.Tensor | None) -> FusedVerify:
         """Load the plan's rows into the decode graphs' buffers, one replay -> its outputs (views of the
-        graph's output buffer)."""
+        graph's output buffer). A step of the same sequences right after a fused one finds its rows there
+        already (the graph moved them on: the tokens are `inputs`, the positions the plan's plus
+        `offsets`): only new blocks of their tables are loaded."""
         decode = self.runner.graphs
-        num_seqs, n = len(plan.slots), plan.num_tokens
+        num_seqs, slots = len(plan.slots), tuple(plan.slots)
         padded = self.padded(num_seqs)
-        decode.load(plan, inputs, offsets)
-        end = padded * self.rows
-        if decode.padded(n) < end:  # padding sequences past load's: token 0 at position 0 of the scratch block
-            decode.input_ids[n:end].zero_()
-            decode.positions[n:end].zero_()
-            decode.block_tables[n:end].fill_(decode.scratch_block)
+        if self.resident != slots:
+            n = plan.num_tokens
+            decode.load(plan, inputs, offsets)
+            end = padded * self.rows
+            if decode.padded(n) < end:  # padding sequences past load's: token 0 at position 0 of the scratch block
+                decode.input_ids[n:end].zero_()
+                decode.positions[n:end].zero_()
+                decode.block_tables[n:end].fill_(decode.scratch_block)
+        elif plan.table_deltas:
+            decode.load_tables(plan)
+        self.resident = slots
         self.graphs[padded].replay()
-        views = self.views.get(num_seqs)
-        if views is None:
-            views = self.views[num_seqs] = self._views(padded, num_seqs)
-        return views
+        turns = self.views.get(num_seqs)
+        if turns is None:
+            turns = self.views[num_seqs] = [self._views(padded, num_seqs) for _ in range(2)]
+        turns.reverse()  # two host buffers in turn (`HostSpan`)
+        return turns[0]
 
     def _views(self, padded: int, num_seqs: int) -> FusedVerify:
         """The graph of `padded` sequences' outputs for its first num_seqs."""
         out, k, end, n = self.outputs[padded], self.k, padded * self.rows, num_seqs * self.rows
         drafts_at = end + padded
         next_at = drafts_at + padded * k
+        sent = HostSpan(out[: drafts_at + num_seqs * k], [n, end - n, num_seqs, padded - num_seqs, num_seqs * k],
+                        [(n,), (num_seqs,), (num_seqs, k)])
         return FusedVerify(out[:n], out[end : end + num_seqs],
-                           out[drafts_at : drafts_at + num_seqs * k].view(num_seqs, k),
-                           (out[: drafts_at + num_seqs * k], [n, end - n, num_seqs, padded - num_seqs, num_seqs * k]),
+                           out[drafts_at : drafts_at + num_seqs * k].view(num_seqs, k), sent,
                            out[next_at : next_at + n], out[next_at + end : next_at + end + n])
 
 
@@ -750,11 +777,19 @@ class DecodeGraphs:
         self.positions[:n].copy_(to_device(plan.positions(), torch.long, dev))
         if offsets is not None:
             self.positions[:n].add_(offsets)
-        tables.rows(slots, out=self.block_tables[:padded])
+        self.load_tables(plan, slots)
         if n < padded:  # padding rows decode token 0 at position 0 into the scratch block
             self.input_ids[n:padded].zero_()
             self.positions[n:padded].zero_()
             self.temperature[n:padded].zero_()
+
+    def load_tables(self, plan: StepPlan, slots: list[int] | None = None) -> None:
+        """Each row's block table into the buffer (slots: per padded row, its sequence's slot)."""
+        tables = self.runner.tables
+        if slots is None:
+            slots = [s for s, count in zip(plan.slots, plan.query_lens) for _ in range(count)]
+            slots += [tables.scratch_slot] * (self.padded(len(slots)) - len(slots))
+        tables.rows(slots, out=self.block_tables[: len(slots)])
 
     def metadata(self, batch: int) -> tuple[AttentionMetadata, torch.Tensor]:
         """Attention metadata of the first `batch` rows, derived on the device -> (metadata, positions)."""

@@ -85,9 +85,8 @@ class SpecStep:
         """-> (accepted drafts per sequence, next drafts per drafting sequence)."""
         if self.counts is None:
             return [0] * len(self.seqs), []
-        host = self.copy.get()[self.offset :]
-        counts = host[0].tolist()
-        return counts, host[1].tolist() if len(host) > 1 else []
+        host = self.copy.lists()[self.offset :]
+        return host[0], host[1] if len(host) > 1 else []
 
 
 class Speculator:

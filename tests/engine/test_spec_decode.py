@@ -271,9 +271,9 @@ def test_the_graph_path_on_a_cpu_places_rows_by_their_offsets(monkeypatch, tiny_
     assert launches.count(True) == len(launches) - 2 and len(replays) > 10
 
 
-def fused_graphs(monkeypatch, llm) -> list[int]:
+def fused_graphs(monkeypatch, llm) -> "Replays":
     """The decode and fused speculative graphs' host side on a CPU, each graph's function run where its
-    replay would be -> a list that gets each fused replay's sequence count."""
+    replay would be -> a list that gets each fused replay's sequence count (`Replays`)."""
     import engine.kernels.sampling
     from engine.model_runner import DecodeGraphs, SpecGraphs
 
@@ -291,9 +291,31 @@ def fused_graphs(monkeypatch, llm) -> list[int]:
     runner.graphs.capture_all()
     fused = runner.spec_graphs = SpecGraphs(runner)
     fused.capture_all()
-    replays, replay = [], fused.replay
-    fused.replay = lambda plan, *args: replays.append(len(plan.slots)) or replay(plan, *args)
+    replays, replay = Replays(), fused.replay
+
+    def checked(plan, inputs, offsets):
+        """A step of the same sequences after a fused one loads nothing: the rows the graph left are the
+        plan's (tokens, positions shifted by the offsets), and padding sequences stay at position 0."""
+        if fused.resident == tuple(plan.slots):
+            n, end = plan.num_tokens, fused.padded(len(plan.slots)) * fused.rows
+            decode = runner.graphs
+            want = torch.tensor(plan.positions()) + (0 if offsets is None else offsets)
+            assert decode.positions[:n].tolist() == want.tolist()
+            ids = inputs.tolist() if inputs is not None else plan.input_ids
+            assert decode.input_ids[:n].tolist() == ids
+            assert not decode.positions[n:end].any()
+            replays.resident += 1
+        replays.append(len(plan.slots))
+        return replay(plan, inputs, offsets)
+
+    fused.replay = checked
     return replays
+
+
+class Replays(list):
+    """Each fused replay's sequence count, and how many found their rows in the buffers already."""
+
+    resident = 0
 
 
 @emulated_graphs
@@ -308,6 +330,8 @@ def test_fused_speculative_steps_give_the_plain_tokens(monkeypatch, tiny_prompts
     assert [o.token_ids for o in llm.generate(tiny_prompts, GREEDY)] == plain_tokens
     assert len(replays) > 5 and 4 in replays
     assert any(launches) == (mode == "on")
+    # every fused step after the first of a batch loads no rows (all but one or two: the batch's first)
+    assert replays.resident >= len(replays) - 2
     del replays[:]
     assert [o.token_ids for o in llm.generate(tiny_prompts[1:], GREEDY)] == plain_tokens[1:]
     assert 3 in replays
