@@ -439,7 +439,7 @@ class ModelRunner:
             packed = index_to_device((*draft.rows, *draft.slots), self.device)  # one copy for both
             rows, draft_tables = packed[: len(draft.rows)], self.tables.table.index_select(0, packed[len(draft.rows) :])
         graphs = self.draft_graphs
-        if plan.use_graph and graphs is not None and rows is not None and graphs.has(plan.num_tokens, len(rows)):
+        if plan.use_graph and graphs is not None and graphs.has(plan.num_tokens, 0 if rows is None else len(rows)):
             return graphs.replay(next_ids, rows, accepted, draft_tables)
         if meta is None:  # a replayed step's rows, drafted eagerly: one-token decodes at their positions
             n = plan.num_tokens
@@ -545,24 +545,29 @@ class DraftGraphs:
 
     def key(self, num_rows: int, num_drafting: int) -> tuple[int, int]:
         padded = self.runner.graphs.padded
-        return padded(num_rows), padded(num_drafting)
+        return padded(num_rows), padded(num_drafting) if num_drafting else 0
 
     def has(self, num_rows: int, num_drafting: int) -> bool:
-        return num_drafting > 0 and self.key(num_rows, num_drafting) in self.graphs
+        return self.key(num_rows, num_drafting) in self.graphs
 
-    def _draft(self, key: tuple[int, int]) -> torch.Tensor:
+    def _draft(self, key: tuple[int, int]) -> torch.Tensor | None:
         rows, drafting = key
         decode = self.runner.graphs
         # the decode graph steps its positions on after the step: the rows' own are one less
         meta, pos = decode_rows_metadata(decode.positions[:rows] - 1, decode.block_tables[:rows], self.runner.block_size)
+        if not drafting:  # the MTP pass over the rows only (its cache gets their positions)
+            return self.runner._draft(self.next_ids[:rows], pos, meta, decode.outputs[rows][0], None, None, 0)
         return self.runner._draft(self.next_ids[:rows], pos, meta, decode.outputs[rows][0],
                                   self.rows[:drafting] + self.accepted[:drafting], self.draft_tables[:drafting], self.k)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Steps where every one of S requests verifies k drafts: (S * (k + 1) rows, S drafting)."""
+        """Steps where every one of S requests verifies k drafts: (S * (k + 1) rows, S drafting); and
+        decode steps where nobody drafts (over the batch-size cutoff): (S rows, 0), the MTP pass alone, so
+        its cache keeps every position for when they draft again."""
         decode = self.runner.graphs
         keys = {self.key(s * (self.k + 1), s) for s in DecodeGraphs.SIZES if s * (self.k + 1) <= self.max_rows}
+        keys |= {self.key(s, 0) for s in DecodeGraphs.SIZES if s <= min(self.max_rows, self.runner.config.max_num_seqs)}
         for key in sorted(keys, reverse=True):  # largest first: the smaller ones reuse its pool
             if key[0] not in decode.graphs:
                 decode._capture(key[0])  # its buffers are the draft's inputs
@@ -575,28 +580,29 @@ class DraftGraphs:
         logger.info("captured %d CUDA graphs for MTP drafts of %d tokens", len(self.graphs), self.k)
 
     @torch.inference_mode()
-    def replay(self, next_ids: torch.Tensor, rows: torch.Tensor, accepted: torch.Tensor | None,
-               draft_tables: torch.Tensor) -> torch.Tensor:
+    def replay(self, next_ids: torch.Tensor, rows: torch.Tensor | None, accepted: torch.Tensor | None,
+               draft_tables: torch.Tensor | None) -> torch.Tensor | None:
         """After the decode graph of the step's rows: the token after each row, and the drafting rows
-        (their first sampled row, drafts accepted there, block tables) into the buffers, one replay ->
-        drafts [S, k]."""
-        n, s = next_ids.shape[0], rows.shape[0]
+        (their first sampled row, drafts accepted there, block tables; None: nobody drafts) into the
+        buffers, one replay -> drafts [S, k], or None."""
+        n, s = next_ids.shape[0], 0 if rows is None else rows.shape[0]
         key = self.key(n, s)
         self.next_ids[:n].copy_(next_ids)
-        self.rows[:s].copy_(rows)
-        if accepted is None:
-            self.accepted[:s].zero_()
-        else:
-            self.accepted[:s].copy_(accepted)
-        self.draft_tables[:s].copy_(draft_tables)
         if n < key[0]:  # padding rows: token 0 (the decode graph put them at position 0 of the scratch block)
             self.next_ids[n : key[0]].zero_()
-        if s < key[1]:
-            self.rows[s : key[1]].zero_()
-            self.accepted[s : key[1]].zero_()
-            self.draft_tables[s : key[1]].fill_(self.runner.graphs.scratch_block)
+        if s:
+            self.rows[:s].copy_(rows)
+            if accepted is None:
+                self.accepted[:s].zero_()
+            else:
+                self.accepted[:s].copy_(accepted)
+            self.draft_tables[:s].copy_(draft_tables)
+            if s < key[1]:
+                self.rows[s : key[1]].zero_()
+                self.accepted[s : key[1]].zero_()
+                self.draft_tables[s : key[1]].fill_(self.runner.graphs.scratch_block)
         self.graphs[key].replay()
-        return self.outputs[key][:s].clone()
+        return self.outputs[key][:s].clone() if s else None
 
 
 class SpecGraphs:
