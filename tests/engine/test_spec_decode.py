@@ -22,7 +22,8 @@ QUESTIONS = ["What does json.dumps do?", "Define the word harbor.", "What is 17 
 
 
 def spec(k: int) -> dict:
-    return {"method": "mtp", "num_speculative_tokens": k}
+    # drafting at every batch size: on a GPU the default would measure where it pays (the cutoff's own tests)
+    return {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": 1024}
 
 
 @pytest.fixture(scope="module")
@@ -559,3 +560,55 @@ def test_served_with_the_flag_through_the_official_client(tmp_path, tiny_prompts
         assert "spec_accepted=" in server.log() and "accepted_len=" in server.log()
     finally:
         server.stop()
+
+
+def test_the_batch_cutoff_drafts_where_the_measured_steps_pay():
+    """Given step times (no timing here): a step of k drafts gains 1 + k * acceptance tokens where a plain
+    step gains one; drafting runs up to the largest batch size where that beats the speculative step's
+    time by the margin at every size up to it, and moves with the acceptance counted while serving."""
+    from engine.spec_decode import Speculator, StepTimes, batch_cutoff
+
+    times = StepTimes([1, 2, 4, 8], plain=[1.0, 1.1, 1.2, 1.5], spec=[2.0, 2.3, 3.5, 6.0])
+    assert batch_cutoff(times, 3, 0.6, 0.1) == 2  # gains 2.8: 2.8 > 2.2, 3.08 > 2.53, 3.36 < 3.85
+    assert batch_cutoff(times, 3, 0.9, 0.1) == 4  # gains 3.7: 4.44 > 3.85, 5.55 < 6.6
+    assert batch_cutoff(times, 3, 0.9, 0.3) == 2  # a larger margin asks more: 4.44 < 1.3 * 3.5
+    assert batch_cutoff(times, 3, 0.2, 0.1) == 0  # gains 1.6 < 2.2: nowhere
+    assert batch_cutoff(StepTimes([1, 2, 4], [1.0, 1.0, 1.0], [2.0, 9.0, 2.0]), 3, 0.6, 0.1) == 1  # no gaps
+    assert batch_cutoff(StepTimes([], [], []), 3, 0.9, 0.1) == 0
+
+    sp = Speculator(SpeculativeConfig(num_speculative_tokens=3), None, 1024)
+    assert sp.drafts_at(64)  # nothing measured (a CPU): every batch size drafts, as configured
+    assert sp.use_times(times) == 2 and sp.acceptance() == Speculator.PRIOR_ACCEPTANCE
+    assert sp.drafts_at(2) and not sp.drafts_at(3)
+    sp.num_draft_tokens, sp.num_accepted_tokens = 3000, 2700  # well accepted drafts: larger batches pay
+    assert sp.drafts_at(4) and sp.limit == 4 and not sp.drafts_at(5)
+    sp.num_draft_tokens, sp.num_accepted_tokens = 30000, 3000  # hardly any accepted: none pays
+    assert not sp.drafts_at(1) and sp.limit == 0
+    sp.forced = True
+    assert sp.drafts_at(256)
+    user = Speculator(SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=1), None, 1024)
+    user.use_times(times)
+    assert user.drafts_at(1) and not user.drafts_at(2)  # the setting wins over the measurement
+
+
+def test_the_batch_cutoff_is_measured_on_the_engines_own_steps(tiny_prompts, plain_tokens):
+    """The measurement steps the engine itself, without drafts and with them, at each size asked for;
+    on a CPU it is not made unless asked (no graphs: speculation runs wherever it is configured).
+    Afterwards nothing of it is left running or counted, and the greedy tokens are the plain ones."""
+    llm = LLM("deepseek-tiny", dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    eng = llm.engine
+    on_gpu = eng.runner.graphs is not None
+    assert (eng.speculator.times is not None) == on_gpu  # measured at start where the graphs run
+    assert on_gpu or eng.speculator.drafts_at(256)
+    propose, drafted = eng.executor.propose, []
+    eng.executor.propose = lambda draft, *args: drafted.append(draft.num_drafts) or propose(draft, *args)
+    limit = eng.measure_batch_cutoff(sizes=[1, 2], steps=2)
+    times = eng.speculator.times
+    assert times.sizes == [1, 2] and all(t > 0 for t in times.plain + times.spec)
+    assert limit == eng.speculator.limit and limit in (0, 1, 2)
+    assert 0 in drafted and 2 in drafted  # steps without drafts (the MTP pass alone) and with
+    assert not eng.requests and not eng.has_unfinished_requests() and eng.inflight is None
+    assert eng.kv_cache_usage == 0.0 and eng.speculator.num_draft_tokens == 0
+    eng.executor.propose = propose
+    eng.speculator.times = eng.speculator.limit = None  # the tokens, whoever drafts
+    assert [o.token_ids for o in llm.generate(tiny_prompts, GREEDY)] == plain_tokens
