@@ -173,6 +173,10 @@ class LLMEngine:
             sp.forced = None
             sp.num_draft_tokens = sp.num_accepted_tokens = 0
             self.scheduler.num_preemptions = preemptions
+        if not times.sizes:
+            logger.warning("speculative decoding: no batch size could be measured (the KV cache holds too few "
+                           "blocks); drafting at every batch size")
+            return self.config.max_num_seqs
         limit = sp.use_times(times)
         logger.info("speculative decoding: drafting at batch sizes up to %d, where %d drafts a step pay at %.2f of "
                     "them accepted (step ms without / with drafts by batch size: %s)", limit, k, sp.acceptance(),

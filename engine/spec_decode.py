@@ -148,13 +148,14 @@ class Speculator:
             return self.forced
         limit = self.config.disable_by_batch_size
         if limit is None and self.times is not None:
-            if self.num_draft_tokens - self._weighed_at >= self.RECHECK_DRAFTS:
+            if abs(self.num_draft_tokens - self._weighed_at) >= self.RECHECK_DRAFTS:  # (counters may be reset)
                 self._weigh()
             limit = self.limit
         return limit is None or num_running <= limit
 
     def acceptance(self) -> float:
-        """Accepted drafts per draft so far, starting from PRIOR_ACCEPTANCE."""
+        """Accepted drafts per draft so far, starting from PRIOR_ACCEPTANCE. Where the cutoff stops every
+        batch size from drafting, nothing more is counted and it stays there."""
         return ((self.num_accepted_tokens + self.PRIOR_ACCEPTANCE * self.PRIOR_DRAFTS)
                 / (self.num_draft_tokens + self.PRIOR_DRAFTS))
 
