@@ -272,6 +272,38 @@ def test_the_graph_path_on_a_cpu_places_rows_by_their_offsets(monkeypatch, tiny_
     assert launches.count(True) == len(launches) - 2 and len(replays) > 10
 
 
+@emulated_graphs
+def test_steps_over_the_cutoff_keep_the_mtp_cache_from_its_graph(monkeypatch, tiny_prompts, plain_tokens):
+    """Over the batch-size cutoff nobody drafts, and the MTP pass over the step's rows replays a draft graph
+    of its own (S rows, 0 drafting); once the batch is under the cutoff again the requests draft from a
+    cache that pass filled: the drafts are accepted as usual, and greedy tokens are the plain ones."""
+    import engine.kernels.sampling
+    from engine.model_runner import DecodeGraphs, DraftGraphs
+
+    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, **kwargs: logits.argmax(-1))
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, batch: self.graphs.__setitem__(
+        batch, EagerGraph(lambda: self.outputs.__setitem__(batch, self._step(batch)))))
+    cutoff = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 2}
+    llm = LLM("deepseek-tiny", dtype="float32", max_num_seqs=4, async_scheduling="on", speculative_config=cutoff)
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(runner)
+    runner.graphs.capture_all()
+    drafts = runner.draft_graphs = DraftGraphs(runner)
+    for key in {drafts.key(s * 3, s) for s in (1, 2)} | {drafts.key(s, 0) for s in (1, 2, 4)}:
+        drafts.graphs[key] = EagerGraph(lambda key=key: drafts.outputs.__setitem__(key, drafts._draft(key)))
+    keys, replay = [], drafts.replay
+    drafts.replay = lambda ids, rows, *args: keys.append(drafts.key(ids.shape[0], 0 if rows is None else
+                                                                     rows.shape[0])) or replay(ids, rows, *args)
+    # two requests end early: the other two run 24 tokens with four running (no drafts), then draft
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 24, 40, 40)]
+    outs = llm.generate(tiny_prompts, params)
+    assert [o.token_ids for o in outs] == [plain_tokens[0][:24], plain_tokens[1][:24], *plain_tokens[2:]]
+    assert keys.count((4, 0)) >= 20 and drafts.key(2 * 3, 2) in keys  # the MTP pass alone, then drafts again
+    late = [o.metrics for o in outs[2:]]
+    assert all(m.num_verify_steps > 0 for m in late) and all(m.num_accepted_tokens / m.num_draft_tokens > 0.35
+                                                             for m in late)
+
+
 def fused_graphs(monkeypatch, llm) -> "Replays":
     """The decode and fused speculative graphs' host side on a CPU, each graph's function run where its
     replay would be -> a list that gets each fused replay's sequence count (`Replays`)."""
