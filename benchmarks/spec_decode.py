@@ -93,7 +93,8 @@ def real_model(args: argparse.Namespace) -> list[dict]:
                                                 speculative_config=spec, show_progress=False))
             run_engine(engines[k], chat_prompts(engines[k], streams, 99), args.max_tokens)  # every shape once
         # the counters run on (the measured cutoff weighs them): the rounds' drafts are the differences
-        counted = {k: (e.speculator.num_draft_tokens, e.speculator.num_accepted_tokens) for k, e in engines.items() if k}
+        counted = {k: (e.speculator.num_draft_tokens, e.speculator.num_accepted_tokens)
+                   for k, e in engines.items() if k}
         tokens = {k: [] for k in ks}
         seconds = dict.fromkeys(ks, 0.0)
         decoded = dict.fromkeys(ks, 0)
@@ -112,7 +113,8 @@ def real_model(args: argparse.Namespace) -> list[dict]:
                 entry["accepted_per_draft"] = accepted / max(1, drafts)
                 # the batch size drafts were made up to at the end (None: every size), and the step times
                 # measured at start that chose it (`LLMEngine.measure_batch_cutoff`)
-                entry["draft_limit"] = s.limit if s.config.disable_by_batch_size is None else s.config.disable_by_batch_size
+                limit = s.config.disable_by_batch_size
+                entry["draft_limit"] = s.limit if limit is None else limit
                 if s.times is not None:
                     entry["cutoff_step_ms"] = {size: [round(1e3 * p, 4), round(1e3 * t, 4)]
                                                for size, p, t in zip(s.times.sizes, s.times.plain, s.times.spec)}
