@@ -46,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="batches of `streams` requests per setting")
     p.add_argument("--presets", default="", help="random-weight shapes for the verify-step costs, e.g. v2-lite,v3-slice")
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--always-draft", action="store_true",
+                   help="draft at every batch size (by default a GPU measures where drafting pays at start)")
     p.add_argument("--out")
     return p.parse_args()
 
@@ -85,11 +87,14 @@ def real_model(args: argparse.Namespace) -> list[dict]:
         engines = {}
         for k in ks:
             spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+            if k and args.always_draft:
+                spec["disable_by_batch_size"] = streams  # no measured cutoff
             engines[k] = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=streams,
                                                 speculative_config=spec, show_progress=False))
             run_engine(engines[k], chat_prompts(engines[k], streams, 99), args.max_tokens)  # every shape once
-            if k:
-                engines[k].speculator.num_draft_tokens = engines[k].speculator.num_accepted_tokens = 0
+        # the counters run on (the measured cutoff weighs them): the rounds' drafts are the differences
+        counted = {k: (e.speculator.num_draft_tokens, e.speculator.num_accepted_tokens)
+                   for k, e in engines.items() if k}
         tokens = {k: [] for k in ks}
         seconds = dict.fromkeys(ks, 0.0)
         decoded = dict.fromkeys(ks, 0)
@@ -104,7 +109,15 @@ def real_model(args: argparse.Namespace) -> list[dict]:
             entry = {"streams": streams, "k": k, "decode_tok_s": decoded[k] / seconds[k]}
             if k:
                 s = engines[k].speculator
-                entry["accepted_per_draft"] = s.num_accepted_tokens / max(1, s.num_draft_tokens)
+                drafts, accepted = s.num_draft_tokens - counted[k][0], s.num_accepted_tokens - counted[k][1]
+                entry["accepted_per_draft"] = accepted / max(1, drafts)
+                # the batch size drafts were made up to at the end (None: every size), and the step times
+                # measured at start that chose it (`LLMEngine.measure_batch_cutoff`)
+                limit = s.config.disable_by_batch_size
+                entry["draft_limit"] = s.limit if limit is None else limit
+                if s.times is not None:
+                    entry["cutoff_step_ms"] = {size: [round(1e3 * p, 4), round(1e3 * t, 4)]
+                                               for size, p, t in zip(s.times.sizes, s.times.plain, s.times.spec)}
                 entry["tokens_per_step"] = 1 + k * entry["accepted_per_draft"]
                 # bf16: a verification's rows and a one-row decode can round a near tie apart
                 entry["same_tokens_as_plain"] = sum(a == b for a, b in zip(tokens[k], tokens[0])) / len(tokens[0])

@@ -488,7 +488,9 @@ class SpeculativeConfig:
     "num_speculative_tokens": k}` drafts k tokens a step with the checkpoint's multi-token-prediction
     layer (reused autoregressively for k > 1), verified by one pass of the target.
     `disable_by_batch_size`: steps with more running requests than this draft nothing (where
-    verifying k + 1 rows a request costs more than the accepted tokens save)."""
+    verifying k + 1 rows a request costs more than the accepted tokens save). Unset, an engine with CUDA
+    graphs measures that size at start (`LLMEngine.measure_batch_cutoff`) and moves it with the
+    acceptance it counts; elsewhere (a CPU) every batch size drafts."""
 
     method: str = "mtp"
     num_speculative_tokens: int = 1

@@ -28,21 +28,41 @@ def index_to_device(values: tuple, device: torch.device) -> torch.Tensor:
     return to_device(values, torch.long, device)
 
 
+class HostSpan:
+    """A contiguous device buffer whose first, third, fifth ... pieces are tensors to copy to the host
+    (a fused speculative step's output, padding between), with a host buffer (pinned on a GPU) of its size
+    to copy it into, taken again step after step: fresh ones cost a pinned allocation, a split and a view
+    per piece every step. A copy into it waits until the copy before has been read (`ToHost.lists`);
+    the engine reads each step before it launches the one after next, so two spans taken in turn never
+    wait, and a span whose last copy is still unread gives way to a fresh buffer."""
+
+    def __init__(self, device: torch.Tensor, sizes: list[int], shapes: list[tuple[int, ...]]):
+        self.device, self.sizes, self.shapes = device, sizes, shapes
+        self.on_gpu = device.device.type == "cuda"
+        with torch.inference_mode(False):  # written by copies made outside inference mode
+            self.host = torch.empty(device.shape, dtype=device.dtype, pin_memory=self.on_gpu)
+        self.reader: "ToHost | None" = None  # the copy that last used `host`
+
+
 class ToHost:
     """Device tensors copied to the host behind the work queued before them; `get()` waits for those
     copies only (not for anything queued later)."""
 
-    def __init__(self, *tensors: torch.Tensor, within: tuple[torch.Tensor, list[int]] | None = None) -> None:
-        """within: (a contiguous device buffer, the sizes of its consecutive pieces) where the tensors are
-        its first, third, fifth ... pieces (a fused speculative step's output, with padding between):
-        copied whole, in one transfer, nothing gathered first."""
+    def __init__(self, *tensors: torch.Tensor, within: HostSpan | None = None) -> None:
+        """within: a span holding the tensors as its kept pieces (`HostSpan`): copied whole, in one
+        transfer, nothing gathered first."""
         self.ready = None
+        self.span = within
+        self._lists = None
         if within is not None:  # (on a CPU too: the buffer is rewritten by its next step before it is read)
-            span, sizes = within
-            on_gpu = span.device.type == "cuda"
-            buffer = torch.empty(span.shape, dtype=span.dtype, pin_memory=on_gpu)
-            buffer.copy_(span, non_blocking=on_gpu)
-            self.host = [piece.view(t.shape) for piece, t in zip(buffer.split(sizes)[::2], tensors)]
+            on_gpu = within.on_gpu
+            if within.reader is not None and within.reader._lists is None:  # still unread: a buffer of its own
+                self.buffer = torch.empty(within.device.shape, dtype=within.device.dtype, pin_memory=on_gpu)
+            else:
+                self.buffer = within.host
+                within.reader = self
+            self.buffer.copy_(within.device, non_blocking=on_gpu)
+            self.host = None  # views made only where `get()` asks for them
             if not on_gpu:
                 return
         elif tensors[0].device.type != "cuda":
@@ -67,4 +87,24 @@ class ToHost:
     def get(self) -> list[torch.Tensor]:
         if self.ready is not None:
             self.ready.synchronize()
+        if self.host is None:
+            span = self.span
+            self.host = [piece.view(shape) for piece, shape in zip(self.buffer.split(span.sizes)[::2], span.shapes)]
         return self.host
+
+    def lists(self) -> list[list]:
+        """The tensors as lists (each of its shape), waiting as `get()` does: a span's in one `tolist`."""
+        if self._lists is None:
+            if self.span is None:
+                self._lists = [t.tolist() for t in self.get()]
+            else:
+                if self.ready is not None:
+                    self.ready.synchronize()
+                flat, start, self._lists = self.buffer.tolist(), 0, []
+                for i, size in enumerate(self.span.sizes):
+                    if i % 2 == 0:  # a kept piece (odd ones: padding)
+                        piece, shape = flat[start : start + size], self.span.shapes[i // 2]
+                        self._lists.append(piece if len(shape) == 1 else
+                                           [piece[j : j + shape[1]] for j in range(0, size, shape[1])])
+                    start += size
+        return self._lists

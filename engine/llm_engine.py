@@ -13,6 +13,7 @@ same way, before its accepted counts are read: its rows are placed and fed on th
 import dataclasses
 import logging
 import random
+import statistics
 import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as futures_wait
@@ -33,7 +34,7 @@ from engine.sampler import Draws, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.spec_decode import SpecStep, Speculator
+from engine.spec_decode import SpecStep, Speculator, StepTimes
 from engine.step_plan import PlanBuilder
 from engine.structured_output import Guide, guide_tokenizer
 from engine.tokenizer import Tokenizer
@@ -132,9 +133,78 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
-        self.kv = self._make_kv_connector() if config.kv_directory else None
+        self.kv = None
         self.pending_pulls: dict[str, tuple[Sequence, object]] = {}  # request id -> (sequence, PendingPull)
         self.guide_tokenizer = None  # structured outputs' view of the tokenizer, built on first use
+        if (self.speculator is not None and config.speculative_config.disable_by_batch_size is None
+                and self.runner.graphs is not None and self.runner.graphs.graphs):
+            self.measure_batch_cutoff()  # on a GPU, with its graphs: where drafting pays is measured
+        if config.kv_directory:  # after the measurement: its requests are nothing the fleet should see
+            self.kv = self._make_kv_connector()
+
+    def measure_batch_cutoff(self, sizes: list[int] | None = None, steps: int = 8) -> int:
+        """Time this engine's own steps at each padded batch size (every size whose k + 1 rows a request
+        fit the decode graphs, by default), once without drafts and once with: `size` greedy requests of
+        a short made-up prompt, from their third step after the prefill, the median of `steps` calls of
+        `step()` (with async scheduling a step's wall time is the larger of its host work and its device
+        time, whichever bounds it). The speculator drafts from then on up to the largest size where the
+        drafts pay (`spec_decode.batch_cutoff`) -> that size. The requests are aborted and the counters
+        put back; the blocks their tokens filled stay in the prefix cache, unreferenced (evicted first
+        when blocks run short)."""
+        sp, k = self.speculator, self.speculator.k
+        if sizes is None:
+            top = min(self.config.max_num_seqs, self.runner.graphs.max_batch // (k + 1))
+            sizes = [s for s in self.runner.graphs.SIZES if s <= top]
+        prompt_len, warm = 8, 2
+        max_tokens = (warm + steps + 4) * (k + 1)
+        blocks = -(-(prompt_len + max_tokens + k) // self.config.block_size)
+        times = StepTimes([], [], [])
+        preemptions = self.scheduler.num_preemptions
+        try:
+            for size in sizes:
+                if size * blocks > self.block_manager.num_free_blocks:
+                    break  # larger batches would preempt: not measured, so they do not draft
+                plain, spec = (self._time_steps(size, draft, prompt_len, max_tokens, warm, steps)
+                               for draft in (False, True))
+                times.sizes.append(size)
+                times.plain.append(plain)
+                times.spec.append(spec)
+        finally:
+            sp.forced = None
+            sp.num_draft_tokens = sp.num_accepted_tokens = 0
+            self.scheduler.num_preemptions = preemptions
+        if not times.sizes:
+            logger.warning("speculative decoding: no batch size could be measured (the KV cache holds too few "
+                           "blocks); drafting at every batch size")
+            return self.config.max_num_seqs
+        limit = sp.use_times(times)
+        logger.info("speculative decoding: drafting at batch sizes up to %d, where %d drafts a step pay at %.2f of "
+                    "them accepted (step ms without / with drafts by batch size: %s)", limit, k, sp.acceptance(),
+                    ", ".join(f"{s}: {1e3 * p:.3f} / {1e3 * t:.3f}" for s, p, t in zip(*dataclasses.astuple(times))))
+        return limit
+
+    def _time_steps(self, size: int, draft: bool, prompt_len: int, max_tokens: int, warm: int, steps: int) -> float:
+        """The median seconds of `step()` with `size` requests decoding, drafting or not."""
+        self.speculator.forced = draft
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
+        vocab = self.model_config.vocab_size
+        ids = [f"batch-cutoff-{size}-{i}" for i in range(size)]
+        for i, rid in enumerate(ids):
+            self.add_request(rid, [(7 + 31 * i + j) % vocab for j in range(prompt_len)], params)
+        while any(rid in self.requests and not self.requests[rid].output_token_ids for rid in ids):
+            self.step()  # the prefill
+        for _ in range(warm):
+            self.step()
+        seconds = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            self.step()
+            seconds.append(time.perf_counter() - start)
+        for rid in ids:
+            self.abort_request(rid)
+        while self.inflight is not None or self.has_unfinished_requests():
+            self.step()
+        return statistics.median(seconds)
 
     def _make_kv_connector(self):
         from engine.kv.connector import KVConfig, KVConnector

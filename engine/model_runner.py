@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.copies import index_to_device, to_device
+from engine.copies import HostSpan, index_to_device, to_device
 from engine.kv_pool import KVPool, block_bytes
 from engine.layers.attention import AttentionMetadata
 from engine.layers.fp8 import quantize_fp8_block
@@ -379,6 +379,8 @@ class ModelRunner:
         if plan.use_graph and plan.fused_verify and self.spec_graphs is not None and self.spec_graphs.takes(plan):
             self.last_step = None  # drafted already: nothing for `propose`
             return StepResult(None, spec=self.spec_graphs.replay(plan, inputs, offsets))
+        if self.spec_graphs is not None:
+            self.spec_graphs.resident = None  # this step's rows and positions are not what a fused one left
         if plan.use_graph:
             return self._replay(plan, inputs, offsets)
         if offsets is not None:
@@ -447,7 +449,7 @@ class ModelRunner:
             packed = index_to_device((*draft.rows, *draft.slots), self.device)  # one copy for both
             rows, draft_tables = packed[: len(draft.rows)], self.tables.table.index_select(0, packed[len(draft.rows) :])
         graphs = self.draft_graphs
-        if plan.use_graph and graphs is not None and rows is not None and graphs.has(plan.num_tokens, len(rows)):
+        if plan.use_graph and graphs is not None and graphs.has(plan.num_tokens, 0 if rows is None else len(rows)):
             return graphs.replay(next_ids, rows, accepted, draft_tables)
         if meta is None:  # a replayed step's rows, drafted eagerly: one-token decodes at their positions
             n = plan.num_tokens
@@ -553,24 +555,29 @@ class DraftGraphs:
 
     def key(self, num_rows: int, num_drafting: int) -> tuple[int, int]:
         padded = self.runner.graphs.padded
-        return padded(num_rows), padded(num_drafting)
+        return padded(num_rows), padded(num_drafting) if num_drafting else 0
 
     def has(self, num_rows: int, num_drafting: int) -> bool:
-        return num_drafting > 0 and self.key(num_rows, num_drafting) in self.graphs
+        return self.key(num_rows, num_drafting) in self.graphs
 
-    def _draft(self, key: tuple[int, int]) -> torch.Tensor:
+    def _draft(self, key: tuple[int, int]) -> torch.Tensor | None:
         rows, drafting = key
         decode = self.runner.graphs
         # the decode graph steps its positions on after the step: the rows' own are one less
         meta, pos = decode_rows_metadata(decode.positions[:rows] - 1, decode.block_tables[:rows], self.runner.block_size)
+        if not drafting:  # the MTP pass over the rows only (its cache gets their positions)
+            return self.runner._draft(self.next_ids[:rows], pos, meta, decode.outputs[rows][0], None, None, 0)
         return self.runner._draft(self.next_ids[:rows], pos, meta, decode.outputs[rows][0],
                                   self.rows[:drafting] + self.accepted[:drafting], self.draft_tables[:drafting], self.k)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Steps where every one of S requests verifies k drafts: (S * (k + 1) rows, S drafting)."""
+        """Steps where every one of S requests verifies k drafts: (S * (k + 1) rows, S drafting); and
+        decode steps where nobody drafts (over the batch-size cutoff): (S rows, 0), the MTP pass alone, so
+        its cache keeps every position for when they draft again."""
         decode = self.runner.graphs
         keys = {self.key(s * (self.k + 1), s) for s in DecodeGraphs.SIZES if s * (self.k + 1) <= self.max_rows}
+        keys |= {self.key(s, 0) for s in DecodeGraphs.SIZES if s <= min(self.max_rows, self.runner.config.max_num_seqs)}
         for key in sorted(keys, reverse=True):  # largest first: the smaller ones reuse its pool
             if key[0] not in decode.graphs:
                 decode._capture(key[0])  # its buffers are the draft's inputs
@@ -583,28 +590,29 @@ class DraftGraphs:
         logger.info("captured %d CUDA graphs for MTP drafts of %d tokens", len(self.graphs), self.k)
 
     @torch.inference_mode()
-    def replay(self, next_ids: torch.Tensor, rows: torch.Tensor, accepted: torch.Tensor | None,
-               draft_tables: torch.Tensor) -> torch.Tensor:
+    def replay(self, next_ids: torch.Tensor, rows: torch.Tensor | None, accepted: torch.Tensor | None,
+               draft_tables: torch.Tensor | None) -> torch.Tensor | None:
         """After the decode graph of the step's rows: the token after each row, and the drafting rows
-        (their first sampled row, drafts accepted there, block tables) into the buffers, one replay ->
-        drafts [S, k]."""
-        n, s = next_ids.shape[0], rows.shape[0]
+        (their first sampled row, drafts accepted there, block tables; None: nobody drafts) into the
+        buffers, one replay -> drafts [S, k], or None."""
+        n, s = next_ids.shape[0], 0 if rows is None else rows.shape[0]
         key = self.key(n, s)
         self.next_ids[:n].copy_(next_ids)
-        self.rows[:s].copy_(rows)
-        if accepted is None:
-            self.accepted[:s].zero_()
-        else:
-            self.accepted[:s].copy_(accepted)
-        self.draft_tables[:s].copy_(draft_tables)
         if n < key[0]:  # padding rows: token 0 (the decode graph put them at position 0 of the scratch block)
             self.next_ids[n : key[0]].zero_()
-        if s < key[1]:
-            self.rows[s : key[1]].zero_()
-            self.accepted[s : key[1]].zero_()
-            self.draft_tables[s : key[1]].fill_(self.runner.graphs.scratch_block)
+        if s:
+            self.rows[:s].copy_(rows)
+            if accepted is None:
+                self.accepted[:s].zero_()
+            else:
+                self.accepted[:s].copy_(accepted)
+            self.draft_tables[:s].copy_(draft_tables)
+            if s < key[1]:
+                self.rows[s : key[1]].zero_()
+                self.accepted[s : key[1]].zero_()
+                self.draft_tables[s : key[1]].fill_(self.runner.graphs.scratch_block)
         self.graphs[key].replay()
-        return self.outputs[key][:s].clone()
+        return self.outputs[key][:s].clone() if s else None
 
 
 class SpecGraphs:
@@ -631,8 +639,11 @@ class SpecGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # [S * (k + 1) + S + S * k + 2 * S * (k + 1)] int64: tokens, counts, drafts, next rows, their offsets
         self.outputs: dict[int, torch.Tensor] = {}
-        self.views: dict[int, FusedVerify] = {}  # per sequence count: the same views every replay
+        self.views: dict[int, list[FusedVerify]] = {}  # per sequence count: the same views every replay
         self.pool = None
+        # the slots whose next rows the last replay left in the decode graphs' buffers; None once anything
+        # else ran (`ModelRunner.run`)
+        self.resident: tuple[int, ...] | None = None
 
     def padded(self, num_seqs: int) -> int | None:
         return next((s for s in self.sizes if s >= num_seqs), None)
@@ -657,10 +668,23 @@ class SpecGraphs:
         # the next step's rows, as `LLMEngine._launch_after_drafts` would gather them: bonus token, drafts
         following = torch.cat([drawn.gather(1, counts[:, None]), drafts], dim=1)  # [S, k + 1]
         offsets = counts[:, None].expand(num_seqs, rows)
+        # and into the buffers, as a decode graph steps its rows on: a step of the same sequences after this
+        # one finds them there (`replay`); each row moves past its sequence's accepted tokens and its own,
+        # padding sequences (the scratch block's table) stay at position 0
+        live = decode.block_tables[:n, 0] != decode.scratch_block
+        ids.copy_(following.flatten())
+        pos.add_((offsets.flatten() + 1) * live)
         return torch.cat([tokens, counts, drafts.flatten(), following.flatten(), offsets.flatten()])
 
     def _capture(self, num_seqs: int) -> None:
-        graph, self.outputs[num_seqs] = capture_graph(lambda: self._step(num_seqs), self.pool)
+        decode = self.runner.graphs
+        saved = [t.clone() for t in (decode.input_ids, decode.positions)]
+
+        def restore():  # the step moves the rows on: the capture's runs leave them where they were
+            decode.input_ids.copy_(saved[0])
+            decode.positions.copy_(saved[1])
+
+        graph, self.outputs[num_seqs] = capture_graph(lambda: self._step(num_seqs), self.pool, restore)
         self.pool = graph.pool()
         self.graphs[num_seqs] = graph
 
@@ -679,30 +703,39 @@ class SpecGraphs:
     @torch.inference_mode()
     def replay(self, plan: StepPlan, inputs: torch.Tensor | None, offsets: torch.Tensor | None) -> FusedVerify:
         """Load the plan's rows into the decode graphs' buffers, one replay -> its outputs (views of the
-        graph's output buffer)."""
+        graph's output buffer). A step of the same sequences right after a fused one finds its rows there
+        already (the graph moved them on: the tokens are `inputs`, the positions the plan's plus
+        `offsets`): only new blocks of their tables are loaded."""
         decode = self.runner.graphs
-        num_seqs, n = len(plan.slots), plan.num_tokens
+        num_seqs, slots = len(plan.slots), tuple(plan.slots)
         padded = self.padded(num_seqs)
-        decode.load(plan, inputs, offsets)
-        end = padded * self.rows
-        if decode.padded(n) < end:  # padding sequences past load's: token 0 at position 0 of the scratch block
-            decode.input_ids[n:end].zero_()
-            decode.positions[n:end].zero_()
-            decode.block_tables[n:end].fill_(decode.scratch_block)
+        if self.resident != slots:
+            n = plan.num_tokens
+            decode.load(plan, inputs, offsets)
+            end = padded * self.rows
+            if decode.padded(n) < end:  # padding sequences past load's: token 0 at position 0 of the scratch block
+                decode.input_ids[n:end].zero_()
+                decode.positions[n:end].zero_()
+                decode.block_tables[n:end].fill_(decode.scratch_block)
+        elif plan.table_deltas:
+            decode.load_tables(plan)
+        self.resident = slots
         self.graphs[padded].replay()
-        views = self.views.get(num_seqs)
-        if views is None:
-            views = self.views[num_seqs] = self._views(padded, num_seqs)
-        return views
+        turns = self.views.get(num_seqs)
+        if turns is None:
+            turns = self.views[num_seqs] = [self._views(padded, num_seqs) for _ in range(2)]
+        turns.reverse()  # two host buffers in turn (`HostSpan`)
+        return turns[0]
 
     def _views(self, padded: int, num_seqs: int) -> FusedVerify:
         """The graph of `padded` sequences' outputs for its first num_seqs."""
         out, k, end, n = self.outputs[padded], self.k, padded * self.rows, num_seqs * self.rows
         drafts_at = end + padded
         next_at = drafts_at + padded * k
+        sent = HostSpan(out[: drafts_at + num_seqs * k], [n, end - n, num_seqs, padded - num_seqs, num_seqs * k],
+                        [(n,), (num_seqs,), (num_seqs, k)])
         return FusedVerify(out[:n], out[end : end + num_seqs],
-                           out[drafts_at : drafts_at + num_seqs * k].view(num_seqs, k),
-                           (out[: drafts_at + num_seqs * k], [n, end - n, num_seqs, padded - num_seqs, num_seqs * k]),
+                           out[drafts_at : drafts_at + num_seqs * k].view(num_seqs, k), sent,
                            out[next_at : next_at + n], out[next_at + end : next_at + end + n])
 
 
@@ -760,11 +793,19 @@ class DecodeGraphs:
         self.positions[:n].copy_(to_device(plan.positions(), torch.long, dev))
         if offsets is not None:
             self.positions[:n].add_(offsets)
-        tables.rows(slots, out=self.block_tables[:padded])
+        self.load_tables(plan, slots)
         if n < padded:  # padding rows decode token 0 at position 0 into the scratch block
             self.input_ids[n:padded].zero_()
             self.positions[n:padded].zero_()
             self.temperature[n:padded].zero_()
+
+    def load_tables(self, plan: StepPlan, slots: list[int] | None = None) -> None:
+        """Each row's block table into the buffer (slots: per padded row, its sequence's slot)."""
+        tables = self.runner.tables
+        if slots is None:
+            slots = [s for s, count in zip(plan.slots, plan.query_lens) for _ in range(count)]
+            slots += [tables.scratch_slot] * (self.padded(len(slots)) - len(slots))
+        tables.rows(slots, out=self.block_tables[: len(slots)])
 
     def metadata(self, batch: int) -> tuple[AttentionMetadata, torch.Tensor]:
         """Attention metadata of the first `batch` rows, derived on the device -> (metadata, positions)."""

@@ -13,7 +13,7 @@ by inverse transform (the same distribution, another random stream).
 
 import torch
 
-from engine.copies import ToHost, index_to_device, to_device
+from engine.copies import HostSpan, ToHost, index_to_device, to_device
 from engine.sequence import Sequence
 from engine.structured_output import apply_guides
 
@@ -151,14 +151,14 @@ class Draws:
         if send:
             self.send()
 
-    def send(self, *more: torch.Tensor, within: tuple[torch.Tensor, list[int]] | None = None) -> int:
+    def send(self, *more: torch.Tensor, within: HostSpan | None = None) -> int:
         """Start the copy to the host, with more of the step's tensors after the draws' own (one copy, one
         wait) -> where those begin in `copy.get()`. within: one device buffer holding them all (`ToHost`)."""
         self.copy = ToHost(*self.parts, *more, within=within)
         return len(self.parts)
 
     def result(self) -> tuple[list[int], list[dict[int, float] | None]]:
-        host = [t.tolist() for t in self.copy.get()[: len(self.parts)]]
+        host = self.copy.lists()[: len(self.parts)]
         tokens = host[0]
         logprobs: list[dict[int, float] | None] = []
         for i, (token, n) in enumerate(zip(tokens, self.top_n)):

@@ -24,6 +24,7 @@ state after each verification's last accepted token before the MTP pass (`DraftP
 and their accepted counts, the model's `keep_accepted`; engine.models.deepseek_v4 says why it is exact).
 """
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,8 @@ from engine.copies import ToHost, to_device
 from engine.sampler import Draws
 from engine.sequence import Sequence
 from engine.step_plan import DraftPlan, StepPlan
+
+logger = logging.getLogger(__name__)
 
 
 def accepted_counts(tokens: torch.Tensor, first: list[int], num_drafts: list[int], drafts: list[list[int]] | None,
@@ -70,6 +73,31 @@ def accepted_counts(tokens: torch.Tensor, first: list[int], num_drafts: list[int
 
 
 @dataclass
+class StepTimes:
+    """What a step takes at each padded batch size, measured on the engine itself at start
+    (`LLMEngine.measure_batch_cutoff`): seconds a step without drafts (`plain`) and with k drafts
+    verified and drafted again (`spec`), per size in `sizes` (ascending)."""
+
+    sizes: list[int]
+    plain: list[float]
+    spec: list[float]
+
+
+def batch_cutoff(times: StepTimes, k: int, acceptance: float, margin: float) -> int:
+    """The largest batch size up to which drafting pays at every measured size: a step of k drafts
+    accepted at `acceptance` a draft gains 1 + k * acceptance tokens where a plain step gains one, so it
+    pays where (1 + k * acceptance) * t(plain) > (1 + margin) * t(spec) -> that size (0: nowhere). Past
+    the largest measured size nothing drafts (its verification rows would overflow the graphs)."""
+    gain = 1 + k * acceptance
+    limit = 0
+    for size, plain, spec in zip(times.sizes, times.plain, times.spec):
+        if gain * plain <= (1 + margin) * spec:
+            break
+        limit = size
+    return limit
+
+
+@dataclass
 class SpecStep:
     """One step's verifications and drafts, on the device until `result()`."""
 
@@ -88,13 +116,19 @@ class SpecStep:
         """-> (accepted drafts per sequence, next drafts per drafting sequence)."""
         if self.counts is None:
             return [0] * len(self.seqs), []
-        host = self.copy.get()[self.offset :]
-        counts = host[0].tolist()
-        return counts, host[1].tolist() if len(host) > 1 else []
+        host = self.copy.lists()[self.offset :]
+        return host[0], host[1] if len(host) > 1 else []
 
 
 class Speculator:
     """Decides who drafts, verifies drafts on the device and runs the MTP draft after each step."""
+
+    # the acceptance assumed before drafts are counted, worth PRIOR_DRAFTS counted ones: between
+    # deepseek-tiny's 0.73 a draft at k = 3 and what an untrained layer gets
+    PRIOR_ACCEPTANCE = 0.6
+    PRIOR_DRAFTS = 200
+    MARGIN = 0.1  # drafting must beat plain steps by this share of a speculative step's time
+    RECHECK_DRAFTS = 512  # the measured cutoff is weighed again after this many more drafts
 
     def __init__(self, config: SpeculativeConfig, executor, max_model_len: int):
         self.config = config
@@ -103,11 +137,43 @@ class Speculator:
         self.max_model_len = max_model_len
         self.num_draft_tokens = 0  # since start: drafts verified, and of them accepted (metrics)
         self.num_accepted_tokens = 0
+        # where `disable_by_batch_size` is not set: step times measured at start (`use_times`), and the
+        # batch size they allow drafts up to at the acceptance counted so far
+        self.times: StepTimes | None = None
+        self.limit: int | None = None
+        self._weighed_at = 0
+        self.forced: bool | None = None  # while the step times are measured: draft (or not) at any size
 
     def drafts_at(self, num_running: int) -> bool:
-        """Whether steps draft at this batch size (beyond `disable_by_batch_size` they cost more than they save)."""
+        """Whether steps draft at this batch size: up to `disable_by_batch_size` where set, else up to the
+        measured cutoff (`batch_cutoff`, weighed again as drafts are counted), else always."""
+        if self.forced is not None:
+            return self.forced
         limit = self.config.disable_by_batch_size
+        if limit is None and self.times is not None:
+            if abs(self.num_draft_tokens - self._weighed_at) >= self.RECHECK_DRAFTS:  # (counters may be reset)
+                self._weigh()
+            limit = self.limit
         return limit is None or num_running <= limit
+
+    def acceptance(self) -> float:
+        """Accepted drafts per draft so far, starting from PRIOR_ACCEPTANCE. Where the cutoff stops every
+        batch size from drafting, nothing more is counted and it stays there."""
+        return ((self.num_accepted_tokens + self.PRIOR_ACCEPTANCE * self.PRIOR_DRAFTS)
+                / (self.num_draft_tokens + self.PRIOR_DRAFTS))
+
+    def use_times(self, times: StepTimes) -> int:
+        """Draft by the measured step times from now on -> the batch size drafts are made up to."""
+        self.times = times
+        self._weigh()
+        return self.limit
+
+    def _weigh(self) -> None:
+        limit = batch_cutoff(self.times, self.k, self.acceptance(), self.MARGIN)
+        if limit != self.limit and self.limit is not None:
+            logger.info("speculative decoding: drafting now at batch sizes up to %d (was %d; %.2f of drafts "
+                        "accepted)", limit, self.limit, self.acceptance())
+        self.limit, self._weighed_at = limit, self.num_draft_tokens
 
     def may_draft(self, seq: Sequence, end: int) -> bool:
         """Whether a sequence whose step ends at position `end` (exclusive) drafts after it: not a guided

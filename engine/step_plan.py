@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.copies import HostSpan
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, SequenceStatus
 
@@ -101,8 +102,8 @@ class FusedVerify:
     tokens: torch.Tensor  # [T] the greedy draw at every row
     counts: torch.Tensor  # [S] drafts each sequence accepted
     drafts: torch.Tensor  # [S, k] its next drafts
-    # the span that holds those three, and its pieces' sizes (padding between): one copy to the host (`ToHost`)
-    sent: tuple[torch.Tensor, list[int]]
+    # the span that holds those three (padding between) and a host buffer for it: one copy (`copies.HostSpan`)
+    sent: HostSpan
     # the next step's rows where every sequence goes on with k drafts: its bonus token (the draw at its last
     # accepted row) and drafts [T], and their positions past the host's (the sequence's count) [T]
     next_inputs: torch.Tensor

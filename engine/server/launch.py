@@ -52,7 +52,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--speculative-config", type=_speculative_config,
         help="""speculative decoding, as JSON (vLLM's flag): '{"method": "mtp", "num_speculative_tokens": 2}' """
              "drafts 2 tokens a step with the checkpoint's MTP layer; \"disable_by_batch_size\": N drafts only "
-             "while at most N requests run",
+             "while at most N requests run (unset: on a GPU, up to the batch size where drafting measured "
+             "faster at start)",
     )  # fmt: skip
     par = parser.add_argument_group("parallelism and memory")
     par.add_argument("--tensor-parallel-size", type=_positive_int, default=1,

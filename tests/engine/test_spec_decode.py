@@ -22,7 +22,8 @@ QUESTIONS = ["What does json.dumps do?", "Define the word harbor.", "What is 17 
 
 
 def spec(k: int) -> dict:
-    return {"method": "mtp", "num_speculative_tokens": k}
+    # drafting at every batch size: on a GPU the default would measure where it pays (the cutoff's own tests)
+    return {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": 1024}
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +240,12 @@ class EagerGraph:
         self.replay = fn
 
 
+# the emulations replace the graphs of an engine that, on a GPU, captured real ones over the same buffers
+# (an illegal memory access there); on a card `test_on_the_gpu_graphs_give_the_plain_tokens` runs the real ones
+emulated_graphs = pytest.mark.skipif(torch.cuda.is_available(), reason="emulates the CUDA graphs on a CPU")
+
+
+@emulated_graphs
 def test_the_graph_path_on_a_cpu_places_rows_by_their_offsets(monkeypatch, tiny_prompts, plain_tokens):
     """The decode and draft graphs' host side (buffers loaded, positions shifted on the device by the
     accepted counts, the draft reading the verification's rows from the decode graph's buffers) with each
@@ -265,9 +272,41 @@ def test_the_graph_path_on_a_cpu_places_rows_by_their_offsets(monkeypatch, tiny_
     assert launches.count(True) == len(launches) - 2 and len(replays) > 10
 
 
-def fused_graphs(monkeypatch, llm) -> list[int]:
+@emulated_graphs
+def test_steps_over_the_cutoff_keep_the_mtp_cache_from_its_graph(monkeypatch, tiny_prompts, plain_tokens):
+    """Over the batch-size cutoff nobody drafts, and the MTP pass over the step's rows replays a draft graph
+    of its own (S rows, 0 drafting); once the batch is under the cutoff again the requests draft from a
+    cache that pass filled: the drafts are accepted as usual, and greedy tokens are the plain ones."""
+    import engine.kernels.sampling
+    from engine.model_runner import DecodeGraphs, DraftGraphs
+
+    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, **kwargs: logits.argmax(-1))
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, batch: self.graphs.__setitem__(
+        batch, EagerGraph(lambda: self.outputs.__setitem__(batch, self._step(batch)))))
+    cutoff = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 2}
+    llm = LLM("deepseek-tiny", dtype="float32", max_num_seqs=4, async_scheduling="on", speculative_config=cutoff)
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(runner)
+    runner.graphs.capture_all()
+    drafts = runner.draft_graphs = DraftGraphs(runner)
+    for key in {drafts.key(s * 3, s) for s in (1, 2)} | {drafts.key(s, 0) for s in (1, 2, 4)}:
+        drafts.graphs[key] = EagerGraph(lambda key=key: drafts.outputs.__setitem__(key, drafts._draft(key)))
+    keys, replay = [], drafts.replay
+    drafts.replay = lambda ids, rows, *args: keys.append(drafts.key(ids.shape[0], 0 if rows is None else
+                                                                     rows.shape[0])) or replay(ids, rows, *args)
+    # two requests end early: the other two run 24 tokens with four running (no drafts), then draft
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 24, 40, 40)]
+    outs = llm.generate(tiny_prompts, params)
+    assert [o.token_ids for o in outs] == [plain_tokens[0][:24], plain_tokens[1][:24], *plain_tokens[2:]]
+    assert keys.count((4, 0)) >= 20 and drafts.key(2 * 3, 2) in keys  # the MTP pass alone, then drafts again
+    late = [o.metrics for o in outs[2:]]
+    assert all(m.num_verify_steps > 0 for m in late) and all(m.num_accepted_tokens / m.num_draft_tokens > 0.35
+                                                             for m in late)
+
+
+def fused_graphs(monkeypatch, llm) -> "Replays":
     """The decode and fused speculative graphs' host side on a CPU, each graph's function run where its
-    replay would be -> a list that gets each fused replay's sequence count."""
+    replay would be -> a list that gets each fused replay's sequence count (`Replays`)."""
     import engine.kernels.sampling
     from engine.model_runner import DecodeGraphs, SpecGraphs
 
@@ -285,11 +324,34 @@ def fused_graphs(monkeypatch, llm) -> list[int]:
     runner.graphs.capture_all()
     fused = runner.spec_graphs = SpecGraphs(runner)
     fused.capture_all()
-    replays, replay = [], fused.replay
-    fused.replay = lambda plan, *args: replays.append(len(plan.slots)) or replay(plan, *args)
+    replays, replay = Replays(), fused.replay
+
+    def checked(plan, inputs, offsets):
+        """A step of the same sequences after a fused one loads nothing: the rows the graph left are the
+        plan's (tokens, positions shifted by the offsets), and padding sequences stay at position 0."""
+        if fused.resident == tuple(plan.slots):
+            n, end = plan.num_tokens, fused.padded(len(plan.slots)) * fused.rows
+            decode = runner.graphs
+            want = torch.tensor(plan.positions()) + (0 if offsets is None else offsets)
+            assert decode.positions[:n].tolist() == want.tolist()
+            ids = inputs.tolist() if inputs is not None else plan.input_ids
+            assert decode.input_ids[:n].tolist() == ids
+            assert not decode.positions[n:end].any()
+            replays.resident += 1
+        replays.append(len(plan.slots))
+        return replay(plan, inputs, offsets)
+
+    fused.replay = checked
     return replays
 
 
+class Replays(list):
+    """Each fused replay's sequence count, and how many found their rows in the buffers already."""
+
+    resident = 0
+
+
+@emulated_graphs
 @pytest.mark.parametrize("k,mode", [(1, "on"), (2, "off"), (3, "on"), (4, "on"), (4, "off")])
 def test_fused_speculative_steps_give_the_plain_tokens(monkeypatch, tiny_prompts, plain_tokens, k, mode):
     """A greedy step of verifications verifies, accepts, gathers and drafts in one replay (tokens, counts and
@@ -301,6 +363,8 @@ def test_fused_speculative_steps_give_the_plain_tokens(monkeypatch, tiny_prompts
     assert [o.token_ids for o in llm.generate(tiny_prompts, GREEDY)] == plain_tokens
     assert len(replays) > 5 and 4 in replays
     assert any(launches) == (mode == "on")
+    # every fused step after the first of a batch loads no rows (all but one or two: the batch's first)
+    assert replays.resident >= len(replays) - 2
     del replays[:]
     assert [o.token_ids for o in llm.generate(tiny_prompts[1:], GREEDY)] == plain_tokens[1:]
     assert 3 in replays
@@ -310,6 +374,7 @@ def test_fused_speculative_steps_give_the_plain_tokens(monkeypatch, tiny_prompts
     assert llm.engine.kv_cache_usage == 0.0 and not llm.engine.has_unfinished_requests()
 
 
+@emulated_graphs
 @pytest.mark.parametrize("mode", ["off", "on"])
 def test_fused_steps_stop_inside_accepted_drafts_and_keep_host_rows_apart(monkeypatch, tiny_prompts, plain_tokens,
                                                                          mode):
@@ -528,3 +593,55 @@ def test_served_with_the_flag_through_the_official_client(tmp_path, tiny_prompts
         assert "spec_accepted=" in server.log() and "accepted_len=" in server.log()
     finally:
         server.stop()
+
+
+def test_the_batch_cutoff_drafts_where_the_measured_steps_pay():
+    """Given step times (no timing here): a step of k drafts gains 1 + k * acceptance tokens where a plain
+    step gains one; drafting runs up to the largest batch size where that beats the speculative step's
+    time by the margin at every size up to it, and moves with the acceptance counted while serving."""
+    from engine.spec_decode import Speculator, StepTimes, batch_cutoff
+
+    times = StepTimes([1, 2, 4, 8], plain=[1.0, 1.1, 1.2, 1.5], spec=[2.0, 2.3, 3.5, 6.0])
+    assert batch_cutoff(times, 3, 0.6, 0.1) == 2  # gains 2.8: 2.8 > 2.2, 3.08 > 2.53, 3.36 < 3.85
+    assert batch_cutoff(times, 3, 0.9, 0.1) == 4  # gains 3.7: 4.44 > 3.85, 5.55 < 6.6
+    assert batch_cutoff(times, 3, 0.9, 0.3) == 2  # a larger margin asks more: 4.44 < 1.3 * 3.5
+    assert batch_cutoff(times, 3, 0.2, 0.1) == 0  # gains 1.6 < 2.2: nowhere
+    assert batch_cutoff(StepTimes([1, 2, 4], [1.0, 1.0, 1.0], [2.0, 9.0, 2.0]), 3, 0.6, 0.1) == 1  # no gaps
+    assert batch_cutoff(StepTimes([], [], []), 3, 0.9, 0.1) == 0
+
+    sp = Speculator(SpeculativeConfig(num_speculative_tokens=3), None, 1024)
+    assert sp.drafts_at(64)  # nothing measured (a CPU): every batch size drafts, as configured
+    assert sp.use_times(times) == 2 and sp.acceptance() == Speculator.PRIOR_ACCEPTANCE
+    assert sp.drafts_at(2) and not sp.drafts_at(3)
+    sp.num_draft_tokens, sp.num_accepted_tokens = 3000, 2700  # well accepted drafts: larger batches pay
+    assert sp.drafts_at(4) and sp.limit == 4 and not sp.drafts_at(5)
+    sp.num_draft_tokens, sp.num_accepted_tokens = 30000, 3000  # hardly any accepted: none pays
+    assert not sp.drafts_at(1) and sp.limit == 0
+    sp.forced = True
+    assert sp.drafts_at(256)
+    user = Speculator(SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=1), None, 1024)
+    user.use_times(times)
+    assert user.drafts_at(1) and not user.drafts_at(2)  # the setting wins over the measurement
+
+
+def test_the_batch_cutoff_is_measured_on_the_engines_own_steps(tiny_prompts, plain_tokens):
+    """The measurement steps the engine itself, without drafts and with them, at each size asked for;
+    on a CPU it is not made unless asked (no graphs: speculation runs wherever it is configured).
+    Afterwards nothing of it is left running or counted, and the greedy tokens are the plain ones."""
+    llm = LLM("deepseek-tiny", dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    eng = llm.engine
+    on_gpu = eng.runner.graphs is not None
+    assert (eng.speculator.times is not None) == on_gpu  # measured at start where the graphs run
+    assert on_gpu or eng.speculator.drafts_at(256)
+    propose, drafted = eng.executor.propose, []
+    eng.executor.propose = lambda draft, *args: drafted.append(draft.num_drafts) or propose(draft, *args)
+    limit = eng.measure_batch_cutoff(sizes=[1, 2], steps=2)
+    times = eng.speculator.times
+    assert times.sizes == [1, 2] and all(t > 0 for t in times.plain + times.spec)
+    assert limit == eng.speculator.limit and limit in (0, 1, 2)
+    assert 0 in drafted and 2 in drafted  # steps without drafts (the MTP pass alone) and with
+    assert not eng.requests and not eng.has_unfinished_requests() and eng.inflight is None
+    assert eng.kv_cache_usage == 0.0 and eng.speculator.num_draft_tokens == 0
+    eng.executor.propose = propose
+    eng.speculator.times = eng.speculator.limit = None  # the tokens, whoever drafts
+    assert [o.token_ids for o in llm.generate(tiny_prompts, GREEDY)] == plain_tokens
