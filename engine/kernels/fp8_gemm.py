@@ -20,6 +20,7 @@ except ImportError:  # older Triton keeps the pointer kernels
 
 FP8_MAX = 448.0
 FP8 = torch.float8_e4m3fn
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -119,7 +120,7 @@ def tile_of(tile, num_m, num_n, GROUP_M: tl.constexpr):
 def _block_gemm_tma_kernel(a_desc, AS, w_desc, WS, c_desc, M, N, K, stride_asm, stride_ask, stride_wsn,
                            NUM_PROGRAMS: tl.constexpr, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                           UPCAST: tl.constexpr, FLATTEN: tl.constexpr):
+                           UPCAST: tl.constexpr, FLATTEN: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """Persistent: NUM_PROGRAMS programs stride over the [BLOCK_M, BLOCK_N] output tiles. A and W tiles
     arrive by TMA (the copy engine, out-of-range rows and columns read as zeros); each K step's FP8
     product is scaled in float32 by the rows' activation scales (K-major: one contiguous run) and the
@@ -138,7 +139,7 @@ def _block_gemm_tma_kernel(a_desc, AS, w_desc, WS, c_desc, M, N, K, stride_asm, 
             a_s = tl.load(as_ptr + kb * stride_ask, mask=offs_m < M, other=0.0)
             w_s = tl.load(ws_ptr + kb)
             acc += mma(a, w.T, UPCAST) * (a_s * w_s)[:, None]
-        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(OUT_DTYPE))
 
 
 @functools.cache
@@ -147,26 +148,31 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
 
 
+def tma_capable(device: torch.device) -> bool:
+    """A GPU with the tensor copy engine (sm_90+) and a Triton that builds TMA descriptors."""
+    return TensorDescriptor is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def takes_tma(m: int, n: int, k: int, block: tuple[int, int], out_dtype: torch.dtype, device: torch.device) -> bool:
     """The persistent TMA kernel where it wins: prefill-sized M on sm_90+, DeepSeek's 128 x 128 blocks,
     and rows whose byte strides the copy engine accepts (16-byte multiples)."""
-    return (TensorDescriptor is not None and device.type == "cuda" and m >= TMA_MIN_ROWS
-            and torch.cuda.get_device_capability(device)[0] >= 9 and block == (128, 128)
-            and k % 16 == 0 and (n * torch.empty((), dtype=out_dtype).element_size()) % 16 == 0)
+    return (m >= TMA_MIN_ROWS and block == (128, 128) and k % 16 == 0
+            and (n * torch.empty((), dtype=out_dtype).element_size()) % 16 == 0 and tma_capable(device))
 
 
 # below this many rows the pointer kernel's narrower tiles win (decode, short chunks)
 TMA_MIN_ROWS = 256
 
 
-def _tma_config(on_gpu: bool, block: tuple[int, int]) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 128 x 128 x 128 FP8 tiles, two consumer warpgroups."""
+def _tma_config(on_gpu: bool, block: tuple[int, int]) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, programs per multiprocessor)."""
     if not on_gpu:
-        return 16, min(block[0], 32), 4, 1
+        return 16, min(block[0], 32), 4, 1, 1
     return TMA_TILE
 
 
-TMA_TILE = (128, 128, 8, 4)
+# 128 x 128 x 128 FP8 tiles, two consumer warpgroups (64 rows each), four TMA stages, one program an SM
+TMA_TILE = (128, 128, 8, 4, 1)
 
 
 def fp8_block_gemm_tma(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -178,15 +184,16 @@ def fp8_block_gemm_tma(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Ten
     c = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return c
-    bm, bn, warps, stages = config or _tma_config(not interpreted(a), block)
+    bm, bn, warps, stages, per_sm = config or _tma_config(not interpreted(a), block)
     check(block[0] % bn == 0, f"block_n {block[0]} must be a multiple of BLOCK_N {bn}")
     bk = block[1]
-    programs = min(num_sms(a.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
+    programs = min(per_sm * num_sms(a.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
     _block_gemm_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(a, [bm, bk]), a_scale, TensorDescriptor.from_tensor(weight, [bn, bk]),
         weight_scale, TensorDescriptor.from_tensor(c, [bm, bn]), m, n, k, a_scale.stride(0), a_scale.stride(1),
         weight_scale.stride(0), NUM_PROGRAMS=programs, GROUP_N=block[0], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=8, UPCAST=upcast_fp8_dot(a, bk), FLATTEN=flatten, num_warps=warps, num_stages=stages)
+        GROUP_M=8, UPCAST=upcast_fp8_dot(a, bk), FLATTEN=flatten, OUT_DTYPE=_TL_DTYPES[out_dtype],
+        num_warps=warps, num_stages=stages)
     return c
 
 

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._util import check, check_float, interpreted, mma, upcast_fp8_dot
-from engine.kernels.fp8_gemm import FP8, TensorDescriptor, num_sms, per_token_group_quant, tile_of
+from engine.kernels.fp8_gemm import FP8, TensorDescriptor, num_sms, per_token_group_quant, tile_of, tma_capable
 from engine.kernels.moe_routing import align_by_expert
 
 
@@ -145,29 +145,30 @@ def _launch(a, a_scale, w, w_scale, out, weights, align, num_pairs, top_k, gated
 
 
 # (fewest pairs per expert, BLOCK_M, BLOCK_N of w13's gate and up tiles, BLOCK_N of w2, num_warps,
-# num_stages): the persistent TMA kernels from this many rows per expert on; the first row that fits wins
-TMA_CONFIGS = [(128, 128, 64, 128, 8, 4), (48, 64, 64, 128, 4, 4)]
+# num_stages, programs per SM): the persistent TMA kernels from this many rows per expert on; the first
+# row that fits wins
+TMA_CONFIGS = [(128, 128, 64, 128, 8, 4, 1), (48, 64, 64, 128, 4, 4, 1)]
 
 
-def tma_config(pairs_per_expert: float, block: tuple[int, int] | None, inter: int, hidden: int, on_gpu: bool):
+def tma_config(pairs_per_expert: float, block: tuple[int, int] | None, inter: int, hidden: int, x: torch.Tensor):
     """The TMA grouped GEMM's tiles for this batch, or None where the pointer kernels stay (few rows per
-    expert, bf16 experts, shapes the tiles or the copy engine do not divide)."""
+    expert, bf16 experts, no sm_90, shapes the tiles or the copy engine do not divide)."""
     if block is None or TensorDescriptor is None:
         return None
-    if not on_gpu:  # the interpreter: the same kernel bodies on small tiles
+    if interpreted(x):  # the same kernel bodies on small tiles
         bn = min(block[0], 32)
-        return 16, bn, bn, 4, 1
-    if torch.cuda.get_device_capability()[0] < 9:
+        return 16, bn, bn, 4, 1, 1
+    if not tma_capable(x.device):
         return None
-    for min_rows, bm, bn13, bn2, warps, stages in TMA_CONFIGS:
+    for min_rows, bm, bn13, bn2, warps, stages, per_sm in TMA_CONFIGS:
         if pairs_per_expert >= min_rows:
             fits = (block[0] % bn13 == 0 and block[0] % bn2 == 0 and inter % bn13 == 0 and hidden % bn2 == 0
                     and inter % 16 == 0 and hidden % 16 == 0)
-            return (bm, bn13, bn2, warps, stages) if fits else None
+            return (bm, bn13, bn2, warps, stages, per_sm) if fits else None
     return None
 
 
-def _launch_tma(a, a_s, w, w_s, out, weights, align, num_pairs, top_k, gated, block, bm, bn, warps, stages,
+def _launch_tma(a, a_s, w, w_s, out, weights, align, num_pairs, top_k, gated, block, bm, bn, warps, stages, per_sm,
                 limit: float = float("inf"), flatten: bool = True):
     sorted_ids, block_expert, num_padded = align
     n = w.shape[1] // 2 if gated else w.shape[1]
@@ -175,7 +176,7 @@ def _launch_tma(a, a_s, w, w_s, out, weights, align, num_pairs, top_k, gated, bl
     bk = block[1]
     b_desc = TensorDescriptor.from_tensor(w.view(-1, k), [bn, bk])
     a_desc = a if gated else TensorDescriptor.from_tensor(a, [bm, bk])  # w13 gathers by pointer
-    programs = min(num_sms(a.device), sorted_ids.shape[0] // bm * (n // bn))
+    programs = min(per_sm * num_sms(a.device), sorted_ids.shape[0] // bm * (n // bn))
     _moe_gemm_tma_kernel[(programs,)](a, a_desc, a_s, b_desc, w_s, out, weights, sorted_ids, block_expert, num_padded,
                                       n, k, num_pairs, top_k, limit, a.stride(0), a_s.stride(0), a_s.stride(1),
                                       w_s.stride(0), w_s.stride(1), out.stride(0), NUM_PROGRAMS=programs, GATED=gated,
@@ -192,16 +193,16 @@ def fused_experts_tma(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, b
     num_tokens, hidden = x.shape
     num_experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
     num_pairs = num_tokens * top_k
-    bm, bn13, bn2, warps, stages = cfg
+    bm, bn13, bn2, warps, stages, per_sm = cfg
     align = align_by_expert(topk_ids, num_experts, bm)
     a, a_s = per_token_group_quant(x, block[1], k_major_scales=True)
     inter_out = torch.empty(align[0].shape[0], inter, dtype=x.dtype, device=x.device)
     _launch_tma(a, a_s, w13, w13_scale, inter_out, topk_weights, align, num_pairs, top_k, True, block, bm, bn13,
-                warps, stages, float("inf") if swiglu_limit is None else float(swiglu_limit), flatten)
+                warps, stages, per_sm, float("inf") if swiglu_limit is None else float(swiglu_limit), flatten)
     a, a_s = per_token_group_quant(inter_out, block[1], k_major_scales=True)
     pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _launch_tma(a, a_s, w2, w2_scale, pair_out, topk_weights, align, num_pairs, top_k, False, block, bm, bn2, warps,
-                stages, flatten=flatten)
+                stages, per_sm, flatten=flatten)
     return pair_out.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
@@ -240,7 +241,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    tma = tma_config(num_pairs / num_experts, block, inter, hidden, not interpreted(x)) if fp8 else None
+    tma = tma_config(num_pairs / num_experts, block, inter, hidden, x) if fp8 else None
     check(not tma_path or tma is not None, "the TMA grouped GEMM does not take these experts or this batch")
     if tma is not None and (not interpreted(x) if tma_path is None else tma_path):
         return fused_experts_tma(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, tma, swiglu_limit)
