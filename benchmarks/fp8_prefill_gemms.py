@@ -20,7 +20,8 @@ import torch
 from triton.testing import do_bench
 
 from engine.kernels import fp8_gemm, fused_moe
-from engine.kernels.fp8_gemm import FP8, fp8_block_gemm, fp8_block_gemm_tma, per_token_group_quant
+from engine.kernels.fp8_gemm import (FP8, fp8_block_gemm, fp8_block_gemm_scaled_mm, fp8_block_gemm_tma,
+                                     per_token_group_quant)
 from engine.layers.fp8 import dequantize_fp8_block, quantize_fp8_block
 
 BLOCK = (128, 128)
@@ -39,14 +40,15 @@ EXPERTS, TOP_K, HIDDEN, INTER = 256, 8, 7168, 2048
 DENSE_SWEEP = [(128, 128, 8, 3, 1), (128, 128, 8, 5, 1), (64, 128, 4, 4, 2), (64, 128, 4, 3, 2),
                (128, 64, 4, 4, 2), (128, 128, 4, 3, 1)]
 SWEEP_SHAPES = ("o_proj", "dense gate_up", "q_b")
+QUICK_SHAPES = ("q_a+kv_a", "o_proj", "dense gate_up", "shared down")
 # (BLOCK_M, BLOCK_N of w13, BLOCK_N of w2, num_warps, num_stages, programs per SM)
 MOE_SWEEP = [(128, 64, 128, 8, 3, 1), (128, 128, 128, 8, 3, 1), (64, 64, 128, 4, 4, 2), (64, 64, 128, 4, 3, 2),
              (64, 64, 128, 4, 4, 1), (64, 128, 128, 4, 3, 1)]
 
 
 def bench(fn) -> float:
-    """Median seconds (CUDA events, 25 ms warm-up, 200 ms of repeats)."""
-    return do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
+    """Median seconds (CUDA events, 25 ms warm-up, 100 ms of repeats)."""
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -64,20 +66,26 @@ def fp8_ceiling() -> float:
     return 2 * 8192**3 / sec
 
 
-def torch_blockwise(a, a_s, w, ws):
+def torch_blockwise(a, a_s, w, ws, api: str, ws_layout: str):
     """PyTorch's own 1 x 128 (activations) x 128 x 128 (weights) scaled_mm, if this build has it on this
-    card: activation scales outer-dim-major ([M, K / 128] with stride (1, M))."""
-    from torch.nn.functional import ScalingType, scaled_mm
-
+    card: activation scales outer-dim-major ([M, K / 128] with stride (1, M)); the weight's scales as
+    stored ([N / 128, K / 128]) or transposed to B = W^T's [K / 128, N / 128]."""
     a_s_outer = a_s.T.contiguous().T
-    return scaled_mm(a, w.T, a_s_outer, ScalingType.BlockWise1x128, ws, ScalingType.BlockWise128x128,
-                     output_dtype=torch.bfloat16)
+    b_s = ws if ws_layout == "nk" else ws.T
+    if api == "F.scaled_mm":
+        from torch.nn.functional import ScalingType, scaled_mm
+
+        return scaled_mm(a, w.T, a_s_outer, ScalingType.BlockWise1x128, b_s, ScalingType.BlockWise128x128,
+                         output_dtype=torch.bfloat16)
+    return torch._scaled_mm(a, w.T, a_s_outer, b_s, out_dtype=torch.bfloat16)
 
 
-def dense_rows(tokens_list, sweep: bool, ceiling: float, log) -> list[dict]:
+def dense_rows(tokens_list, sweep: bool, quick: bool, ceiling: float, log) -> list[dict]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in DENSE.items():
+        if quick and name not in QUICK_SHAPES:
+            continue
         wq, ws = quantize_fp8_block(0.02 * torch.randn(n, k, generator=g, device="cuda"), BLOCK)
         for m in tokens_list:
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
@@ -87,8 +95,11 @@ def dense_rows(tokens_list, sweep: bool, ceiling: float, log) -> list[dict]:
             ref = (dequantize_fp8_block(q, s, (1, 128)) @ dequantize_fp8_block(wq, ws, BLOCK).T) if m * n <= 2**28 else None
             variants = {"pointer": lambda: fp8_block_gemm(q, s, wq, ws, BLOCK, torch.bfloat16),
                         "tma": lambda: fp8_block_gemm_tma(qk, sk, wq, ws, BLOCK, torch.bfloat16),
-                        "tma_noflat": lambda: fp8_block_gemm_tma(qk, sk, wq, ws, BLOCK, torch.bfloat16, flatten=False),
-                        "torch_scaled_mm": lambda: torch_blockwise(q, s, wq, ws)}
+                        "scaled_mm": lambda: fp8_block_gemm_scaled_mm(qk, sk, wq, ws)}
+            if not quick:
+                variants |= {"tma_flat": lambda: fp8_block_gemm_tma(qk, sk, wq, ws, BLOCK, torch.bfloat16, flatten=True),
+                             "F.scaled_mm_nk": lambda: torch_blockwise(q, s, wq, ws, "F.scaled_mm", "nk"),
+                             "torch._scaled_mm_nk": lambda: torch_blockwise(q, s, wq, ws, "_scaled_mm", "nk")}
             if sweep and m == 8192 and name in SWEEP_SHAPES:
                 for cfg in DENSE_SWEEP:
                     variants[f"tma{cfg}"] = (lambda c=cfg: fp8_block_gemm_tma(qk, sk, wq, ws, BLOCK, torch.bfloat16,
@@ -112,11 +123,11 @@ def dense_rows(tokens_list, sweep: bool, ceiling: float, log) -> list[dict]:
                     log.write(f"{name} M={m} {vname}\n{traceback.format_exc()}\n")
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            # with the activation quantization, as fp8_linear runs it
+            # with the activation quantization: the pointer kernel, and fp8_linear as wired (its path by shape)
+            path = fp8_gemm.prefill_gemm(m, n, k, BLOCK, torch.bfloat16, x.device)
             for vname, fn in (("linear_pointer", lambda: fp8_block_gemm(*per_token_group_quant(x, 128), wq, ws, BLOCK,
                                                                         torch.bfloat16)),
-                              ("linear_tma", lambda: fp8_block_gemm_tma(*per_token_group_quant(x, 128, True), wq, ws,
-                                                                        BLOCK, torch.bfloat16))):
+                              (f"linear_{path}", lambda: fp8_gemm.fp8_linear(x, wq, ws, BLOCK))):
                 sec = bench(fn)
                 row = dict(kind="dense", shape=name, M=m, N=n, K=k, variant=vname, ms=sec * 1e3,
                            tflops=flops / sec / 1e12, share=flops / sec / ceiling)
@@ -142,6 +153,39 @@ def reference_experts(x, w13, s13, w2, s2, weights, ids):
     return out
 
 
+def moe_breakdown(x, w13, s13, w2, s2, w, ids, cfg, ceiling) -> list[dict]:
+    """Each launch of the TMA path alone: quantize x, align, w13, quantize the intermediate, w2, top-k sum."""
+    from engine.kernels.moe_routing import align_by_expert
+
+    t, top_k = ids.shape
+    pairs = t * top_k
+    bm, bn13, bn2, warps, stages, per_sm = cfg
+    align = align_by_expert(ids, EXPERTS, bm)
+    a, a_s = per_token_group_quant(x, 128, k_major_scales=True)
+    inter = torch.zeros(align[0].shape[0], INTER, dtype=x.dtype, device=x.device)
+    a2, a2_s = per_token_group_quant(inter, 128, k_major_scales=True)
+    pair_out = torch.empty(pairs, HIDDEN, dtype=x.dtype, device=x.device)
+    gemm = 2.0 * pairs * HIDDEN * INTER
+    pieces = {
+        "quant x": (lambda: per_token_group_quant(x, 128, k_major_scales=True), 0.0),
+        "align": (lambda: align_by_expert(ids, EXPERTS, bm), 0.0),
+        "w13": (lambda: fused_moe._launch_tma(a, a_s, w13, s13, inter, w, align, pairs, top_k, True, BLOCK, bm, bn13,
+                                              warps, stages, per_sm), 2 * gemm),
+        "quant inter": (lambda: per_token_group_quant(inter, 128, k_major_scales=True), 0.0),
+        "w2": (lambda: fused_moe._launch_tma(a2, a2_s, w2, s2, pair_out, w, align, pairs, top_k, False, BLOCK, bm, bn2,
+                                             warps, stages, per_sm), gemm),
+        "top-k sum": (lambda: pair_out.view(t, top_k, HIDDEN).sum(dim=1), 0.0),
+    }
+    rows = []
+    for name, (fn, flops) in pieces.items():
+        sec = bench(fn)
+        row = dict(kind="grouped piece", shape=name, T=t, variant=str(cfg), ms=sec * 1e3, tflops=flops / sec / 1e12,
+                   share=flops / sec / ceiling)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def moe_rows(tokens_list, sweep: bool, ceiling: float, log) -> list[dict]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -163,7 +207,11 @@ def moe_rows(tokens_list, sweep: bool, ceiling: float, log) -> list[dict]:
             variants["tma"] = lambda: fused_moe.fused_experts_tma(x, w13, w2, w, ids, s13, s2, BLOCK, cfg)
             variants["tma_noflat"] = lambda: fused_moe.fused_experts_tma(x, w13, w2, w, ids, s13, s2, BLOCK, cfg,
                                                                          flatten=False)
-        if sweep or cfg is None:
+            variants["tma(64,64,128,4,3,3)"] = lambda: fused_moe.fused_experts_tma(x, w13, w2, w, ids, s13, s2, BLOCK,
+                                                                                   (64, 64, 128, 4, 3, 3))
+        if cfg is not None and t == 8192:
+            rows += moe_breakdown(x, w13, s13, w2, s2, w, ids, cfg, ceiling)
+        if sweep:
             for c in MOE_SWEEP:
                 variants[f"tma{c}"] = lambda c=c: fused_moe.fused_experts_tma(x, w13, w2, w, ids, s13, s2, BLOCK, c)
         for vname, fn in variants.items():
@@ -190,6 +238,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="2048,8192,32768")
     p.add_argument("--sweep", action="store_true", help="also every tile configuration at 8k tokens")
+    p.add_argument("--quick", action="store_true", help="four dense shapes, fewer variants")
     p.add_argument("--skip-dense", action="store_true")
     p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--out", default="fp8_prefill_gemms.json")
@@ -200,7 +249,7 @@ def main() -> None:
     ceiling = fp8_ceiling()
     print(f"{torch.cuda.get_device_name()}: FP8 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s", flush=True)
     with open(args.log, "w") as log:
-        rows = [] if args.skip_dense else dense_rows(tokens, args.sweep, ceiling, log)
+        rows = [] if args.skip_dense else dense_rows(tokens, args.sweep, args.quick, ceiling, log)
         rows += [] if args.skip_moe else moe_rows(tokens, args.sweep, ceiling, log)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=__import__("triton").__version__, fp8_ceiling_tflops=ceiling / 1e12,

@@ -353,15 +353,23 @@ def test_fp8_linear_matches_its_reference():
 
 @gpu
 def test_fp8_linear_deepseek_shape():
-    from engine.kernels.fp8_gemm import takes_tma
+    """Decode through the pointer kernel, prefill through PyTorch's block-scaled GEMM where this build has
+    it, else the persistent TMA kernel; each prefill GEMM alone too, on the same quantized inputs."""
+    from engine.kernels.fp8_gemm import fp8_block_gemm_scaled_mm, prefill_gemm
 
     g = torch.Generator().manual_seed(11)
     wq, ws = (t.to(DEV) for t in quantize_fp8_block(torch.randn(1536, 7168, generator=g) * 0.02))
-    assert not takes_tma(1, 1536, 7168, (128, 128), torch.bfloat16, wq.device)
-    assert takes_tma(4099, 1536, 7168, (128, 128), torch.bfloat16, wq.device)  # prefill: the TMA kernel
+    assert prefill_gemm(1, 1536, 7168, (128, 128), torch.bfloat16, wq.device) == "pointer"
+    path = prefill_gemm(4099, 1536, 7168, (128, 128), torch.bfloat16, wq.device)
+    assert path in ("scaled_mm", "tma")
     for m in (1, 300, 4099):
         x = torch.randn(m, 7168, generator=g).to(DEV, torch.bfloat16)
         assert rel_err(fp8_linear(x, wq, ws, (128, 128)), reference_fp8_linear(x, wq, ws, (128, 128))) < 1e-2
+    q, s = per_token_group_quant(x, 128, k_major_scales=True)
+    ref = dequantize_fp8_block(q, s.contiguous(), (1, 128)) @ dequantize_fp8_block(wq, ws, (128, 128)).T
+    assert rel_err(fp8_block_gemm_tma(q, s, wq, ws, (128, 128), torch.bfloat16), ref) < 1e-2
+    if path == "scaled_mm":
+        assert rel_err(fp8_block_gemm_scaled_mm(q, s, wq, ws), ref) < 1e-2
 
 
 # -- MoE routing and fused experts -----------------------------------------------------------------
