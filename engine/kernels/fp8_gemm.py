@@ -165,7 +165,7 @@ def prefill_gemm(m: int, n: int, k: int, block: tuple[int, int], out_dtype: torc
     128 x 128 block-scaled GEMM, cuBLAS on sm_90: 70-84 % of the FP8 rate on the H200), "tma" (the
     persistent TMA kernel here: 55-65 %, where PyTorch has none), or "pointer" (decode-sized M, other
     blocks or GPUs; TMA needs 16-byte row strides)."""
-    if (m < TMA_MIN_ROWS or block != (128, 128) or k % 16 or (n * torch.empty((), dtype=out_dtype).element_size()) % 16
+    if (m < TMA_MIN_ROWS or block != (128, 128) or k % 16 or (n * out_dtype.itemsize) % 16
             or not tma_capable(device)):
         return "pointer"
     if (out_dtype == torch.bfloat16 and k % 128 == 0 and n % 16 == 0 and hasattr(torch.nn.functional, "scaled_mm")
