@@ -92,12 +92,15 @@ def dense_rows(tokens_list, sweep: bool, quick: bool, ceiling: float, log) -> li
             q, s = per_token_group_quant(x, 128)
             qk, sk = per_token_group_quant(x, 128, k_major_scales=True)
             flops = 2.0 * m * n * k
-            ref = (dequantize_fp8_block(q, s, (1, 128)) @ dequantize_fp8_block(wq, ws, BLOCK).T) if m * n <= 2**28 else None
+            ref = None
+            if m * n <= 2**28:  # a float32 product that fits beside the rest
+                ref = dequantize_fp8_block(q, s, (1, 128)) @ dequantize_fp8_block(wq, ws, BLOCK).T
             variants = {"pointer": lambda: fp8_block_gemm(q, s, wq, ws, BLOCK, torch.bfloat16),
                         "tma": lambda: fp8_block_gemm_tma(qk, sk, wq, ws, BLOCK, torch.bfloat16),
                         "scaled_mm": lambda: fp8_block_gemm_scaled_mm(qk, sk, wq, ws)}
             if not quick:
-                variants |= {"tma_flat": lambda: fp8_block_gemm_tma(qk, sk, wq, ws, BLOCK, torch.bfloat16, flatten=True),
+                variants |= {"tma_flat": lambda: fp8_block_gemm_tma(qk, sk, wq, ws, BLOCK, torch.bfloat16,
+                                                                    flatten=True),
                              "F.scaled_mm_nk": lambda: torch_blockwise(q, s, wq, ws, "F.scaled_mm", "nk"),
                              "torch._scaled_mm_nk": lambda: torch_blockwise(q, s, wq, ws, "_scaled_mm", "nk")}
             if sweep and m == 8192 and name in SWEEP_SHAPES:

@@ -513,13 +513,14 @@ def test_fused_experts_fp8_v3_shape(tokens):
     ids = torch.rand(tokens, e, generator=g, device=DEV).topk(k, dim=-1).indices.int()
     weights = torch.rand(tokens, k, generator=g, device=DEV)
     assert (tma_config(tokens * k / e, block, inter, hidden, x) is not None) == (tokens * k / e >= 48)
+    from engine.layers.fp8 import quantize_activations_reference as qdq  # activations as the kernels see them
+
     ref = torch.zeros(tokens, hidden, device=DEV)
-    xq = reference_fp8_linear  # activations quantized per group as the kernels do, via the linear's reference
     for j in range(e):
         tok, slot = (ids == j).nonzero(as_tuple=True)
-        h = xq(x[tok], w13[j], s13[j], block).float()
-        act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(torch.bfloat16)
-        ref.index_add_(0, tok, weights[tok, slot, None] * xq(act, w2[j], s2[j], block).float())
+        h = qdq(x[tok], 128) @ dequantize_fp8_block(w13[j], s13[j], block).T
+        act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(torch.bfloat16)  # the kernel's intermediate
+        ref.index_add_(0, tok, weights[tok, slot, None] * (qdq(act, 128) @ dequantize_fp8_block(w2[j], s2[j], block).T))
     out = fused_experts(x, w13, w2, weights, ids, s13, s2, block)
     assert rel_err(out, ref) < 2e-2
 
