@@ -146,9 +146,9 @@ def _launch(a, a_scale, w, w_scale, out, weights, align, num_pairs, top_k, gated
 
 # (fewest pairs per expert, BLOCK_M, BLOCK_N of w13's gate and up tiles, BLOCK_N of w2, num_warps,
 # num_stages, programs per SM): the persistent TMA kernels from this many rows per expert on; the first
-# row that fits wins. On the H200 64-row tiles two to an SM beat 128-row ones (11.3 vs 12.7 ms at 8k
-# tokens of V3's experts) and the pointer kernels (14.3 ms); at 64 rows per expert (2k tokens) it is
-# a draw (4.65 vs 4.77 ms).
+# row that fits wins. On the H200 64-row tiles two to an SM beat 128-row ones at 8 warps (10.7 vs
+# 12.7 ms at 8k tokens of V3's experts), three to an SM (14.0) and the pointer kernels (14.1 ms); at 64
+# rows per expert (2k tokens) 4.36 vs 4.67 ms.
 TMA_CONFIGS = [(48, 64, 64, 128, 4, 4, 2)]
 
 
