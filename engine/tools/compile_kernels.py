@@ -40,6 +40,9 @@ def _signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dic
         if param.is_constexpr:
             signature[param.name], constexprs[param.name] = "constexpr", value
             continue
+        if type(value).__name__ == "TensorDescriptor":  # a TMA descriptor: its element type and tile
+            signature[param.name] = f"tensordesc<{_TYPES[value.base.dtype]}{list(value.block_shape)}>"
+            continue
         if isinstance(value, torch.Tensor):
             signature[param.name], divisible = "*" + _TYPES[value.dtype], True  # 16-byte aligned
         elif isinstance(value, bool):
@@ -104,8 +107,8 @@ def _empty(*shape, dtype=torch.bfloat16) -> torch.Tensor:
 
 def launch_all() -> None:
     """Every launcher at V2-Lite's bf16 and V3's FP8 shapes, at decode and prefill sizes."""
-    from engine.kernels.fp8_gemm import FP8, fp8_linear
-    from engine.kernels.fused_moe import fused_experts
+    from engine.kernels.fp8_gemm import FP8, fp8_block_gemm_tma, fp8_linear, per_token_group_quant
+    from engine.kernels.fused_moe import TMA_CONFIGS, fused_experts, fused_experts_tma
     from engine.kernels.gemv import gemv
     from engine.kernels.latent_cache import write_latent_
     from engine.kernels.mla_decode import mla_decode_attention
@@ -151,6 +154,12 @@ def launch_all() -> None:
                 moe_gemv(x, w13, w2, weights, ids, *scales, block=block if fp8 else None, shared=sh)
             if fp8:
                 fp8_linear(x, _empty(1536, hidden, dtype=FP8), _empty(12, hidden // 128, dtype=f32), block)
+            if fp8 and tokens == 4096:  # prefill: the persistent TMA kernels (chosen on the card by shape)
+                xq, xs = per_token_group_quant(x, 128, k_major_scales=True)
+                fp8_block_gemm_tma(xq, xs, _empty(1536, hidden, dtype=FP8), _empty(12, hidden // 128, dtype=f32), block,
+                                   torch.bfloat16)
+                for cfg in TMA_CONFIGS:
+                    fused_experts_tma(x, w13, w2, weights, ids, *scales, block, cfg[1:])
             if tokens == 1:  # projections and the router of one token
                 w, ws = _empty(1536, hidden, dtype=wdtype), _empty(12, hidden // 128, dtype=f32) if fp8 else None
                 gemv(x, w, ws, block if fp8 else None)

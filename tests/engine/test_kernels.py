@@ -18,7 +18,8 @@ if not torch.cuda.is_available():
                     allow_module_level=True)
     os.environ["TRITON_INTERPRET"] = "1"
 
-from engine.kernels.fp8_gemm import FP8, fp8_block_gemm, fp8_linear, per_token_group_quant, reference_fp8_linear
+from engine.kernels.fp8_gemm import (FP8, fp8_block_gemm, fp8_block_gemm_tma, fp8_linear, per_token_group_quant,
+                                     reference_fp8_linear)
 from engine.kernels.fused_moe import fused_experts, reference_fused_experts
 from engine.kernels.mla_decode import mla_decode_attention, reference_mla_decode_attention
 from engine.kernels.mla_prefill import mla_prefill_attention, reference_mla_prefill_attention
@@ -312,6 +313,8 @@ def test_per_token_group_quant():
     assert torch.allclose(s, groups.abs().amax(-1) / 448.0)
     expanded = s.repeat_interleave(32, 1)[:, :100]
     assert torch.equal(q.float(), (x / expanded).to(FP8).float())  # round to nearest even, like PyTorch
+    qk, sk = per_token_group_quant(x, 32, k_major_scales=True)  # the persistent GEMMs' layout
+    assert sk.shape == (6, 4) and sk.stride() == (1, 6) and torch.equal(sk, s) and torch.equal(qk.float(), q.float())
 
 
 @pytest.mark.parametrize("m,n,k,block", [(3, 40, 64, (16, 16)), (20, 70, 100, (32, 32))])
@@ -325,6 +328,20 @@ def test_fp8_block_gemm_exact_on_quantized_inputs(m, n, k, block):
     assert rel_err(out, ref) < F32_TOL  # Hopper accumulates FP8 products with fewer bits inside a block
 
 
+@pytest.mark.parametrize("m,n,k,block", [(3, 40, 64, (16, 16)), (37, 72, 96, (32, 32))])
+def test_fp8_block_gemm_tma_exact_on_quantized_inputs(m, n, k, block):
+    """The persistent kernel: tiles of rows and columns past the edges (the descriptor reads zeros there
+    and drops the stores), more tiles than programs, K-major activation scales."""
+    g = torch.Generator().manual_seed(19)
+    wq, ws = quantize_fp8_block(torch.randn(n, k, generator=g) * 0.1, block)
+    x = torch.randn(m, k, generator=g).to(DEV)
+    aq, a_s = per_token_group_quant(x, block[1], k_major_scales=True)
+    wq, ws = wq.to(DEV), ws.to(DEV)
+    out = fp8_block_gemm_tma(aq, a_s, wq, ws, block, torch.float32)
+    ref = dequantize_fp8_block(aq, a_s.contiguous(), (1, block[1])) @ dequantize_fp8_block(wq, ws, block).T
+    assert rel_err(out, ref) < F32_TOL
+
+
 def test_fp8_linear_matches_its_reference():
     g = torch.Generator().manual_seed(10)
     wq, ws = (t.to(DEV) for t in quantize_fp8_block(torch.randn(48, 64, generator=g) * 0.1, (16, 16)))
@@ -336,11 +353,23 @@ def test_fp8_linear_matches_its_reference():
 
 @gpu
 def test_fp8_linear_deepseek_shape():
+    """Decode through the pointer kernel, prefill through PyTorch's block-scaled GEMM where this build has
+    it, else the persistent TMA kernel; each prefill GEMM alone too, on the same quantized inputs."""
+    from engine.kernels.fp8_gemm import fp8_block_gemm_scaled_mm, prefill_gemm
+
     g = torch.Generator().manual_seed(11)
     wq, ws = (t.to(DEV) for t in quantize_fp8_block(torch.randn(1536, 7168, generator=g) * 0.02))
-    for m in (1, 300):
+    assert prefill_gemm(1, 1536, 7168, (128, 128), torch.bfloat16, wq.device) == "pointer"
+    path = prefill_gemm(4099, 1536, 7168, (128, 128), torch.bfloat16, wq.device)
+    assert path in ("scaled_mm", "tma")
+    for m in (1, 300, 4099):
         x = torch.randn(m, 7168, generator=g).to(DEV, torch.bfloat16)
         assert rel_err(fp8_linear(x, wq, ws, (128, 128)), reference_fp8_linear(x, wq, ws, (128, 128))) < 1e-2
+    q, s = per_token_group_quant(x, 128, k_major_scales=True)
+    ref = dequantize_fp8_block(q, s.contiguous(), (1, 128)) @ dequantize_fp8_block(wq, ws, (128, 128)).T
+    assert rel_err(fp8_block_gemm_tma(q, s, wq, ws, (128, 128), torch.bfloat16), ref) < 1e-2
+    if path == "scaled_mm":
+        assert rel_err(fp8_block_gemm_scaled_mm(q, s, wq, ws), ref) < 1e-2
 
 
 # -- MoE routing and fused experts -----------------------------------------------------------------
@@ -446,6 +475,54 @@ def test_fused_experts_fp8_block_scaled():
     deq = lambda w, s: torch.stack([dequantize_fp8_block(a, b, block) for a, b in zip(w, s)])
     ref = reference_fused_experts(x.float(), deq(w13, s13), deq(w2, s2), weights, ids)
     assert rel_err(out, ref) < (0.08 if DEV == "cpu" else 0.05)  # activations are FP8 too
+
+
+@pytest.mark.parametrize("block,limit", [((16, 16), None), ((32, 32), 1.0)])
+def test_fused_experts_fp8_tma_path(block, limit):
+    """The persistent TMA grouped GEMMs (w13 gathers token rows and writes the sorted intermediate, w2
+    reads it by TMA and scatters by pair): the same function as the reference, V4's clamp included."""
+    g = torch.Generator().manual_seed(17)
+    t, hidden, inter, e, k = 9, 64, 64, 4, 2
+    x = torch.randn(t, hidden, generator=g).to(DEV, torch.bfloat16)
+    (w13, s13), (w2, s2) = (_fp8_experts(0.1 * torch.randn(e, 2 * inter, hidden, generator=g), block),
+                            _fp8_experts(0.1 * torch.randn(e, hidden, inter, generator=g), block))
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int().to(DEV)
+    weights = torch.rand(t, k, generator=g).to(DEV)
+    out = fused_experts(x, w13, w2, weights, ids, s13, s2, block, swiglu_limit=limit, tma_path=True)
+    deq = lambda w, s: torch.stack([dequantize_fp8_block(a, b, block) for a, b in zip(w, s)])
+    ref = reference_fused_experts(x.float(), deq(w13, s13), deq(w2, s2), weights, ids, swiglu_limit=limit)
+    assert rel_err(out, ref) < (0.08 if DEV == "cpu" else 0.05)  # activations are FP8 too
+    with pytest.raises(ValueError, match="TMA"):  # bf16 experts have no TMA path
+        fused_experts(x, w13.to(torch.bfloat16), w2.to(torch.bfloat16), weights, ids, tma_path=True)
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [64, 512, 2048])
+def test_fused_experts_fp8_v3_shape(tokens):
+    """DeepSeek-V3's expert shapes (16 experts stand in for 256: 32, 256 and 1024 rows per expert, so
+    both the pointer and both TMA tilings) against the dequantized reference, one expert at a time."""
+    from engine.kernels.fused_moe import tma_config
+
+    g = torch.Generator(device=DEV).manual_seed(18)
+    e, k, hidden, inter, block = 16, 8, 7168, 2048, (128, 128)
+    parts13 = [quantize_fp8_block(0.02 * torch.randn(2 * inter, hidden, generator=g, device=DEV), block) for _ in range(e)]
+    parts2 = [quantize_fp8_block(0.02 * torch.randn(hidden, inter, generator=g, device=DEV), block) for _ in range(e)]
+    w13, s13 = torch.stack([p[0] for p in parts13]), torch.stack([p[1] for p in parts13])
+    w2, s2 = torch.stack([p[0] for p in parts2]), torch.stack([p[1] for p in parts2])
+    x = torch.randn(tokens, hidden, generator=g, device=DEV).to(torch.bfloat16)
+    ids = torch.rand(tokens, e, generator=g, device=DEV).topk(k, dim=-1).indices.int()
+    weights = torch.rand(tokens, k, generator=g, device=DEV)
+    assert (tma_config(tokens * k / e, block, inter, hidden, x) is not None) == (tokens * k / e >= 48)
+    from engine.layers.fp8 import quantize_activations_reference as qdq  # activations as the kernels see them
+
+    ref = torch.zeros(tokens, hidden, device=DEV)
+    for j in range(e):
+        tok, slot = (ids == j).nonzero(as_tuple=True)
+        h = qdq(x[tok], 128) @ dequantize_fp8_block(w13[j], s13[j], block).T
+        act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(torch.bfloat16)  # the kernel's intermediate
+        ref.index_add_(0, tok, weights[tok, slot, None] * (qdq(act, 128) @ dequantize_fp8_block(w2[j], s2[j], block).T))
+    out = fused_experts(x, w13, w2, weights, ids, s13, s2, block)
+    assert rel_err(out, ref) < 2e-2
 
 
 @gpu
