@@ -668,6 +668,133 @@ def test_hc_site_checks_its_contract():
         hc_site(streams, fn, base, scale, 20, 1e-6, 1e-6, tickets.long(), num_splits=2)
 
 
+# -- DeepSeek-V4's decode attention over the window and compressed pools, and its indexer ----------------
+def _pools_case(positions, heads, dim, window, ratio, page, dtype, seed, num_picks=None, index_dim=None):
+    """Both pools paged by shuffled tables (a scratch page past the last), queries at `positions`, the
+    sinks; CSA: indexer keys and the picks as the model takes them (a sorted top-k of -inf-masked scores)."""
+    g = torch.Generator().manual_seed(seed)
+    pages = max(positions) // page + 1
+    blocks = len(positions) * pages + 1
+    tables = torch.randperm(blocks - 1, generator=g)[: len(positions) * pages].view(len(positions), pages)
+    per_page = page // ratio if ratio else 1
+    case = dict(
+        q=torch.randn(len(positions), heads, dim, generator=g).to(DEV, dtype),
+        window_cache=torch.randn(blocks, page, dim, generator=g).to(DEV, dtype),
+        entry_cache=torch.randn(blocks, per_page, dim, generator=g).to(DEV, dtype) if ratio else None,
+        block_tables=tables.to(DEV, torch.int32), positions=torch.tensor(positions, device=DEV),
+        sinks=torch.randn(heads, generator=g).to(DEV), softmax_scale=dim**-0.5, window=window, ratio=ratio)
+    if num_picks is not None:
+        n_entries = (max(positions) + 1) // ratio + 3  # padded past every row's entries, as max_entries is
+        vis = torch.arange(n_entries)[None] < ((torch.tensor(positions) + 1) // ratio)[:, None]
+        scores = torch.randn(len(positions), n_entries, generator=g).masked_fill(~vis, float("-inf"))
+        case["picks"] = scores.topk(min(num_picks, n_entries), dim=-1).indices.to(DEV)
+    index = None
+    if index_dim is not None:
+        index = dict(q=torch.randn(len(positions), heads, index_dim, generator=g).to(DEV, dtype),
+                     weights=torch.randn(len(positions), heads, generator=g).to(DEV),
+                     key_cache=torch.randn(blocks, per_page, index_dim, generator=g).to(DEV, dtype),
+                     block_tables=case["block_tables"], positions=case["positions"], ratio=ratio,
+                     num_entries=(max(positions) + 1) // ratio + 5, scale=index_dim**-0.5)
+    return case, index
+
+
+# rows inside and past the window, with no entry yet, a few, more than the picks; window only, HCA, CSA
+@pytest.mark.parametrize("ratio,num_picks", [(0, None), (4, None), (4, 5), (8, 64)])
+@pytest.mark.parametrize("num_splits", [1, 5])  # 5: slices past the short rows are empty
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dual_pool_decode_matches_reference(ratio, num_picks, num_splits, dtype):
+    from engine.kernels.compressed_decode import dual_pool_decode, reference_dual_pool_decode
+
+    case, _ = _pools_case([0, 2, 6, 11, 40, 73], heads=5, dim=48, window=8, ratio=ratio, page=16, dtype=dtype,
+                          seed=50 + ratio + num_splits, num_picks=num_picks)
+    out = dual_pool_decode(**case, num_splits=num_splits, tiles=dict(block_n=16))
+    assert out.dtype == dtype and out.shape == case["q"].shape
+    assert rel_err(out, reference_dual_pool_decode(**case)) < (F32_TOL if dtype == torch.float32 else 2e-2)
+
+
+def test_dual_pool_decode_is_the_models_gathered_attention():
+    """The kernel against the model's device-only PyTorch path (every padded entry gathered and masked,
+    the sink in the softmax): the same function, not only the same reference."""
+    from engine.kernels.compressed_decode import dual_pool_decode
+    from engine.layers.compressed_attention import attend, table_entry_slots, table_slots
+
+    window, ratio, page, dim = 8, 4, 16, 32
+    case, _ = _pools_case([3, 9, 30, 62], heads=4, dim=dim, window=window, ratio=ratio, page=page,
+                          dtype=torch.float32, seed=58, num_picks=6)
+    t, tables = case["positions"], case["block_tables"].long()
+    pos = t[:, None] - window + 1 + torch.arange(window, device=DEV)
+    keys = [case["window_cache"].view(-1, dim)[table_slots(tables, pos.clamp(min=0), page)]]
+    w = case["picks"]
+    keys.append(case["entry_cache"].view(-1, dim)[table_entry_slots(tables, w, ratio, page)])
+    allowed = torch.cat([pos >= 0, w < ((t + 1) // ratio)[:, None]], 1)
+    want = attend(case["q"], torch.cat(keys, 1), allowed, case["sinks"], dim**-0.5)
+    assert rel_err(dual_pool_decode(**case, num_splits=2, tiles=dict(block_n=16)), want) < F32_TOL
+
+
+def test_dual_pool_decode_slices_cover_the_chip():
+    from engine.kernels.compressed_decode import MAX_SPLITS, default_num_splits
+
+    assert default_num_splits(1, 64, 16, 132) == 32  # four head blocks, 32 slices each
+    assert default_num_splits(8, 64, 16, 132) == 4 and default_num_splits(64, 64, 16, 132) == 1
+    assert all(default_num_splits(b, 64, 16, 132) <= MAX_SPLITS for b in range(1, 100))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_decode_scores_match_reference(dtype):
+    """Scores of each row's visible entries only, -inf past them (and past the padded count's tiles)."""
+    from engine.kernels.compressed_decode import indexer_decode_scores, reference_indexer_decode_scores
+    from engine.layers.compressed_attention import indexer_scores
+
+    _, index = _pools_case([0, 3, 17, 70, 150], heads=5, dim=16, window=8, ratio=4, page=16, dtype=dtype, seed=61,
+                           index_dim=24)
+    got = indexer_decode_scores(**index)
+    want = reference_indexer_decode_scores(**index)
+    assert torch.equal(got.isinf(), want.isinf()) and (got[got.isinf()] < 0).all()
+    fin = want.isfinite()
+    assert rel_err(got[fin], want[fin]) < (F32_TOL if dtype == torch.float32 else 1e-2)
+    # the model's indexer formula over the same row's keys
+    b, n = 3, 71 // 4
+    keys = index["key_cache"][index["block_tables"][b, torch.arange(n) * 4 // 16].long(), torch.arange(n) % 4]
+    model = indexer_scores(index["q"][b: b + 1], index["weights"][b: b + 1], keys, index["scale"])
+    assert rel_err(got[b, :n], model[0]) < (F32_TOL if dtype == torch.float32 else 1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("ratio,num_picks,positions", [(0, None, [5, 1023]), (128, None, [1023, 65535]),
+                                                       (4, 512, [100, 1023, 16383])])
+def test_dual_pool_decode_v4_flash_shapes(ratio, num_picks, positions):
+    from engine.kernels.compressed_decode import dual_pool_decode, reference_dual_pool_decode
+
+    case, _ = _pools_case(positions, heads=64, dim=512, window=128, ratio=ratio, page=256 if ratio != 4 else 128,
+                          dtype=torch.bfloat16, seed=62, num_picks=num_picks)
+    assert rel_err(dual_pool_decode(**case), reference_dual_pool_decode(**case)) < 1e-2
+
+
+@gpu
+def test_indexer_decode_scores_v4_flash_shape():
+    from engine.kernels.compressed_decode import indexer_decode_scores, reference_indexer_decode_scores
+
+    _, index = _pools_case([100, 1023, 16383], heads=64, dim=16, window=128, ratio=4, page=128, dtype=torch.bfloat16,
+                           seed=63, index_dim=128)
+    got, want = indexer_decode_scores(**index), reference_indexer_decode_scores(**index)
+    fin = want.isfinite()
+    assert torch.equal(got.isfinite(), fin) and rel_err(got[fin], want[fin]) < 1e-2
+
+
+def test_dual_pool_decode_checks_its_contract():
+    from engine.kernels.compressed_decode import dual_pool_decode
+
+    case, _ = _pools_case([5, 9], heads=2, dim=16, window=4, ratio=4, page=8, dtype=torch.float32, seed=64)
+    with pytest.raises(ValueError, match="int32"):
+        dual_pool_decode(**{**case, "block_tables": case["block_tables"].long()})
+    with pytest.raises(ValueError, match="page / ratio"):
+        dual_pool_decode(**{**case, "ratio": 2})
+    with pytest.raises(ValueError, match="sinks"):
+        dual_pool_decode(**{**case, "sinks": case["sinks"].double()})
+    with pytest.raises(ValueError, match="picks need"):
+        dual_pool_decode(**{**case, "ratio": 0, "entry_cache": None, "picks": case["positions"][:, None]})
+
+
 # -- the engine's batched sampler (kernels.sampling through engine.sampler.draw_on_device) -----------------
 def _sampling_seqs(n: int, **params):
     from engine.sampling_params import SamplingParams
