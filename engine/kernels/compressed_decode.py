@@ -30,6 +30,7 @@ from engine.kernels._util import check, check_float, check_last_contiguous, inte
 from engine.kernels.mla_decode import num_sms
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # what a kernel may read of a module global
 MAX_SPLITS = 64
 
 
@@ -108,7 +109,7 @@ def _dual_pool_kernel(Q, Window, Entries, Tables, Pos, Picks, Sinks, MidO, MidLs
                            other=0.0)
             m_i, l_i, acc = _attend_rows(q, keys, mask_n, m_i, l_i, acc, scale_log2, UPCAST)
     if DIRECT:  # the only slice: add the sink, normalize, write the output
-        sink = tl.load(Sinks + offs_h, mask=mask_h, other=0.0) * LOG2E
+        sink = tl.load(Sinks + offs_h, mask=mask_h, other=0.0) * _LOG2E
         m_tot = tl.maximum(m_i, sink)
         kept = tl.exp2(m_i - m_tot)
         denom = l_i * kept + tl.exp2(sink - m_tot)
@@ -134,7 +135,7 @@ def _sink_merge_kernel(MidO, MidLse, Sinks, Out, stride_mb, stride_mh, stride_ms
     mask_c = offs_c < HEAD_DIM
     lse = tl.load(MidLse + (b * num_heads + h) * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     live = lse > float("-inf")  # slices past the key list wrote no partial output
-    sink = tl.load(Sinks + h) * LOG2E
+    sink = tl.load(Sinks + h) * _LOG2E
     m = tl.maximum(tl.max(lse, axis=0), sink)
     w = tl.where(live, tl.exp2(lse - m), 0.0)
     o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_c[None, :],

@@ -179,6 +179,7 @@ class Attention(nn.Module):
     entries, a learned sink per head, and the grouped low-rank output projection."""
 
     use_kernels = False  # decode steps without host lists (CUDA-graph safe); set by the model runner
+    pool_kernels = True  # those steps' attention and indexer as Triton kernels (False: `_decode_gathered`)
 
     def __init__(self, cfg: DeepseekV4Config, layer: int, ropes: dict[str, Rope], par: ParallelContext = SINGLE,
                  max_position: int = 0):
@@ -287,8 +288,25 @@ class Attention(nn.Module):
         return out
 
     def _decode(self, t: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata, iq, iw) -> torch.Tensor:
-        """A token per row from device tensors only: the window's last `window` rows, and every entry up
-        to max_entries (HCA) or the indexer's top-k of them (CSA), masked by what each row may see."""
+        """A token per row from device tensors only: the dual-pool kernel reads each row's window rows and
+        its visible entries (HCA) or the indexer's top-k of them (CSA), by the row's own counts; the
+        indexer scores only the visible entries. `_decode_gathered` is the PyTorch path it replaces."""
+        if not self.pool_kernels:
+            return self._decode_gathered(t, q, meta, iq, iw)
+        from engine.kernels.compressed_decode import dual_pool_decode, indexer_decode_scores
+
+        picks = None
+        if self.indexer is not None:
+            scores = indexer_decode_scores(iq, iw, self.indexer_cache, meta.block_tables, t, self.ratio,
+                                           self.max_entries, self.indexer.head_dim**-0.5)  # [B, max_entries]
+            # sorted: a row's visible entries come first (the rest score -inf), which the kernel relies on
+            picks = scores.topk(min(self.indexer.top_k, self.max_entries), dim=-1).indices
+        return dual_pool_decode(q, self.window_cache, self.compressed_cache, meta.block_tables, t, self.attn_sink,
+                                self.head_dim**-0.5, self.window, self.ratio, picks)
+
+    def _decode_gathered(self, t: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata, iq, iw) -> torch.Tensor:
+        """The PyTorch decode path: the window's last `window` rows, and every entry up to max_entries
+        (HCA) or the indexer's top-k of them (CSA), gathered and masked by what each row may see."""
         dim, bs, dev = self.head_dim, meta.block_size, q.device
         tables = meta.block_tables.long()
         pos = t[:, None] - self.window + 1 + torch.arange(self.window, device=dev)  # [B, window]

@@ -20,7 +20,7 @@ from unittest import mock
 
 import torch
 
-KERNEL_MODULES = ["fp8_gemm", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing",
+KERNEL_MODULES = ["compressed_decode", "fp8_gemm", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing",
                   "rms_norm", "rotary", "sampling"]
 # largest shared memory one block may use, by compute capability (bytes)
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
@@ -103,7 +103,8 @@ def _empty(*shape, dtype=torch.bfloat16) -> torch.Tensor:
 
 
 def launch_all() -> None:
-    """Every launcher at V2-Lite's bf16 and V3's FP8 shapes, at decode and prefill sizes."""
+    """Every launcher at V2-Lite's bf16 and V3's FP8 shapes, at decode and prefill sizes; V4's decode
+    attention at V4 Flash's."""
     from engine.kernels.fp8_gemm import FP8, fp8_linear
     from engine.kernels.fused_moe import fused_experts
     from engine.kernels.gemv import gemv
@@ -163,6 +164,24 @@ def launch_all() -> None:
             mla_prefill_attention(q[..., :nope], q[..., nope:], _empty(tokens, heads, nope), _empty(tokens, rope),
                                   _empty(tokens, heads, vdim), cu, cu, tokens, 0.1)
         sample(_empty(8, vocab, dtype=f32), _empty(8, dtype=f32), torch.zeros(8, dtype=i64), torch.zeros(1, dtype=i64))
+    launch_v4_decode()
+
+
+def launch_v4_decode() -> None:
+    """DeepSeek-V4 Flash's decode attention (64 heads of 512, window 128; CSA ratio 4 with top-512
+    picks, HCA ratio 128; 256-token pages) and its indexer (64 heads of 128), split and unsplit."""
+    from engine.kernels.compressed_decode import dual_pool_decode, indexer_decode_scores
+
+    f32, i32, i64 = torch.float32, torch.int32, torch.int64
+    page, dim, heads = 256, 512, 64
+    for batch in (1, 64):  # slices and a merge at one stream; one launch at 64
+        q, sinks = _empty(batch, heads, dim), _empty(heads, dtype=f32)
+        tables, pos = torch.zeros(batch, 16, dtype=i32), torch.full((batch,), 1023, dtype=i64)
+        for ratio, picks in ((0, None), (4, torch.zeros(batch, 512, dtype=i64)), (128, None)):
+            entries = _empty(64, page // ratio, dim) if ratio else None
+            dual_pool_decode(q, _empty(64, page, dim), entries, tables, pos, sinks, dim**-0.5, 128, ratio, picks)
+        indexer_decode_scores(_empty(batch, heads, 128), _empty(batch, heads, dtype=f32), _empty(64, page // 4, 128),
+                              tables, pos, 4, 1024, 128**-0.5)
 
 
 def compile_all(arch: int = 90) -> list[dict]:
