@@ -112,9 +112,17 @@ class Compressor(nn.Module):
         return self.pooler.state_width
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor,
-                state: torch.Tensor, offset: int, decode: bool) -> None:
+                state: torch.Tensor, offset: int, decode: bool, kernel: bool = False) -> None:
         """Write the entries this step closes into `cache` and each touched block's open state into
-        state[:, 0, offset : offset + state_width]; decode: a token per row, from device tensors only."""
+        state[:, 0, offset : offset + state_width]; decode: a token per row, from device tensors only
+        (kernel: in one Triton launch after the two projections)."""
+        if decode and kernel:
+            from engine.kernels.compressor import compress_decode
+
+            compress_decode(self.wkv(x), self.wgate(x), self.ape, positions, meta.block_tables, state, offset, cache,
+                            self.norm.weight, self.norm.eps, self.rotary.cos_cache, self.rotary.sin_cache, self.ratio,
+                            self.pooler.overlap)
+            return
         c = self.wkv(x).float()
         g = self.wgate(x).float() + self.ape[positions % self.ratio]
         if decode:
@@ -179,7 +187,9 @@ class Attention(nn.Module):
     entries, a learned sink per head, and the grouped low-rank output projection."""
 
     use_kernels = False  # decode steps without host lists (CUDA-graph safe); set by the model runner
-    pool_kernels = True  # those steps' attention and indexer as Triton kernels (False: `_decode_gathered`)
+    # those steps' compressors, indexer and attention as Triton kernels (False: the PyTorch paths,
+    # `Compressor._decode` and `_decode_gathered`)
+    pool_kernels = True
 
     def __init__(self, cfg: DeepseekV4Config, layer: int, ropes: dict[str, Rope], par: ParallelContext = SINGLE,
                  max_position: int = 0):
@@ -243,10 +253,10 @@ class Attention(nn.Module):
         decode = self.use_kernels and not meta.num_prefills
         iq = iw = None
         if self.compressor is not None:
-            self.compressor(x, positions, meta, self.compressed_cache, self.state_cache, 0, decode)
+            self.compressor(x, positions, meta, self.compressed_cache, self.state_cache, 0, decode, self.pool_kernels)
         if self.indexer is not None:
             self.indexer.compressor(x, positions, meta, self.indexer_cache, self.state_cache,
-                                    self.compressor.state_width, decode)
+                                    self.compressor.state_width, decode, self.pool_kernels)
             iq, iw = self.indexer.queries(qr, x, positions)
         out = (self._decode if decode else self._prefill)(positions, q, meta, iq, iw)
         out = self.rotary(out, positions, inverse=True)  # K = V carried RoPE into the output

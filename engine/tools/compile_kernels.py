@@ -20,7 +20,7 @@ from unittest import mock
 
 import torch
 
-KERNEL_MODULES = ["compressed_decode", "fp8_gemm", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing",
+KERNEL_MODULES = ["compressed_decode", "compressor", "fp8_gemm", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing",
                   "rms_norm", "rotary", "sampling"]
 # largest shared memory one block may use, by compute capability (bytes)
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
@@ -169,8 +169,10 @@ def launch_all() -> None:
 
 def launch_v4_decode() -> None:
     """DeepSeek-V4 Flash's decode attention (64 heads of 512, window 128; CSA ratio 4 with top-512
-    picks, HCA ratio 128; 256-token pages) and its indexer (64 heads of 128), split and unsplit."""
+    picks, HCA ratio 128; 256-token pages), its indexer (64 heads of 128), split and unsplit, and its
+    compressors' decode step."""
     from engine.kernels.compressed_decode import dual_pool_decode, indexer_decode_scores
+    from engine.kernels.compressor import compress_decode
 
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
     page, dim, heads = 256, 512, 64
@@ -182,6 +184,12 @@ def launch_v4_decode() -> None:
             dual_pool_decode(q, _empty(64, page, dim), entries, tables, pos, sinks, dim**-0.5, 128, ratio, picks)
         indexer_decode_scores(_empty(batch, heads, 128), _empty(batch, heads, dtype=f32), _empty(64, page // 4, 128),
                               tables, pos, 4, 1024, 128**-0.5)
+        # the compressors: CSA's (overlapping, d 512), its indexer's (d 128), HCA's (d 512)
+        for d, ratio, overlap in ((512, 4, True), (128, 4, True), (512, 128, False)):
+            width = 2 * d if overlap else d
+            compress_decode(_empty(batch, width), _empty(batch, width), _empty(ratio, width, dtype=f32), pos, tables,
+                            _empty(64, 1, 8192, dtype=f32), 0, _empty(64, page // ratio, d), _empty(d, dtype=f32),
+                            1e-6, _empty(4096, 32, dtype=f32), _empty(4096, 32, dtype=f32), ratio, overlap)
 
 
 def compile_all(arch: int = 90) -> list[dict]:

@@ -795,6 +795,63 @@ def test_dual_pool_decode_checks_its_contract():
         dual_pool_decode(**{**case, "ratio": 0, "entry_cache": None, "picks": case["positions"][:, None]})
 
 
+# -- DeepSeek-V4's compressor at decode ---------------------------------------------------------------
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (8, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compress_decode_is_the_models_compressor_step(ratio, overlap, dtype):
+    """A step of rows at a sequence's first token, inside a window, closing one, opening a block (its state
+    held by the previous block): the state and the written entries as `Compressor._decode` leaves them."""
+    from engine.kernels.compressor import compress_decode
+    from engine.models.deepseek_v4 import Compressor, Rope
+
+    g = torch.Generator().manual_seed(70 + ratio)
+    d, hidden, page, offset = 16, 24, 16, 6
+    rope = Rope(8, 256, 10000.0, None)
+    comp = Compressor(hidden, d, ratio, overlap, 1e-6, rope)
+    for p in comp.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    width = comp.state_width
+    positions = [0, 2, ratio - 1, 15, 16, 2 * ratio + 1, 39]  # 15 closes a window and a page; 16 opens one
+    blocks = len(positions) * 3 + 1
+    tables = torch.randperm(blocks - 1, generator=g)[: 3 * len(positions)].view(len(positions), 3).int()
+    state = torch.randn(blocks, 1, offset + width + 3, generator=g)
+    state.view(blocks, -1)[:, offset: offset + width].view(blocks, -1, 3, d)[:, :, 0] *= 3  # the maxima
+    cache = torch.randn(blocks, page // ratio, d, generator=g).to(dtype)
+    t = torch.tensor(positions)
+    c = torch.randn(len(positions), comp.wkv.weight.shape[0], generator=g).to(dtype)
+    gate = torch.randn(len(positions), comp.wkv.weight.shape[0], generator=g).to(dtype)
+    want_state, want_cache = state.clone(), cache.clone()
+    comp._decode(c.float(), gate.float() + comp.ape[t % ratio], t, tables.long(), page, want_cache, want_state, offset)
+    got_state, got_cache = state.to(DEV), cache.to(DEV)
+    compress_decode(c.to(DEV), gate.to(DEV), comp.ape.to(DEV), t.to(DEV), tables.to(DEV), got_state, offset, got_cache,
+                    comp.norm.weight.to(DEV), 1e-6, rope.cos_cache.to(DEV), rope.sin_cache.to(DEV), ratio, overlap)
+    written = tables.flatten().long()  # the scratch block (the model's path writes open entries there) aside
+    assert torch.equal(got_state.cpu()[written].isinf(), want_state[written].isinf())
+    fin = want_state[written].isfinite()
+    assert rel_err(got_state.cpu()[written][fin], want_state[written][fin]) < F32_TOL
+    assert not torch.equal(want_cache[written], cache[written])  # some entry closed
+    tol = F32_TOL if dtype == torch.float32 else 1e-2
+    assert rel_err(got_cache.cpu()[written], want_cache[written]) < tol
+
+
+def test_compress_decode_checks_its_contract():
+    from engine.kernels.compressor import compress_decode
+
+    c = torch.zeros(2, 32, device=DEV)
+    args = dict(c=c, g=c, ape=torch.zeros(4, 32, device=DEV), positions=torch.zeros(2, dtype=torch.long, device=DEV),
+                block_tables=torch.zeros(2, 2, dtype=torch.int32, device=DEV),
+                state=torch.zeros(3, 1, 200, device=DEV), offset=0, cache=torch.zeros(3, 2, 16, device=DEV),
+                norm_weight=torch.ones(16, device=DEV), eps=1e-6, cos=torch.ones(10, 4, device=DEV),
+                sin=torch.zeros(10, 4, device=DEV), ratio=4, overlap=True)
+    compress_decode(**args)
+    with pytest.raises(ValueError, match="width"):
+        compress_decode(**{**args, "overlap": False})
+    with pytest.raises(ValueError, match="too short"):
+        compress_decode(**{**args, "offset": 150})
+    with pytest.raises(ValueError, match="int32"):
+        compress_decode(**{**args, "block_tables": args["block_tables"].long()})
+
+
 # -- the engine's batched sampler (kernels.sampling through engine.sampler.draw_on_device) -----------------
 def _sampling_seqs(n: int, **params):
     from engine.sampling_params import SamplingParams
