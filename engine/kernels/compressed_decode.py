@@ -4,7 +4,7 @@ A V4 layer's query (one token per row at position t) attends to one shared K = V
 first the sliding window's raw-token rows (positions t - window + 1 .. t, those >= 0; the `window`
 cache, a row per token), then compressed entries (the `compressed` cache, a row per `ratio` tokens;
 entry w is visible iff w < (t + 1) // ratio): every visible entry in HCA layers, the indexer's top-k
-picks in CSA layers. One softmax over both with a learned sink per head: one more logit in the
+picks in CSA layers (all of a row's entries while it has no more than k). One softmax over both with a learned sink per head: one more logit in the
 denominator, with no value.
 
 `dual_pool_decode` reads only the rows a query sees, by its own counts on the device (never
@@ -62,10 +62,7 @@ def _dual_pool_kernel(Q, Window, Entries, Tables, Pos, Picks, Sinks, MidO, MidLs
     first = t + 1 - n_win  # the window's first position
     if RATIO > 0:
         n_vis = (t + 1) // RATIO
-        if PICKED:
-            n_ent = tl.minimum(n_vis, num_picks)  # sorted picks: the visible ones come first
-        else:
-            n_ent = n_vis
+        n_ent = tl.minimum(n_vis, num_picks) if PICKED else n_vis
     else:
         n_vis = t * 0
         n_ent = t * 0
@@ -98,8 +95,10 @@ def _dual_pool_kernel(Q, Window, Entries, Tables, Pos, Picks, Sinks, MidO, MidLs
         for n0 in range(tl.maximum(start, n_win), end, BLOCK_N):  # compressed entries
             j = n0 - n_win + offs_n
             mask_n = (n0 + offs_n) < end
-            if PICKED:
-                w = tl.load(Picks + b * stride_pb + j, mask=mask_n, other=0).to(tl.int32)
+            if PICKED:  # k picks of more than k visible entries are all visible; else every entry is picked
+                many = (j * 0 + n_vis) > num_picks
+                w = tl.load(Picks + b * stride_pb + j, mask=mask_n & many, other=0).to(tl.int32)
+                w = tl.where(many, w, j)
                 mask_n = mask_n & (w >= 0) & (w < n_vis)
             else:
                 w = j
@@ -165,7 +164,8 @@ def dual_pool_decode(q: torch.Tensor, window_cache: torch.Tensor, entry_cache: t
     """q [B, H, D]; window_cache [blocks, page, D] (a row per token); entry_cache [blocks, page / ratio, D]
     (a row per `ratio` tokens; None with ratio 0: window only); block_tables [B, width] int32 (both
     pools page by them); positions [B] (each row's query position t); sinks [H] float32; picks [B, k]
-    int (CSA: entry indices, visible ones first, as a sorted top-k of -inf-masked scores gives) or None
+    int (CSA: a top-k of -inf-masked scores, in any order: a row with more than k visible entries reads
+    its k picks, all visible then; one with k or fewer reads every visible entry without them) or None
     (every visible entry) -> [B, H, D] in q's dtype.
 
     num_splits: slices per row (default from the batch and the SM count); tiles: override of `_tiles`
@@ -306,9 +306,10 @@ def reference_dual_pool_decode(q, window_cache, entry_cache, block_tables, posit
             n_vis = (t + 1) // ratio
             if picks is None:
                 w = torch.arange(n_vis, device=q.device)
-            else:  # the first min(n_vis, k) picks, those visible
-                w = picks[b, :n_vis]
-                w = w[(w >= 0) & (w < n_vis)]
+            elif n_vis > picks.shape[1]:  # k of them, all visible
+                w = picks[b]
+            else:  # every visible entry is among the picks
+                w = torch.arange(n_vis, device=q.device)
             keys.append(_rows(entry_cache, block_tables[b], w.long(), ratio))
         kv = torch.cat(keys).float()  # [n, D]
         logits = torch.cat([q[b].float() @ kv.T * softmax_scale, sinks.float()[:, None]], 1)

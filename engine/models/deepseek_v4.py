@@ -309,8 +309,9 @@ class Attention(nn.Module):
         if self.indexer is not None:
             scores = indexer_decode_scores(iq, iw, self.indexer_cache, meta.block_tables, t, self.ratio,
                                            self.max_entries, self.indexer.head_dim**-0.5)  # [B, max_entries]
-            # sorted: a row's visible entries come first (the rest score -inf), which the kernel relies on
-            picks = scores.topk(min(self.indexer.top_k, self.max_entries), dim=-1).indices
+            # unsorted (sorting the k picks costs as much as choosing them): the kernel takes them in any
+            # order, and a row with no more than k entries reads them all without the picks
+            picks = scores.topk(min(self.indexer.top_k, self.max_entries), dim=-1, sorted=False).indices
         return dual_pool_decode(q, self.window_cache, self.compressed_cache, meta.block_tables, t, self.attn_sink,
                                 self.head_dim**-0.5, self.window, self.ratio, picks)
 

@@ -671,7 +671,8 @@ def test_hc_site_checks_its_contract():
 # -- DeepSeek-V4's decode attention over the window and compressed pools, and its indexer ----------------
 def _pools_case(positions, heads, dim, window, ratio, page, dtype, seed, num_picks=None, index_dim=None):
     """Both pools paged by shuffled tables (a scratch page past the last), queries at `positions`, the
-    sinks; CSA: indexer keys and the picks as the model takes them (a sorted top-k of -inf-masked scores)."""
+    sinks; CSA: indexer keys and the picks as the model takes them (a top-k of -inf-masked scores, in
+    no particular order)."""
     g = torch.Generator().manual_seed(seed)
     pages = max(positions) // page + 1
     blocks = len(positions) * pages + 1
@@ -687,7 +688,8 @@ def _pools_case(positions, heads, dim, window, ratio, page, dtype, seed, num_pic
         n_entries = (max(positions) + 1) // ratio + 3  # padded past every row's entries, as max_entries is
         vis = torch.arange(n_entries)[None] < ((torch.tensor(positions) + 1) // ratio)[:, None]
         scores = torch.randn(len(positions), n_entries, generator=g).masked_fill(~vis, float("-inf"))
-        case["picks"] = scores.topk(min(num_picks, n_entries), dim=-1).indices.to(DEV)
+        picks = scores.topk(min(num_picks, n_entries), dim=-1).indices
+        case["picks"] = picks[:, torch.randperm(picks.shape[1], generator=g)].contiguous().to(DEV)  # any order
     index = None
     if index_dim is not None:
         index = dict(q=torch.randn(len(positions), heads, index_dim, generator=g).to(DEV, dtype),
