@@ -51,12 +51,18 @@ def _fp32(*shape: int) -> nn.Parameter:
 class RMSNorm(nn.Module):
     """V4 keeps norm weights in float32 and applies them in float32, casting once at the end."""
 
+    use_kernels = False  # one Triton launch a call (engine.kernels.norm_rope); set by the model runner
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels and x.dim() >= 2 and x.is_contiguous():
+            from engine.kernels.norm_rope import norm_rope
+
+            return norm_rope(x, self.weight, self.eps)
         y = x.float()
         return (self.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
@@ -69,6 +75,8 @@ class Rope(nn.Module):
     """Interleaved pairs (2i, 2i + 1) on the last `dim` features, rotated in float32; V4 does not scale
     cos/sin by YaRN's mscale. inverse=True rotates by -theta (the attention output's rope part)."""
 
+    use_kernels = False  # one Triton launch a call (engine.kernels.norm_rope); set by the model runner
+
     def __init__(self, dim: int, max_position: int, theta: float, scaling):
         super().__init__()
         inv_freq, _ = rope_inv_freq(dim, theta, scaling)
@@ -79,6 +87,10 @@ class Rope(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x: [N, ..., D], positions: [N]."""
+        if self.use_kernels and x.dim() >= 2 and x.is_contiguous():
+            from engine.kernels.norm_rope import norm_rope
+
+            return norm_rope(x, positions=positions, cos=self.cos_cache, sin=self.sin_cache, inverse=inverse)
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]
         if inverse:
             sin = -sin

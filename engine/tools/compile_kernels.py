@@ -20,7 +20,7 @@ from unittest import mock
 
 import torch
 
-KERNEL_MODULES = ["compressed_decode", "compressor", "fp8_gemm", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing",
+KERNEL_MODULES = ["compressed_decode", "compressor", "fp8_gemm", "norm_rope", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing",
                   "rms_norm", "rotary", "sampling"]
 # largest shared memory one block may use, by compute capability (bytes)
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
@@ -173,6 +173,7 @@ def launch_v4_decode() -> None:
     compressors' decode step."""
     from engine.kernels.compressed_decode import dual_pool_decode, indexer_decode_scores
     from engine.kernels.compressor import compress_decode
+    from engine.kernels.norm_rope import norm_rope
 
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
     page, dim, heads = 256, 512, 64
@@ -184,6 +185,10 @@ def launch_v4_decode() -> None:
             dual_pool_decode(q, _empty(64, page, dim), entries, tables, pos, sinks, dim**-0.5, 128, ratio, picks)
         indexer_decode_scores(_empty(batch, heads, 128), _empty(batch, heads, dtype=f32), _empty(64, page // 4, 128),
                               tables, pos, 4, 1024, 128**-0.5)
+        # the norms (hidden 4096, q LoRA 1024, the kv head 512) and the rotations (64 of 512 a head)
+        for d in (4096, 1024, 512):
+            norm_rope(_empty(batch, d), _empty(d, dtype=f32), 1e-6)
+        norm_rope(q, positions=pos, cos=_empty(4096, 32, dtype=f32), sin=_empty(4096, 32, dtype=f32), inverse=True)
         # the compressors: CSA's (overlapping, d 512), its indexer's (d 128), HCA's (d 512)
         for d, ratio, overlap in ((512, 4, True), (128, 4, True), (512, 128, False)):
             width = 2 * d if overlap else d

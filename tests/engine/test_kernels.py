@@ -854,6 +854,49 @@ def test_compress_decode_checks_its_contract():
         compress_decode(**{**args, "block_tables": args["block_tables"].long()})
 
 
+# -- DeepSeek-V4's RMSNorm and RoPE ------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 48), (3, 4, 32), (2, 3, 40)])
+def test_norm_rope_is_the_models_norm_and_rope(shape, dtype):
+    """The RMSNorm, the rotation and its inverse of rows of 32 to 48 values against the model's modules
+    (their PyTorch paths); bf16 rounds where they round, so the two agree to the last bit but for ties."""
+    from engine.kernels.norm_rope import norm_rope
+    from engine.models.deepseek_v4 import RMSNorm, Rope
+
+    g = torch.Generator().manual_seed(80 + len(shape))
+    x = torch.randn(shape, generator=g).to(DEV, dtype)
+    norm, rope = RMSNorm(shape[-1], 1e-6).to(DEV), Rope(8, 64, 10000.0, None).to(DEV)
+    norm.weight.copy_(1 + 0.3 * torch.randn(shape[-1], generator=g))
+    pos = torch.randint(0, 64, (shape[0],), generator=g).to(DEV)
+    tol = F32_TOL if dtype == torch.float32 else 1e-2
+    got = norm_rope(x, norm.weight, 1e-6)
+    assert got.dtype == dtype and rel_err(got, norm(x)) < tol
+    for inverse in (False, True):
+        got = norm_rope(x, positions=pos, cos=rope.cos_cache, sin=rope.sin_cache, inverse=inverse)
+        assert rel_err(got, rope(x, pos, inverse=inverse)) < tol
+        assert torch.equal(got[..., :-8], x[..., :-8])  # the channels before the rotary ones pass through
+    both = norm_rope(x, norm.weight, 1e-6, pos, rope.cos_cache, rope.sin_cache)
+    assert rel_err(both, rope(norm(x), pos)) < tol
+    back = norm_rope(norm_rope(x, positions=pos, cos=rope.cos_cache, sin=rope.sin_cache), positions=pos,
+                     cos=rope.cos_cache, sin=rope.sin_cache, inverse=True)
+    assert rel_err(back, x) < tol  # the inverse undoes the rotation
+
+
+def test_norm_rope_checks_its_contract():
+    from engine.kernels.norm_rope import norm_rope
+
+    x = torch.randn(4, 16, device=DEV)
+    with pytest.raises(ValueError, match="contiguous"):
+        norm_rope(x.t(), torch.ones(4, device=DEV))
+    with pytest.raises(ValueError, match="float32"):
+        norm_rope(x, torch.ones(16, device=DEV, dtype=torch.float64))
+    with pytest.raises(ValueError, match="nothing to do"):
+        norm_rope(x)
+    with pytest.raises(ValueError, match="does not fit"):
+        norm_rope(x, positions=torch.zeros(4, dtype=torch.long, device=DEV), cos=torch.ones(8, 10, device=DEV),
+                  sin=torch.ones(8, 10, device=DEV))
+
+
 # -- the engine's batched sampler (kernels.sampling through engine.sampler.draw_on_device) -----------------
 def _sampling_seqs(n: int, **params):
     from engine.sampling_params import SamplingParams
