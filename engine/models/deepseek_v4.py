@@ -434,7 +434,8 @@ class Block(nn.Module):
     streams collapse by `pre` into the sublayer's input; its output y spreads back by `post` and the
     streams mix by `comb`: stream_k = post_k * y + sum_j comb[j, k] * stream_j."""
 
-    use_kernels = False  # each site's weights and collapse as one Triton kernel; set by the model runner
+    # each site's weights and collapse, and its mix after the sublayer, as Triton kernels; set by the model runner
+    use_kernels = False
     # tiles of tokens whose K the site kernel splits (more tiles fill the GPU unsplit): the tickets it keeps
     hc_split_tiles = 256
 
@@ -468,6 +469,10 @@ class Block(nn.Module):
     def _site(self, h: torch.Tensor, site: str, sublayer) -> torch.Tensor:
         x, post, comb = self.collapse(h, site)
         y = sublayer(x)
+        if self.use_kernels and h.is_contiguous() and y.is_contiguous():
+            from engine.kernels.mhc import hc_mix
+
+            return hc_mix(h, y, post.contiguous(), comb.contiguous())
         return post.to(h.dtype).unsqueeze(-1) * y.unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb.to(h.dtype), h)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, input_ids: torch.Tensor,

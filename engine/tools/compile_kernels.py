@@ -20,7 +20,7 @@ from unittest import mock
 
 import torch
 
-KERNEL_MODULES = ["compressed_decode", "compressor", "fp8_gemm", "norm_rope", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing",
+KERNEL_MODULES = ["compressed_decode", "compressor", "fp8_gemm", "mhc", "norm_rope", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing",
                   "rms_norm", "rotary", "sampling"]
 # largest shared memory one block may use, by compute capability (bytes)
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
@@ -169,10 +169,11 @@ def launch_all() -> None:
 
 def launch_v4_decode() -> None:
     """DeepSeek-V4 Flash's decode attention (64 heads of 512, window 128; CSA ratio 4 with top-512
-    picks, HCA ratio 128; 256-token pages), its indexer (64 heads of 128), split and unsplit, and its
-    compressors' decode step."""
+    picks, HCA ratio 128; 256-token pages), its indexer (64 heads of 128), split and unsplit, its
+    compressors' decode step, norms, rotations and the mix after a sublayer."""
     from engine.kernels.compressed_decode import dual_pool_decode, indexer_decode_scores
     from engine.kernels.compressor import compress_decode
+    from engine.kernels.mhc import hc_mix
     from engine.kernels.norm_rope import norm_rope
 
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
@@ -189,6 +190,7 @@ def launch_v4_decode() -> None:
         for d in (4096, 1024, 512):
             norm_rope(_empty(batch, d), _empty(d, dtype=f32), 1e-6)
         norm_rope(q, positions=pos, cos=_empty(4096, 32, dtype=f32), sin=_empty(4096, 32, dtype=f32), inverse=True)
+        hc_mix(_empty(batch, 4, 4096), _empty(batch, 4096), _empty(batch, 4, dtype=f32), _empty(batch, 4, 4, dtype=f32))
         # the compressors: CSA's (overlapping, d 512), its indexer's (d 128), HCA's (d 512)
         for d, ratio, overlap in ((512, 4, True), (128, 4, True), (512, 128, False)):
             width = 2 * d if overlap else d

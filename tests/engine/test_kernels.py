@@ -897,6 +897,20 @@ def test_norm_rope_checks_its_contract():
                   sin=torch.ones(8, 10, device=DEV))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens, n, hidden", [(1, 4, 48), (3, 2, 40), (2, 4, 1100)])
+def test_hc_mix_is_the_sites_torch_mix(num_tokens, n, hidden, dtype):
+    """stream_k = post_k y + sum_j comb[j, k] stream_j, as `Block._site`'s PyTorch path (hidden past a block)."""
+    from engine.kernels.mhc import hc_mix
+
+    streams, fn, base, scale = _hc_case(num_tokens, n, hidden, dtype, seed=48 + hidden)
+    _, post, comb = _hc_reference(streams, fn, base, scale, 20)
+    y = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(49)).to(DEV, dtype)
+    want = post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb.to(dtype), streams)
+    got = hc_mix(streams, y, post.float().contiguous(), comb.float().contiguous())
+    assert got.dtype == dtype and rel_err(got, want) < (F32_TOL if dtype == torch.float32 else 1e-2)
+
+
 # -- the engine's batched sampler (kernels.sampling through engine.sampler.draw_on_device) -----------------
 def _sampling_seqs(n: int, **params):
     from engine.sampling_params import SamplingParams
