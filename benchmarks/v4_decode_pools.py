@@ -12,6 +12,7 @@ sees. Writes v4_decode_pools.json and prints one table.
 
 import argparse
 import dataclasses
+import datetime
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -77,7 +78,8 @@ def main() -> None:
     ceilings = measure_ceilings(runner.device)
     costs = V4Costs(runner.model, cfg, 2)
     vocab = cfg.vocab_size
-    result = dict(preset=a.preset, max_model_len=max(contexts) + 64, torch=torch.__version__,
+    result = dict(command="python benchmarks/v4_decode_pools.py --contexts " + a.contexts, preset=a.preset,
+                  date=datetime.date.today().isoformat(), max_model_len=max(contexts) + 64, torch=torch.__version__,
                   gpu=torch.cuda.get_device_name() if runner.device.type == "cuda" else "cpu",
                   ceilings=ceilings.as_dict(), contexts={})
     g = torch.Generator(runner.device).manual_seed(0)
