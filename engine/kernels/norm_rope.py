@@ -13,40 +13,43 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, pow2
+from engine.kernels._util import check, check_float, interpreted, pow2
 
 
 @triton.jit
-def _norm_rope_kernel(X, W, Pos, Cos, Sin, Y, stride_xr, stride_yr, rows_per_token, dim, eps, stride_cos,
-                      NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr, BLOCK: tl.constexpr):
-    r = tl.program_id(0)
+def _norm_rope_kernel(X, W, Pos, Cos, Sin, Y, num_rows, rows_per_token, dim, eps, stride_cos, NORM: tl.constexpr,
+                      ROPE: tl.constexpr, INVERSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+    # BLOCK_R rows of `dim` contiguous values a program
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs = tl.arange(0, BLOCK)
-    mask = offs < dim
-    x = tl.load(X + r * stride_xr + offs, mask=mask, other=0.0)
+    mask = (rows < num_rows)[:, None] & (offs < dim)[None, :]
+    base = rows.to(tl.int64)[:, None] * dim
+    x = tl.load(X + base + offs[None, :], mask=mask, other=0.0)
     y = x
     if NORM:
         xf = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / dim + eps)
-        w = tl.load(W + offs, mask=mask, other=0.0)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / dim + eps)[:, None]
+        w = tl.load(W + offs, mask=offs < dim, other=0.0)[None, :]
         y = (w * (xf * rstd)).to(x.dtype)
     if ROPE > 0:
         pair = offs ^ 1  # the other channel of each rotary pair, normed the same way
-        y_p = tl.load(X + r * stride_xr + pair, mask=mask, other=0.0)
+        y_p = tl.load(X + base + pair[None, :], mask=mask, other=0.0)
         if NORM:
-            w_p = tl.load(W + pair, mask=mask, other=0.0)
+            w_p = tl.load(W + pair, mask=offs < dim, other=0.0)[None, :]
             y_p = (w_p * (y_p.to(tl.float32) * rstd)).to(x.dtype)
-        t = tl.load(Pos + r // rows_per_token)
+        t = tl.load(Pos + rows // rows_per_token, mask=rows < num_rows, other=0)
         k = (offs - (dim - ROPE)) // 2
-        rot = mask & (offs >= dim - ROPE)
-        cos = tl.load(Cos + t * stride_cos + k, mask=rot, other=1.0)
-        sin = tl.load(Sin + t * stride_cos + k, mask=rot, other=0.0)
+        rot = mask & (offs >= dim - ROPE)[None, :]
+        at = t[:, None] * stride_cos + k[None, :]
+        cos = tl.load(Cos + at, mask=rot, other=1.0)
+        sin = tl.load(Sin + at, mask=rot, other=0.0)
         if INVERSE:
             sin = -sin
         # interleaved pairs (2i, 2i + 1): even = y cos - y' sin, odd = y cos + y' sin
         p = y_p.to(tl.float32)
-        out = y.to(tl.float32) * cos + tl.where(offs % 2 == 0, -p, p) * sin
+        out = y.to(tl.float32) * cos + tl.where((offs % 2 == 0)[None, :], -p, p) * sin
         y = tl.where(rot, out.to(x.dtype), y)
-    tl.store(Y + r * stride_yr + offs, y, mask=mask)
+    tl.store(Y + base + offs[None, :], y, mask=mask)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 0.0,
@@ -73,9 +76,13 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 
     rows = x.numel() // dim
     if rows == 0:
         return y
+    block = pow2(dim)
+    # a row a program on a GPU (what was measured); the interpreter runs programs one after another,
+    # so there a program takes 4,096 values
+    block_r = max(1, 4096 // block) if interpreted(x) else 1
     dummy = x if positions is None else positions
-    _norm_rope_kernel[(rows,)](x, weight if weight is not None else x, dummy, cos if cos is not None else x,
-                               sin if sin is not None else x, y, dim, dim, rows // x.shape[0], dim, eps,
-                               cos.stride(0) if cos is not None else 0, NORM=weight is not None, ROPE=rope,
-                               INVERSE=inverse, BLOCK=pow2(dim), num_warps=4 if dim <= 4096 else 8)
+    _norm_rope_kernel[(triton.cdiv(rows, block_r),)](
+        x, weight if weight is not None else x, dummy, cos if cos is not None else x, sin if sin is not None else x,
+        y, rows, rows // x.shape[0], dim, eps, cos.stride(0) if cos is not None else 0, NORM=weight is not None,
+        ROPE=rope, INVERSE=inverse, BLOCK_R=block_r, BLOCK=block, num_warps=4 if dim <= 4096 else 8)
     return y

@@ -856,7 +856,7 @@ def test_compress_decode_checks_its_contract():
 
 # -- DeepSeek-V4's RMSNorm and RoPE ------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(5, 48), (3, 4, 32), (2, 3, 40)])
+@pytest.mark.parametrize("shape", [(5, 48), (3, 4, 32), (2, 3, 40), (45, 2, 64)])  # the last: 90 rows, two programs
 def test_norm_rope_is_the_models_norm_and_rope(shape, dtype):
     """The RMSNorm, the rotation and its inverse of rows of 32 to 48 values against the model's modules
     (their PyTorch paths); bf16 rounds where they round, so the two agree to the last bit but for ties."""
