@@ -7,6 +7,7 @@ Shapes below for V4 Flash: hidden 4096, 64 heads of 512 (the last 64 rotary), q 
 groups of LoRA 1024, 4 residual streams, 256 experts top-6 of width 2048 plus one shared.
 """
 
+import os
 import re
 
 import torch
@@ -263,12 +264,13 @@ class Attention(nn.Module):
         kv = self.rotary(self.norm(self.wkv(x)), positions)  # [T, head_dim]
         write_kv_cache(self.window_cache, kv, meta.slot_mapping)
         decode = self.use_kernels and not meta.num_prefills
+        pools = self._pools(x)
         iq = iw = None
         if self.compressor is not None:
-            self.compressor(x, positions, meta, self.compressed_cache, self.state_cache, 0, decode, self.pool_kernels)
+            self.compressor(x, positions, meta, self.compressed_cache, self.state_cache, 0, decode, pools)
         if self.indexer is not None:
             self.indexer.compressor(x, positions, meta, self.indexer_cache, self.state_cache,
-                                    self.compressor.state_width, decode, self.pool_kernels)
+                                    self.compressor.state_width, decode, pools)
             iq, iw = self.indexer.queries(qr, x, positions)
         out = (self._decode if decode else self._prefill)(positions, q, meta, iq, iw)
         out = self.rotary(out, positions, inverse=True)  # K = V carried RoPE into the output
@@ -309,11 +311,16 @@ class Attention(nn.Module):
                                         dim**-0.5)
         return out
 
+    def _pools(self, x: torch.Tensor) -> bool:
+        """Whether decode steps take the pool kernels: asked for, and Triton can run them (CUDA tensors, or
+        its interpreter, chosen before its first import); else the PyTorch paths, their reference."""
+        return self.pool_kernels and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
     def _decode(self, t: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata, iq, iw) -> torch.Tensor:
         """A token per row from device tensors only: the dual-pool kernel reads each row's window rows and
         its visible entries (HCA) or the indexer's top-k of them (CSA), by the row's own counts; the
         indexer scores only the visible entries. `_decode_gathered` is the PyTorch path it replaces."""
-        if not self.pool_kernels:
+        if not self._pools(q):
             return self._decode_gathered(t, q, meta, iq, iw)
         from engine.kernels.compressed_decode import dual_pool_decode, indexer_decode_scores
 
