@@ -21,3 +21,10 @@ plain-PyTorch reference the tests compare against.
 Kernels run compiled on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before the
 first import of this package (how the tests run them without a GPU).
 """
+
+import os
+
+
+def runs_here(t) -> bool:
+    """Whether the kernels can take tensor t: on CUDA, or anywhere under Triton's interpreter."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"

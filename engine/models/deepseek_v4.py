@@ -7,7 +7,6 @@ Shapes below for V4 Flash: hidden 4096, 64 heads of 512 (the last 64 rotary), q 
 groups of LoRA 1024, 4 residual streams, 256 experts top-6 of width 2048 plus one shared.
 """
 
-import os
 import re
 
 import torch
@@ -314,7 +313,9 @@ class Attention(nn.Module):
     def _pools(self, x: torch.Tensor) -> bool:
         """Whether decode steps take the pool kernels: asked for, and Triton can run them (CUDA tensors, or
         its interpreter, chosen before its first import); else the PyTorch paths, their reference."""
-        return self.pool_kernels and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        from engine.kernels import runs_here
+
+        return self.pool_kernels and runs_here(x)
 
     def _decode(self, t: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata, iq, iw) -> torch.Tensor:
         """A token per row from device tensors only: the dual-pool kernel reads each row's window rows and
