@@ -13,7 +13,18 @@ plain-PyTorch reference the tests compare against.
 | `latent_cache` | kv norm, rope of the queries and the shared key, and the latent cache write (FP8: quantized) in one launch |
 | `rotary` | the in-kernel rotation of query heads (interleaved rope) and its reference |
 | `sampling` | temperature / greedy sampling on the GPU (Gumbel-max) |
+| `mhc` | DeepSeek-V4's mHC site (weights, Sinkhorn, the collapse) and the mix after a sublayer |
+| `compressed_decode` | DeepSeek-V4's decode attention over the window and compressed pools; the indexer's decode scores |
+| `compressor` | DeepSeek-V4's compressor decode step (state, entry norm and rope, cache write) |
+| `norm_rope` | DeepSeek-V4's RMSNorm (float32 weight) and interleaved RoPE, fused where both apply |
 
 Kernels run compiled on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before the
 first import of this package (how the tests run them without a GPU).
 """
+
+import os
+
+
+def runs_here(t) -> bool:
+    """Whether the kernels can take tensor t: on CUDA, or anywhere under Triton's interpreter."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"

@@ -169,3 +169,44 @@ def hc_site(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         norm_eps, N=n, MIX=mix, SPLITS=num_splits, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_D=block_d,
         num_warps=4)
     return x, post, comb
+
+
+@triton.jit
+def _hc_mix_kernel(H, Y, Post, Comb, Out, stride_ht, stride_hn, stride_yt, stride_ot, stride_on, hidden,
+                   N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # one program per (token, BLOCK_D channels): out_k = post_k y + sum_j comb[j, k] h_j
+    t, db = tl.program_id(0), tl.program_id(1)
+    i = tl.arange(0, N)
+    offs = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = offs < hidden
+    dt = Out.dtype.element_ty
+    # post and comb rounded to the streams' dtype first, as the PyTorch path multiplies them
+    post = tl.load(Post + t * N + i).to(dt).to(tl.float32)  # [N]
+    comb = tl.load(Comb + t * N * N + i[:, None] * N + i[None, :]).to(dt).to(tl.float32)  # [j, k]
+    h = tl.load(H + t * stride_ht + i[:, None] * stride_hn + offs[None, :], mask=mask[None, :], other=0.0)
+    y = tl.load(Y + t * stride_yt + offs, mask=mask, other=0.0).to(tl.float32)
+    mixed = tl.sum(comb[:, :, None] * h.to(tl.float32)[:, None, :], axis=0)  # [k, BLOCK_D]
+    out = post[:, None] * y[None, :] + mixed
+    tl.store(Out + t * stride_ot + i[:, None] * stride_on + offs[None, :], out.to(dt), mask=mask[None, :])
+
+
+def hc_mix(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """After a sublayer: streams [T, n, hidden], its output y [T, hidden], post [T, n], comb [T, n, n]
+    (float32) -> the new streams [T, n, hidden], stream_k = post_k y + sum_j comb[j, k] stream_j, in one
+    launch (the PyTorch path in `Block._site` is five kernels), rounded once."""
+    check(streams.dim() == 3 and streams.stride(-1) == 1 and y.dim() == 2 and y.stride(-1) == 1,
+          "streams must be [T, n, hidden] and y [T, hidden], contiguous in hidden")
+    num_tokens, n, hidden = streams.shape
+    check(y.shape == (num_tokens, hidden) and y.dtype == streams.dtype, "y must be [T, hidden] in the streams' dtype")
+    check(post.shape == (num_tokens, n) and comb.shape == (num_tokens, n, n) and post.dtype == torch.float32
+          and comb.dtype == torch.float32 and post.is_contiguous() and comb.is_contiguous(),
+          "post [T, n] and comb [T, n, n] must be float32 and contiguous")
+    check(n & (n - 1) == 0, "the stream count must be a power of two")
+    check_float("streams", streams)
+    out = torch.empty_like(streams)
+    if num_tokens:
+        block_d = min(512, triton.next_power_of_2(hidden))
+        _hc_mix_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
+            streams, y, post, comb, out, streams.stride(0), streams.stride(1), y.stride(0), out.stride(0),
+            out.stride(1), hidden, N=n, BLOCK_D=block_d, num_warps=4)
+    return out

@@ -78,12 +78,18 @@ def _fp32(*shape: int) -> nn.Parameter:
 class RMSNorm(nn.Module):
     """V4 keeps norm weights in float32 and applies them in float32, casting once at the end."""
 
+    use_kernels = False  # one Triton launch a call (engine.kernels.norm_rope); set by the model runner
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels and x.dim() >= 2 and x.is_contiguous():
+            from engine.kernels.norm_rope import norm_rope
+
+            return norm_rope(x, self.weight, self.eps)
         y = x.float()
         return (self.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
@@ -96,6 +102,8 @@ class Rope(nn.Module):
     """Interleaved pairs (2i, 2i + 1) on the last `dim` features, rotated in float32; V4 does not scale
     cos/sin by YaRN's mscale. inverse=True rotates by -theta (the attention output's rope part)."""
 
+    use_kernels = False  # one Triton launch a call (engine.kernels.norm_rope); set by the model runner
+
     def __init__(self, dim: int, max_position: int, theta: float, scaling):
         super().__init__()
         inv_freq, _ = rope_inv_freq(dim, theta, scaling)
@@ -106,6 +114,10 @@ class Rope(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x: [N, ..., D], positions: [N]."""
+        if self.use_kernels and x.dim() >= 2 and x.is_contiguous():
+            from engine.kernels.norm_rope import norm_rope
+
+            return norm_rope(x, positions=positions, cos=self.cos_cache, sin=self.sin_cache, inverse=inverse)
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]
         if inverse:
             sin = -sin
@@ -160,9 +172,17 @@ class Compressor(nn.Module):
         return self.pooler.state_width
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor,
-                state: torch.Tensor, offset: int, decode: bool) -> None:
+                state: torch.Tensor, offset: int, decode: bool, kernel: bool = False) -> None:
         """Write the entries this step closes into `cache` and each touched block's open state into
-        state[:, 0, offset : offset + state_width]; decode: a token per row, from device tensors only."""
+        state[:, 0, offset : offset + state_width]; decode: a token per row, from device tensors only
+        (kernel: in one Triton launch after the two projections)."""
+        if decode and kernel:
+            from engine.kernels.compressor import compress_decode
+
+            compress_decode(self.wkv(x), self.wgate(x), self.ape, positions, meta.block_tables, state, offset, cache,
+                            self.norm.weight, self.norm.eps, self.rotary.cos_cache, self.rotary.sin_cache, self.ratio,
+                            self.pooler.overlap)
+            return
         c = self.wkv(x).float()
         g = self.wgate(x).float() + self.ape[positions % self.ratio]
         if decode:
@@ -251,6 +271,9 @@ class Attention(nn.Module):
     entries, a learned sink per head, and the grouped low-rank output projection."""
 
     use_kernels = False  # decode steps without host lists (CUDA-graph safe); set by the model runner
+    # those steps' compressors, indexer and attention as Triton kernels (False: the PyTorch paths,
+    # `Compressor._decode` and `_decode_gathered`)
+    pool_kernels = True
 
     def __init__(self, cfg: DeepseekV4Config, layer: int, ropes: dict[str, Rope], par: ParallelContext = SINGLE,
                  max_position: int = 0):
@@ -324,12 +347,13 @@ class Attention(nn.Module):
         kv = self.rotary(self.norm(self.wkv(x)), positions)  # [T, head_dim]
         write_kv_cache(self.window_cache, kv, meta.slot_mapping)
         decode = self.use_kernels and not meta.num_prefills
+        pools = self._pools(x)
         iq = iw = None
         if self.compressor is not None:
-            self.compressor(x, positions, meta, self.compressed_cache, self.state_cache, 0, decode)
+            self.compressor(x, positions, meta, self.compressed_cache, self.state_cache, 0, decode, pools)
         if self.indexer is not None:
             self.indexer.compressor(x, positions, meta, self.indexer_cache, self.state_cache,
-                                    self.compressor.state_width, decode)
+                                    self.compressor.state_width, decode, pools)
             iq, iw = self.indexer.queries(qr, x, positions)
         out = (self._decode if decode else self._prefill)(positions, q, meta, iq, iw)
         out = self.rotary(out, positions, inverse=True)  # K = V carried RoPE into the output
@@ -370,9 +394,34 @@ class Attention(nn.Module):
                                         dim**-0.5)
         return out
 
+    def _pools(self, x: torch.Tensor) -> bool:
+        """Whether decode steps take the pool kernels: asked for, and Triton can run them (CUDA tensors, or
+        its interpreter, chosen before its first import); else the PyTorch paths, their reference."""
+        from engine.kernels import runs_here
+
+        return self.pool_kernels and runs_here(x)
+
     def _decode(self, t: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata, iq, iw) -> torch.Tensor:
-        """A token per row from device tensors only: the window's last `window` rows, and every entry up
-        to max_entries (HCA) or the indexer's top-k of them (CSA), masked by what each row may see."""
+        """A token per row from device tensors only: the dual-pool kernel reads each row's window rows and
+        its visible entries (HCA) or the indexer's top-k of them (CSA), by the row's own counts; the
+        indexer scores only the visible entries. `_decode_gathered` is the PyTorch path it replaces."""
+        if not self._pools(q):
+            return self._decode_gathered(t, q, meta, iq, iw)
+        from engine.kernels.compressed_decode import dual_pool_decode, indexer_decode_scores
+
+        picks = None
+        if self.indexer is not None:
+            scores = indexer_decode_scores(iq, iw, self.indexer_cache, meta.block_tables, t, self.ratio,
+                                           self.max_entries, self.indexer.head_dim**-0.5)  # [B, max_entries]
+            # unsorted (sorting the k picks costs as much as choosing them): the kernel takes them in any
+            # order, and a row with no more than k entries reads them all without the picks
+            picks = scores.topk(min(self.indexer.top_k, self.max_entries), dim=-1, sorted=False).indices
+        return dual_pool_decode(q, self.window_cache, self.compressed_cache, meta.block_tables, t, self.attn_sink,
+                                self.head_dim**-0.5, self.window, self.ratio, picks)
+
+    def _decode_gathered(self, t: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata, iq, iw) -> torch.Tensor:
+        """The PyTorch decode path: the window's last `window` rows, and every entry up to max_entries
+        (HCA) or the indexer's top-k of them (CSA), gathered and masked by what each row may see."""
         dim, bs, dev = self.head_dim, meta.block_size, q.device
         tables = meta.block_tables.long()
         pos = t[:, None] - self.window + 1 + torch.arange(self.window, device=dev)  # [B, window]
@@ -485,7 +534,8 @@ class Block(nn.Module):
     streams collapse by `pre` into the sublayer's input; its output y spreads back by `post` and the
     streams mix by `comb`: stream_k = post_k * y + sum_j comb[j, k] * stream_j."""
 
-    use_kernels = False  # each site's weights and collapse as one Triton kernel; set by the model runner
+    # each site's weights and collapse, and its mix after the sublayer, as Triton kernels; set by the model runner
+    use_kernels = False
     # tiles of tokens whose K the site kernel splits (more tiles fill the GPU unsplit): the tickets it keeps
     hc_split_tiles = 256
 
@@ -519,6 +569,10 @@ class Block(nn.Module):
     def _site(self, h: torch.Tensor, site: str, sublayer) -> torch.Tensor:
         x, post, comb = self.collapse(h, site)
         y = sublayer(x)
+        if self.use_kernels and h.is_contiguous() and y.is_contiguous():
+            from engine.kernels.mhc import hc_mix
+
+            return hc_mix(h, y, post.contiguous(), comb.contiguous())
         return post.to(h.dtype).unsqueeze(-1) * y.unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb.to(h.dtype), h)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, input_ids: torch.Tensor,

@@ -20,7 +20,7 @@ from unittest import mock
 
 import torch
 
-KERNEL_MODULES = ["fp8_gemm", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing",
+KERNEL_MODULES = ["compressed_decode", "compressor", "fp8_gemm", "mhc", "norm_rope", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing",
                   "rms_norm", "rotary", "sampling"]
 # largest shared memory one block may use, by compute capability (bytes)
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
@@ -106,7 +106,8 @@ def _empty(*shape, dtype=torch.bfloat16) -> torch.Tensor:
 
 
 def launch_all() -> None:
-    """Every launcher at V2-Lite's bf16 and V3's FP8 shapes, at decode and prefill sizes."""
+    """Every launcher at V2-Lite's bf16 and V3's FP8 shapes, at decode and prefill sizes; V4's decode
+    attention at V4 Flash's."""
     from engine.kernels.fp8_gemm import FP8, fp8_block_gemm_tma, fp8_linear, per_token_group_quant
     from engine.kernels.fused_moe import TMA_CONFIGS, fused_experts, fused_experts_tma
     from engine.kernels.gemv import gemv
@@ -172,6 +173,39 @@ def launch_all() -> None:
             mla_prefill_attention(q[..., :nope], q[..., nope:], _empty(tokens, heads, nope), _empty(tokens, rope),
                                   _empty(tokens, heads, vdim), cu, cu, tokens, 0.1)
         sample(_empty(8, vocab, dtype=f32), _empty(8, dtype=f32), torch.zeros(8, dtype=i64), torch.zeros(1, dtype=i64))
+    launch_v4_decode()
+
+
+def launch_v4_decode() -> None:
+    """DeepSeek-V4 Flash's decode attention (64 heads of 512, window 128; CSA ratio 4 with top-512
+    picks, HCA ratio 128; 256-token pages), its indexer (64 heads of 128), split and unsplit, its
+    compressors' decode step, norms, rotations and the mix after a sublayer."""
+    from engine.kernels.compressed_decode import dual_pool_decode, indexer_decode_scores
+    from engine.kernels.compressor import compress_decode
+    from engine.kernels.mhc import hc_mix
+    from engine.kernels.norm_rope import norm_rope
+
+    f32, i32, i64 = torch.float32, torch.int32, torch.int64
+    page, dim, heads = 256, 512, 64
+    for batch in (1, 64):  # slices and a merge at one stream; one launch at 64
+        q, sinks = _empty(batch, heads, dim), _empty(heads, dtype=f32)
+        tables, pos = torch.zeros(batch, 16, dtype=i32), torch.full((batch,), 1023, dtype=i64)
+        for ratio, picks in ((0, None), (4, torch.zeros(batch, 512, dtype=i64)), (128, None)):
+            entries = _empty(64, page // ratio, dim) if ratio else None
+            dual_pool_decode(q, _empty(64, page, dim), entries, tables, pos, sinks, dim**-0.5, 128, ratio, picks)
+        indexer_decode_scores(_empty(batch, heads, 128), _empty(batch, heads, dtype=f32), _empty(64, page // 4, 128),
+                              tables, pos, 4, 1024, 128**-0.5)
+        # the norms (hidden 4096, q LoRA 1024, the kv head 512) and the rotations (64 of 512 a head)
+        for d in (4096, 1024, 512):
+            norm_rope(_empty(batch, d), _empty(d, dtype=f32), 1e-6)
+        norm_rope(q, positions=pos, cos=_empty(4096, 32, dtype=f32), sin=_empty(4096, 32, dtype=f32), inverse=True)
+        hc_mix(_empty(batch, 4, 4096), _empty(batch, 4096), _empty(batch, 4, dtype=f32), _empty(batch, 4, 4, dtype=f32))
+        # the compressors: CSA's (overlapping, d 512), its indexer's (d 128), HCA's (d 512)
+        for d, ratio, overlap in ((512, 4, True), (128, 4, True), (512, 128, False)):
+            width = 2 * d if overlap else d
+            compress_decode(_empty(batch, width), _empty(batch, width), _empty(ratio, width, dtype=f32), pos, tables,
+                            _empty(64, 1, 8192, dtype=f32), 0, _empty(64, page // ratio, d), _empty(d, dtype=f32),
+                            1e-6, _empty(4096, 32, dtype=f32), _empty(4096, 32, dtype=f32), ratio, overlap)
 
 
 def compile_all(arch: int = 90) -> list[dict]:

@@ -187,7 +187,7 @@ def test_decode_steps_without_host_lists_match_hf(v4):
     hf, path = v4
     llm = LLM(str(path), dtype="float32", device="cpu", show_progress=False, block_size=8, max_model_len=256)
     for attn in llm.engine.runner.model.attention_layers():
-        attn.use_kernels = True
+        attn.use_kernels, attn.pool_kernels = True, False  # the PyTorch path (the Triton kernels: test_fast_path)
     batch = prompts(12, [9, 41, 23, 66], VOCAB)
     outs = llm.generate(batch, GREEDY)
     for ids, out in zip(batch, outs):

@@ -745,6 +745,249 @@ def test_hc_site_checks_its_contract():
         hc_site(streams, fn, base, scale, 20, 1e-6, 1e-6, tickets.long(), num_splits=2)
 
 
+# -- DeepSeek-V4's decode attention over the window and compressed pools, and its indexer ----------------
+def _pools_case(positions, heads, dim, window, ratio, page, dtype, seed, num_picks=None, index_dim=None):
+    """Both pools paged by shuffled tables (a scratch page past the last), queries at `positions`, the
+    sinks; CSA: indexer keys and the picks as the model takes them (a top-k of -inf-masked scores, in
+    no particular order)."""
+    g = torch.Generator().manual_seed(seed)
+    pages = max(positions) // page + 1
+    blocks = len(positions) * pages + 1
+    tables = torch.randperm(blocks - 1, generator=g)[: len(positions) * pages].view(len(positions), pages)
+    per_page = page // ratio if ratio else 1
+    case = dict(
+        q=torch.randn(len(positions), heads, dim, generator=g).to(DEV, dtype),
+        window_cache=torch.randn(blocks, page, dim, generator=g).to(DEV, dtype),
+        entry_cache=torch.randn(blocks, per_page, dim, generator=g).to(DEV, dtype) if ratio else None,
+        block_tables=tables.to(DEV, torch.int32), positions=torch.tensor(positions, device=DEV),
+        sinks=torch.randn(heads, generator=g).to(DEV), softmax_scale=dim**-0.5, window=window, ratio=ratio)
+    if num_picks is not None:
+        n_entries = (max(positions) + 1) // ratio + 3  # padded past every row's entries, as max_entries is
+        vis = torch.arange(n_entries)[None] < ((torch.tensor(positions) + 1) // ratio)[:, None]
+        scores = torch.randn(len(positions), n_entries, generator=g).masked_fill(~vis, float("-inf"))
+        picks = scores.topk(min(num_picks, n_entries), dim=-1).indices
+        case["picks"] = picks[:, torch.randperm(picks.shape[1], generator=g)].contiguous().to(DEV)  # any order
+    index = None
+    if index_dim is not None:
+        index = dict(q=torch.randn(len(positions), heads, index_dim, generator=g).to(DEV, dtype),
+                     weights=torch.randn(len(positions), heads, generator=g).to(DEV),
+                     key_cache=torch.randn(blocks, per_page, index_dim, generator=g).to(DEV, dtype),
+                     block_tables=case["block_tables"], positions=case["positions"], ratio=ratio,
+                     num_entries=(max(positions) + 1) // ratio + 5, scale=index_dim**-0.5)
+    return case, index
+
+
+# rows inside and past the window, with no entry yet, a few, more than the picks; window only, HCA, CSA
+@pytest.mark.parametrize("ratio,num_picks", [(0, None), (4, None), (4, 5), (8, 64)])
+@pytest.mark.parametrize("num_splits", [1, 5])  # 5: slices past the short rows are empty
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dual_pool_decode_matches_reference(ratio, num_picks, num_splits, dtype):
+    from engine.kernels.compressed_decode import dual_pool_decode, reference_dual_pool_decode
+
+    case, _ = _pools_case([0, 2, 6, 11, 40, 73], heads=5, dim=48, window=8, ratio=ratio, page=16, dtype=dtype,
+                          seed=50 + ratio + num_splits, num_picks=num_picks)
+    out = dual_pool_decode(**case, num_splits=num_splits, tiles=dict(block_n=16))
+    assert out.dtype == dtype and out.shape == case["q"].shape
+    assert rel_err(out, reference_dual_pool_decode(**case)) < (F32_TOL if dtype == torch.float32 else 2e-2)
+
+
+def test_dual_pool_decode_is_the_models_gathered_attention():
+    """The kernel against the model's device-only PyTorch path (every padded entry gathered and masked,
+    the sink in the softmax): the same function, not only the same reference."""
+    from engine.kernels.compressed_decode import dual_pool_decode
+    from engine.layers.compressed_attention import attend, table_entry_slots, table_slots
+
+    window, ratio, page, dim = 8, 4, 16, 32
+    case, _ = _pools_case([3, 9, 30, 62], heads=4, dim=dim, window=window, ratio=ratio, page=page,
+                          dtype=torch.float32, seed=58, num_picks=6)
+    t, tables = case["positions"], case["block_tables"].long()
+    pos = t[:, None] - window + 1 + torch.arange(window, device=DEV)
+    keys = [case["window_cache"].view(-1, dim)[table_slots(tables, pos.clamp(min=0), page)]]
+    w = case["picks"]
+    keys.append(case["entry_cache"].view(-1, dim)[table_entry_slots(tables, w, ratio, page)])
+    allowed = torch.cat([pos >= 0, w < ((t + 1) // ratio)[:, None]], 1)
+    want = attend(case["q"], torch.cat(keys, 1), allowed, case["sinks"], dim**-0.5)
+    assert rel_err(dual_pool_decode(**case, num_splits=2, tiles=dict(block_n=16)), want) < F32_TOL
+
+
+def test_dual_pool_decode_slices_cover_the_chip():
+    from engine.kernels.compressed_decode import MAX_SPLITS, default_num_splits
+
+    assert default_num_splits(1, 64, 16, 132) == 32  # four head blocks, 32 slices each
+    assert default_num_splits(8, 64, 16, 132) == 4 and default_num_splits(64, 64, 16, 132) == 1
+    assert all(default_num_splits(b, 64, 16, 132) <= MAX_SPLITS for b in range(1, 100))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_decode_scores_match_reference(dtype):
+    """Scores of each row's visible entries only, -inf past them (and past the padded count's tiles)."""
+    from engine.kernels.compressed_decode import indexer_decode_scores, reference_indexer_decode_scores
+    from engine.layers.compressed_attention import indexer_scores
+
+    _, index = _pools_case([0, 3, 17, 70, 150], heads=5, dim=16, window=8, ratio=4, page=16, dtype=dtype, seed=61,
+                           index_dim=24)
+    got = indexer_decode_scores(**index)
+    want = reference_indexer_decode_scores(**index)
+    assert torch.equal(got.isinf(), want.isinf()) and (got[got.isinf()] < 0).all()
+    fin = want.isfinite()
+    assert rel_err(got[fin], want[fin]) < (F32_TOL if dtype == torch.float32 else 1e-2)
+    # the model's indexer formula over the same row's keys
+    b, n = 3, 71 // 4
+    keys = index["key_cache"][index["block_tables"][b, torch.arange(n) * 4 // 16].long(), torch.arange(n) % 4]
+    model = indexer_scores(index["q"][b: b + 1], index["weights"][b: b + 1], keys, index["scale"])
+    assert rel_err(got[b, :n], model[0]) < (F32_TOL if dtype == torch.float32 else 1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("ratio,num_picks,positions", [(0, None, [5, 1023]), (128, None, [1023, 65535]),
+                                                       (4, 512, [100, 1023, 16383])])
+def test_dual_pool_decode_v4_flash_shapes(ratio, num_picks, positions):
+    from engine.kernels.compressed_decode import dual_pool_decode, reference_dual_pool_decode
+
+    case, _ = _pools_case(positions, heads=64, dim=512, window=128, ratio=ratio, page=256 if ratio != 4 else 128,
+                          dtype=torch.bfloat16, seed=62, num_picks=num_picks)
+    assert rel_err(dual_pool_decode(**case), reference_dual_pool_decode(**case)) < 1e-2
+
+
+@gpu
+def test_indexer_decode_scores_v4_flash_shape():
+    from engine.kernels.compressed_decode import indexer_decode_scores, reference_indexer_decode_scores
+
+    _, index = _pools_case([100, 1023, 16383], heads=64, dim=16, window=128, ratio=4, page=128, dtype=torch.bfloat16,
+                           seed=63, index_dim=128)
+    got, want = indexer_decode_scores(**index), reference_indexer_decode_scores(**index)
+    fin = want.isfinite()
+    assert torch.equal(got.isfinite(), fin) and rel_err(got[fin], want[fin]) < 1e-2
+
+
+def test_dual_pool_decode_checks_its_contract():
+    from engine.kernels.compressed_decode import dual_pool_decode
+
+    case, _ = _pools_case([5, 9], heads=2, dim=16, window=4, ratio=4, page=8, dtype=torch.float32, seed=64)
+    with pytest.raises(ValueError, match="int32"):
+        dual_pool_decode(**{**case, "block_tables": case["block_tables"].long()})
+    with pytest.raises(ValueError, match="page / ratio"):
+        dual_pool_decode(**{**case, "ratio": 2})
+    with pytest.raises(ValueError, match="sinks"):
+        dual_pool_decode(**{**case, "sinks": case["sinks"].double()})
+    with pytest.raises(ValueError, match="picks need"):
+        dual_pool_decode(**{**case, "ratio": 0, "entry_cache": None, "picks": case["positions"][:, None]})
+
+
+# -- DeepSeek-V4's compressor at decode ---------------------------------------------------------------
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (8, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compress_decode_is_the_models_compressor_step(ratio, overlap, dtype):
+    """A step of rows at a sequence's first token, inside a window, closing one, opening a block (its state
+    held by the previous block): the state and the written entries as `Compressor._decode` leaves them."""
+    from engine.kernels.compressor import compress_decode
+    from engine.models.deepseek_v4 import Compressor, Rope
+
+    g = torch.Generator().manual_seed(70 + ratio)
+    d, hidden, page, offset = 16, 24, 16, 6
+    rope = Rope(8, 256, 10000.0, None)
+    comp = Compressor(hidden, d, ratio, overlap, 1e-6, rope)
+    for p in comp.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    width = comp.state_width
+    positions = [0, 2, ratio - 1, 15, 16, 2 * ratio + 1, 39]  # 15 closes a window and a page; 16 opens one
+    blocks = len(positions) * 3 + 1
+    tables = torch.randperm(blocks - 1, generator=g)[: 3 * len(positions)].view(len(positions), 3).int()
+    state = torch.randn(blocks, 1, offset + width + 3, generator=g)
+    state.view(blocks, -1)[:, offset: offset + width].view(blocks, -1, 3, d)[:, :, 0] *= 3  # the maxima
+    cache = torch.randn(blocks, page // ratio, d, generator=g).to(dtype)
+    t = torch.tensor(positions)
+    c = torch.randn(len(positions), comp.wkv.weight.shape[0], generator=g).to(dtype)
+    gate = torch.randn(len(positions), comp.wkv.weight.shape[0], generator=g).to(dtype)
+    want_state, want_cache = state.clone(), cache.clone()
+    comp._decode(c.float(), gate.float() + comp.ape[t % ratio], t, tables.long(), page, want_cache, want_state, offset)
+    got_state, got_cache = state.to(DEV), cache.to(DEV)
+    compress_decode(c.to(DEV), gate.to(DEV), comp.ape.to(DEV), t.to(DEV), tables.to(DEV), got_state, offset, got_cache,
+                    comp.norm.weight.to(DEV), 1e-6, rope.cos_cache.to(DEV), rope.sin_cache.to(DEV), ratio, overlap)
+    written = tables.flatten().long()  # the scratch block (the model's path writes open entries there) aside
+    assert torch.equal(got_state.cpu()[written].isinf(), want_state[written].isinf())
+    fin = want_state[written].isfinite()
+    assert rel_err(got_state.cpu()[written][fin], want_state[written][fin]) < F32_TOL
+    assert not torch.equal(want_cache[written], cache[written])  # some entry closed
+    tol = F32_TOL if dtype == torch.float32 else 1e-2
+    assert rel_err(got_cache.cpu()[written], want_cache[written]) < tol
+
+
+def test_compress_decode_checks_its_contract():
+    from engine.kernels.compressor import compress_decode
+
+    c = torch.zeros(2, 32, device=DEV)
+    args = dict(c=c, g=c, ape=torch.zeros(4, 32, device=DEV), positions=torch.zeros(2, dtype=torch.long, device=DEV),
+                block_tables=torch.zeros(2, 2, dtype=torch.int32, device=DEV),
+                state=torch.zeros(3, 1, 200, device=DEV), offset=0, cache=torch.zeros(3, 2, 16, device=DEV),
+                norm_weight=torch.ones(16, device=DEV), eps=1e-6, cos=torch.ones(10, 4, device=DEV),
+                sin=torch.zeros(10, 4, device=DEV), ratio=4, overlap=True)
+    compress_decode(**args)
+    with pytest.raises(ValueError, match="width"):
+        compress_decode(**{**args, "overlap": False})
+    with pytest.raises(ValueError, match="too short"):
+        compress_decode(**{**args, "offset": 150})
+    with pytest.raises(ValueError, match="int32"):
+        compress_decode(**{**args, "block_tables": args["block_tables"].long()})
+
+
+# -- DeepSeek-V4's RMSNorm and RoPE ------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 48), (3, 4, 32), (2, 3, 40), (45, 2, 64)])  # the last: 90 rows, two programs
+def test_norm_rope_is_the_models_norm_and_rope(shape, dtype):
+    """The RMSNorm, the rotation and its inverse of rows of 32 to 48 values against the model's modules
+    (their PyTorch paths); bf16 rounds where they round, so the two agree to the last bit but for ties."""
+    from engine.kernels.norm_rope import norm_rope
+    from engine.models.deepseek_v4 import RMSNorm, Rope
+
+    g = torch.Generator().manual_seed(80 + len(shape))
+    x = torch.randn(shape, generator=g).to(DEV, dtype)
+    norm, rope = RMSNorm(shape[-1], 1e-6).to(DEV), Rope(8, 64, 10000.0, None).to(DEV)
+    norm.weight.copy_(1 + 0.3 * torch.randn(shape[-1], generator=g))
+    pos = torch.randint(0, 64, (shape[0],), generator=g).to(DEV)
+    tol = F32_TOL if dtype == torch.float32 else 1e-2
+    got = norm_rope(x, norm.weight, 1e-6)
+    assert got.dtype == dtype and rel_err(got, norm(x)) < tol
+    for inverse in (False, True):
+        got = norm_rope(x, positions=pos, cos=rope.cos_cache, sin=rope.sin_cache, inverse=inverse)
+        assert rel_err(got, rope(x, pos, inverse=inverse)) < tol
+        assert torch.equal(got[..., :-8], x[..., :-8])  # the channels before the rotary ones pass through
+    both = norm_rope(x, norm.weight, 1e-6, pos, rope.cos_cache, rope.sin_cache)
+    assert rel_err(both, rope(norm(x), pos)) < tol
+    back = norm_rope(norm_rope(x, positions=pos, cos=rope.cos_cache, sin=rope.sin_cache), positions=pos,
+                     cos=rope.cos_cache, sin=rope.sin_cache, inverse=True)
+    assert rel_err(back, x) < tol  # the inverse undoes the rotation
+
+
+def test_norm_rope_checks_its_contract():
+    from engine.kernels.norm_rope import norm_rope
+
+    x = torch.randn(4, 16, device=DEV)
+    with pytest.raises(ValueError, match="contiguous"):
+        norm_rope(x.t(), torch.ones(4, device=DEV))
+    with pytest.raises(ValueError, match="float32"):
+        norm_rope(x, torch.ones(16, device=DEV, dtype=torch.float64))
+    with pytest.raises(ValueError, match="nothing to do"):
+        norm_rope(x)
+    with pytest.raises(ValueError, match="does not fit"):
+        norm_rope(x, positions=torch.zeros(4, dtype=torch.long, device=DEV), cos=torch.ones(8, 10, device=DEV),
+                  sin=torch.ones(8, 10, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens, n, hidden", [(1, 4, 48), (3, 2, 40), (2, 4, 1100)])
+def test_hc_mix_is_the_sites_torch_mix(num_tokens, n, hidden, dtype):
+    """stream_k = post_k y + sum_j comb[j, k] stream_j, as `Block._site`'s PyTorch path (hidden past a block)."""
+    from engine.kernels.mhc import hc_mix
+
+    streams, fn, base, scale = _hc_case(num_tokens, n, hidden, dtype, seed=48 + hidden)
+    _, post, comb = _hc_reference(streams, fn, base, scale, 20)
+    y = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(49)).to(DEV, dtype)
+    want = post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb.to(dtype), streams)
+    got = hc_mix(streams, y, post.float().contiguous(), comb.float().contiguous())
+    assert got.dtype == dtype and rel_err(got, want) < (F32_TOL if dtype == torch.float32 else 1e-2)
+
+
 # -- the engine's batched sampler (kernels.sampling through engine.sampler.draw_on_device) -----------------
 def _sampling_seqs(n: int, **params):
     from engine.sampling_params import SamplingParams
