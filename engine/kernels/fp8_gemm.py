@@ -266,17 +266,23 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     path = prefill_gemm(x2.shape[0], weight.shape[0], x2.shape[1], block, x.dtype, x.device)
     if path != "pointer":
+        m = x2.shape[0]
+        if path == "scaled_mm":
+            # rows padded to a multiple of 128, the row counts cuBLAS's block-scaled GEMM was measured on:
+            # its K-major scales need an aligned leading dimension, and a refusal below switches it off for
+            # good, so one odd-sized prefill chunk must not be what decides
+            x2 = torch.nn.functional.pad(x2, (0, 0, 0, -m % 128))
         q, s = per_token_group_quant(x2, block[1], k_major_scales=True)
         y = None
         if path == "scaled_mm":
             try:
-                y = fp8_block_gemm_scaled_mm(q, s, weight, weight_scale)
+                y = fp8_block_gemm_scaled_mm(q, s, weight, weight_scale)[:m]
             except torch.OutOfMemoryError:
                 raise
             except (RuntimeError, ValueError, NotImplementedError):  # this build or card has none: ours from now on
                 _SCALED_MM_WORKS[x.device.index or 0] = False
         if y is None:
-            y = fp8_block_gemm_tma(q, s, weight, weight_scale, block, x.dtype)
+            y = fp8_block_gemm_tma(q, s, weight, weight_scale, block, x.dtype)[:m]
     else:
         q, s = per_token_group_quant(x2, block[1])
         y = fp8_block_gemm(q, s, weight, weight_scale, block, x.dtype)

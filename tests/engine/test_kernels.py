@@ -368,8 +368,9 @@ def test_fp8_linear_deepseek_shape():
     q, s = per_token_group_quant(x, 128, k_major_scales=True)
     ref = dequantize_fp8_block(q, s.contiguous(), (1, 128)) @ dequantize_fp8_block(wq, ws, (128, 128)).T
     assert rel_err(fp8_block_gemm_tma(q, s, wq, ws, (128, 128), torch.bfloat16), ref) < 1e-2
-    if path == "scaled_mm":
-        assert rel_err(fp8_block_gemm_scaled_mm(q, s, wq, ws), ref) < 1e-2
+    if path == "scaled_mm":  # as fp8_linear calls it: rows padded to a multiple of 128
+        q, s = per_token_group_quant(torch.nn.functional.pad(x, (0, 0, 0, -x.shape[0] % 128)), 128, k_major_scales=True)
+        assert rel_err(fp8_block_gemm_scaled_mm(q, s, wq, ws)[: x.shape[0]], ref) < 1e-2
 
 
 # -- MoE routing and fused experts -----------------------------------------------------------------
@@ -477,6 +478,8 @@ def test_fused_experts_fp8_block_scaled():
     assert rel_err(out, ref) < (0.08 if DEV == "cpu" else 0.05)  # activations are FP8 too
 
 
+@pytest.mark.skipif(DEV == "cuda", reason="small tiles run interpreted only; on a GPU the TMA tiles run at V3's "
+                                          "shapes (test_fused_experts_fp8_v3_shape), which these rows per expert are not")
 @pytest.mark.parametrize("block,limit", [((16, 16), None), ((32, 32), 1.0)])
 def test_fused_experts_fp8_tma_path(block, limit):
     """The persistent TMA grouped GEMMs (w13 gathers token rows and writes the sorted intermediate, w2
