@@ -608,6 +608,9 @@ class LLMEngine:
                 for token, lp in zip(tokens[rows], logprobs[rows]):
                     reason = self._append(seq, token, lp)
                     if reason is not None:
+                        # the blocks this step's accepted drafts completed join the prefix cache before the
+                        # blocks are freed (the commit above ran before the drafts counted as computed)
+                        self.block_manager.commit(seq)
                         self.scheduler.finish(seq, reason)
                         break
                 if not seq.is_finished and id(seq) in spec:
