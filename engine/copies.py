@@ -56,11 +56,12 @@ class ToHost:
         self._lists = None
         if within is not None:  # (on a CPU too: the buffer is rewritten by its next step before it is read)
             on_gpu = within.on_gpu
-            if within.reader is not None and within.reader._lists is None:  # still unread: a buffer of its own
-                self.buffer = torch.empty(within.device.shape, dtype=within.device.dtype, pin_memory=on_gpu)
-            else:
-                self.buffer = within.host
-                within.reader = self
+            if within.reader is not None and within.reader._lists is None:  # still unread: a buffer of its own,
+                # the span's from now on (the unread one stays with its reader)
+                with torch.inference_mode(False):
+                    within.host = torch.empty(within.device.shape, dtype=within.device.dtype, pin_memory=on_gpu)
+            self.buffer = within.host
+            within.reader = self
             self.buffer.copy_(within.device, non_blocking=on_gpu)
             self.host = None  # views made only where `get()` asks for them
             if not on_gpu:

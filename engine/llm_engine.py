@@ -34,7 +34,7 @@ from engine.sampler import Draws, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.spec_decode import SpecStep, Speculator, StepTimes
+from engine.spec_decode import SpecStep, Speculator, StepTimes, measured_sizes
 from engine.step_plan import PlanBuilder
 from engine.structured_output import Guide, guide_tokenizer
 from engine.tokenizer import Tokenizer
@@ -152,11 +152,16 @@ class LLMEngine:
         put back; the blocks their tokens filled stay in the prefix cache, unreferenced (evicted first
         when blocks run short)."""
         sp, k = self.speculator, self.speculator.k
-        if sizes is None:
-            top = min(self.config.max_num_seqs, self.runner.graphs.max_batch // (k + 1))
-            sizes = [s for s in self.runner.graphs.SIZES if s <= top]
         prompt_len, warm = 8, 2
         max_tokens = (warm + steps + 4) * (k + 1)
+        if prompt_len + max_tokens + k > self.max_model_len:  # its requests would end inside the timed steps
+            logger.warning("speculative decoding: max_model_len %d is too short to measure where drafting pays "
+                           "(%d tokens a request); drafting at every batch size", self.max_model_len,
+                           prompt_len + max_tokens + k)
+            return self.config.max_num_seqs
+        if sizes is None:
+            graphs = self.runner.graphs
+            sizes = measured_sizes(graphs.SIZES, self.config.max_num_seqs, graphs.max_batch, k)
         blocks = -(-(prompt_len + max_tokens + k) // self.config.block_size)
         times = StepTimes([], [], [])
         preemptions = self.scheduler.num_preemptions
@@ -608,6 +613,9 @@ class LLMEngine:
                 for token, lp in zip(tokens[rows], logprobs[rows]):
                     reason = self._append(seq, token, lp)
                     if reason is not None:
+                        # the blocks this step's accepted drafts completed join the prefix cache before the
+                        # blocks are freed (the commit above ran before the drafts counted as computed)
+                        self.block_manager.commit(seq)
                         self.scheduler.finish(seq, reason)
                         break
                 if not seq.is_finished and id(seq) in spec:

@@ -83,6 +83,14 @@ class StepTimes:
     spec: list[float]
 
 
+def measured_sizes(graph_sizes: list[int], max_num_seqs: int, max_rows: int, k: int) -> list[int]:
+    """The batch sizes the cutoff is measured at: the decode graphs' padded sizes below the largest batch
+    whose k + 1 rows a request fit the graphs (and max_num_seqs), then that batch itself, which pads to a
+    graph that fits: every running count up to it is covered by a measured size at or above it."""
+    top = min(max_num_seqs, max_rows // (k + 1))
+    return [s for s in graph_sizes if s < top] + [top] if top else []
+
+
 def batch_cutoff(times: StepTimes, k: int, acceptance: float, margin: float) -> int:
     """The largest batch size up to which drafting pays at every measured size: a step of k drafts
     accepted at `acceptance` a draft gains 1 + k * acceptance tokens where a plain step gains one, so it

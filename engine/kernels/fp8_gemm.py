@@ -6,12 +6,15 @@ in float32 times the two scales. Bytes: M*K + N*K (+ scales) + 2*M*N; FLOPs: 2*M
 """
 
 import functools
+import logging
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels._util import check, check_float, interpreted, mma, pow2, upcast_fp8_dot
+
+logger = logging.getLogger(__name__)
 
 try:  # Triton >= 3.4: host-side TMA descriptors (the interpreter reads them as plain tiles)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -157,7 +160,9 @@ def tma_capable(device: torch.device) -> bool:
 
 # below this many rows the pointer kernel's narrower tiles win (decode, short chunks)
 TMA_MIN_ROWS = 256
-_SCALED_MM_WORKS: dict[int, bool] = {}  # device index -> PyTorch's block-scaled GEMM ran there
+# (device index, N, K) -> False where PyTorch's block-scaled GEMM refused that weight's shape (tensor-parallel
+# slices give K and N it was not measured on): that weight takes our kernel from then on, the others keep it
+_SCALED_MM_WORKS: dict[tuple[int, int, int], bool] = {}
 
 
 def prefill_gemm(m: int, n: int, k: int, block: tuple[int, int], out_dtype: torch.dtype, device: torch.device) -> str:
@@ -170,7 +175,7 @@ def prefill_gemm(m: int, n: int, k: int, block: tuple[int, int], out_dtype: torc
         return "pointer"
     if (out_dtype == torch.bfloat16 and k % 128 == 0 and n % 16 == 0 and hasattr(torch.nn.functional, "scaled_mm")
             and torch.cuda.get_device_capability(device) == (9, 0)
-            and _SCALED_MM_WORKS.get(device.index or 0, True)):
+            and _SCALED_MM_WORKS.get((device.index or 0, n, k), True)):
         return "scaled_mm"
     return "tma"
 
@@ -279,8 +284,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                 y = fp8_block_gemm_scaled_mm(q, s, weight, weight_scale)[:m]
             except torch.OutOfMemoryError:
                 raise
-            except (RuntimeError, ValueError, NotImplementedError):  # this build or card has none: ours from now on
-                _SCALED_MM_WORKS[x.device.index or 0] = False
+            except (RuntimeError, ValueError, NotImplementedError) as e:  # refused: ours for this shape from now on
+                _SCALED_MM_WORKS[(x.device.index or 0, weight.shape[0], x2.shape[1])] = False
+                logger.warning("PyTorch's block-scaled GEMM refused a %d x %d FP8 weight (%s); it runs the TMA "
+                               "kernel from now on", weight.shape[0], x2.shape[1], str(e).splitlines()[0][:200])
         if y is None:
             y = fp8_block_gemm_tma(q, s, weight, weight_scale, block, x.dtype)[:m]
     else:

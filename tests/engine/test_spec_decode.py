@@ -624,6 +624,19 @@ def test_the_batch_cutoff_drafts_where_the_measured_steps_pay():
     assert user.drafts_at(1) and not user.drafts_at(2)  # the setting wins over the measurement
 
 
+def test_the_batch_cutoff_measures_every_size_up_to_the_largest_batch():
+    """The padded graph sizes below the largest batch, then the largest batch itself: a max_num_seqs that is
+    no graph size (3, 10) is measured, so a full batch is not left undrafted for want of a measurement."""
+    from engine.spec_decode import measured_sizes
+
+    sizes = [1, 2, 4, 8, 12, 16, 24, 32]
+    assert measured_sizes(sizes, 3, 128, 2) == [1, 2, 3]
+    assert measured_sizes(sizes, 10, 128, 3) == [1, 2, 4, 8, 10]
+    assert measured_sizes(sizes, 16, 128, 3) == [1, 2, 4, 8, 12, 16]
+    assert measured_sizes(sizes, 64, 32, 3) == [1, 2, 4, 8]  # k + 1 rows a request: 8 requests fill 32 rows
+    assert measured_sizes(sizes, 4, 3, 3) == []
+
+
 def test_the_batch_cutoff_is_measured_on_the_engines_own_steps(tiny_prompts, plain_tokens):
     """The measurement steps the engine itself, without drafts and with them, at each size asked for;
     on a CPU it is not made unless asked (no graphs: speculation runs wherever it is configured).
@@ -645,3 +658,14 @@ def test_the_batch_cutoff_is_measured_on_the_engines_own_steps(tiny_prompts, pla
     eng.executor.propose = propose
     eng.speculator.times = eng.speculator.limit = None  # the tokens, whoever drafts
     assert [o.token_ids for o in llm.generate(tiny_prompts, GREEDY)] == plain_tokens
+
+
+def test_a_context_too_short_for_the_cutoff_measurement_drafts_everywhere():
+    """Where max_model_len is shorter than the measurement's requests, they would end inside the timed steps:
+    nothing is measured and every batch size drafts."""
+    llm = LLM("deepseek-tiny", dtype="float32", max_model_len=48,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    eng = llm.engine
+    eng.speculator.times = eng.speculator.limit = None
+    assert eng.measure_batch_cutoff(sizes=[1, 2]) == eng.config.max_num_seqs  # 52 tokens a request at k = 2
+    assert eng.speculator.times is None and eng.speculator.drafts_at(256) and not eng.requests
