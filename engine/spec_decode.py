@@ -72,6 +72,13 @@ def accepted_counts(tokens: torch.Tensor, first: list[int], num_drafts: list[int
     return (tokens[at] == want).long().cumprod(dim=1).sum(dim=1)
 
 
+def counts_of(counts: torch.Tensor | None, keep: list[int], device: torch.device) -> torch.Tensor | None:
+    """The accepted counts [S] of the sequences at `keep` (None: none kept; all of them: counts itself)."""
+    if counts is None or not keep:
+        return None
+    return counts if len(keep) == counts.shape[0] else counts.index_select(0, to_device(keep, torch.long, device))
+
+
 @dataclass
 class StepTimes:
     """What a step takes at each padded batch size, measured on the engine itself at start
@@ -244,18 +251,14 @@ class Speculator:
                                          [plan.sample_indices[f] for f in first])
             else:
                 counts = accepted_counts(tokens, first, verified, [seq.draft_token_ids for seq in seqs])
-        draft_counts = counts
-        if counts is not None and len(rows) < len(seqs):
-            keep = [i for i, d in enumerate(drafting) if d]
-            draft_counts = counts.index_select(0, to_device(keep, torch.long, device)) if keep else None
+        draft_counts = counts_of(counts, [i for i, d in enumerate(drafting) if d], device)
         # the verifications' plan rows and accepted counts: V4 puts its compressors' state back by them
         checked = [i for i, n in enumerate(verified) if n]
-        verifications, verified_counts = [], None
+        verified_counts = counts_of(counts, checked, device)
+        verifications = []
         if checked:
             row_of = {id(seq): i for i, (seq, _) in enumerate(items)}
             verifications = [row_of[id(seqs[i])] for i in checked]
-            verified_counts = (counts if len(checked) == len(seqs)
-                               else counts.index_select(0, to_device(checked, torch.long, device)))
         drafts = self.executor.propose(DraftPlan(self.k if rows else 0, rows, slots, verifications), next_dev,
                                        draft_counts, verified_counts)
         parts = [t for t in (counts, drafts) if t is not None]

@@ -355,7 +355,8 @@ class Attention(nn.Module):
             self.indexer.compressor(x, positions, meta, self.indexer_cache, self.state_cache,
                                     self.compressor.state_width, decode, pools)
             iq, iw = self.indexer.queries(qr, x, positions)
-        out = (self._decode if decode else self._prefill)(positions, q, meta, iq, iw)
+        path = (self._decode if pools else self._decode_gathered) if decode else self._prefill
+        out = path(positions, q, meta, iq, iw)
         out = self.rotary(out, positions, inverse=True)  # K = V carried RoPE into the output
         grouped = out.view(num_tokens, self.groups, -1).transpose(0, 1)  # [g, T, heads/g * head_dim]
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, heads/g * head_dim]
@@ -405,8 +406,6 @@ class Attention(nn.Module):
         """A token per row from device tensors only: the dual-pool kernel reads each row's window rows and
         its visible entries (HCA) or the indexer's top-k of them (CSA), by the row's own counts; the
         indexer scores only the visible entries. `_decode_gathered` is the PyTorch path it replaces."""
-        if not self._pools(q):
-            return self._decode_gathered(t, q, meta, iq, iw)
         from engine.kernels.compressed_decode import dual_pool_decode, indexer_decode_scores
 
         picks = None
