@@ -442,7 +442,7 @@ class ModelRunner:
         drafts accepted by the step's verifications (`draft.verifications`)."""
         plan, positions, tables, meta, hidden = self.last_step
         self.last_step = None
-        if verified is not None and draft.verifications and hasattr(self.model, "keep_accepted"):
+        if draft.verifications:
             self.model.keep_accepted(index_to_device(tuple(draft.verifications), self.device), verified)
         rows = draft_tables = None
         if draft.num_drafts and draft.rows:

@@ -150,6 +150,9 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.executor = executor
         self.max_model_len = max_model_len
+        # a model whose state rejected drafts advance (V4's compressors) is told each step's verifications
+        # (`DraftPlan.verifications`); the others are spared gathering them
+        self.rolls_back = executor is not None and hasattr(executor.runner.model, "keep_accepted")
         self.num_draft_tokens = 0  # since start: drafts verified, and of them accepted (metrics)
         self.num_accepted_tokens = 0
         # where `disable_by_batch_size` is not set: step times measured at start (`use_times`), and the
@@ -253,7 +256,7 @@ class Speculator:
                 counts = accepted_counts(tokens, first, verified, [seq.draft_token_ids for seq in seqs])
         draft_counts = counts_of(counts, [i for i, d in enumerate(drafting) if d], device)
         # the verifications' plan rows and accepted counts: V4 puts its compressors' state back by them
-        checked = [i for i, n in enumerate(verified) if n]
+        checked = [i for i, n in enumerate(verified) if n] if self.rolls_back else []
         verified_counts = counts_of(counts, checked, device)
         verifications = []
         if checked:

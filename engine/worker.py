@@ -73,7 +73,6 @@ class Worker:
         only where the model rolls state back by it)."""
         runner = self.runner
         if self.par.tp_size > 1:
-            rolls_back = bool(draft.verifications) and hasattr(runner.model, "keep_accepted")
             if self.par.tp_rank != 0:
                 plan = runner.last_step[0]
                 next_ids = torch.empty(plan.num_tokens, dtype=torch.long, device=runner.device)
@@ -84,7 +83,7 @@ class Worker:
             if draft.rows:
                 accepted = accepted.contiguous()
                 dist.broadcast(accepted, src=0, group=self.par.group)
-            if rolls_back:
+            if draft.verifications:
                 verified = verified.contiguous()
                 dist.broadcast(verified, src=0, group=self.par.group)
         return runner.propose(draft, next_ids, accepted, verified)
