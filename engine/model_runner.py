@@ -461,21 +461,36 @@ class ModelRunner:
         return self._draft(next_ids, positions, meta, hidden, rows, draft_tables, draft.num_drafts)
 
     def _draft(self, next_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor,
-               rows: torch.Tensor | None, tables: torch.Tensor | None, num_drafts: int) -> torch.Tensor | None:
+               rows: torch.Tensor | None, tables: torch.Tensor | None, num_drafts: int,
+               out: torch.Tensor | None = None) -> torch.Tensor | None:
         """`propose`'s work: the MTP pass over the step's rows, then from `rows` [S] (its last accepted
-        row per drafting sequence, whose block tables are `tables` [S, width]) num_drafts tokens."""
+        row per drafting sequence, whose block tables are `tables` [S, width]) num_drafts tokens, into
+        `out` [S, num_drafts] if given."""
         h = self.model.draft(next_ids, positions, hidden, meta)  # [T, hidden]
         if rows is None:
             return None
         h, pos = h.index_select(0, rows), positions.index_select(0, rows)
-        drafts = []
+        if out is None:
+            out = torch.empty(rows.shape[0], num_drafts, dtype=torch.long, device=h.device)
         for i in range(num_drafts):
-            drafts.append(self.model.draft_logits(h).argmax(dim=-1))  # [S]: greedy drafts
+            drafts = greedy_tokens(self.model.draft_logits(h), out[:, i])  # [S]: greedy drafts
             if i + 1 == num_drafts:
                 break
             step_meta, pos = decode_rows_metadata(pos + 1, tables, self.block_size)
-            h = self.model.draft(drafts[-1], pos, h, step_meta)
-        return torch.stack(drafts, dim=1)
+            h = self.model.draft(drafts, pos, h, step_meta)
+        return out
+
+
+def greedy_tokens(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's argmax [R] int64 (into `out` if given: a column of a step's output buffer is fine). On
+    a GPU one Triton scan a row: torch's argmax is a two-pass reduction, ~4.5 us for one row of a
+    vocabulary on an H200, the scan ~2."""
+    if logits.is_cuda:
+        from engine.kernels.sampling import greedy
+
+        return greedy(logits, out)
+    tokens = logits.argmax(dim=-1)
+    return tokens if out is None else out.copy_(tokens)
 
 
 def resolve_offsets(plan: StepPlan, offsets: torch.Tensor) -> StepPlan:
@@ -494,13 +509,16 @@ def decode_rows_metadata(positions: torch.Tensor, tables: torch.Tensor, block_si
     """Each row a one-token decode at its position over its block table ([R] int64, [R, width] int32),
     derived on the device, so a CUDA graph can capture it -> (metadata, positions). The host lists are
     read only by the reference path, which runs on a CPU, where taking them costs nothing."""
-    rows, width = tables.shape
-    page = tables.gather(1, (positions // block_size).clamp(max=width - 1)[:, None])[:, 0]
+    from engine.kernels.spec_step import decode_rows, reference_decode_rows
+
+    rows = tables.shape[0]
     on_host = positions.device.type == "cpu"
+    # on a GPU one launch (the PyTorch ops were ten of a few bytes each, ~11 us of a decode step)
+    slots, lens = (reference_decode_rows if on_host else decode_rows)(positions, tables, block_size)
     return AttentionMetadata(
-        slot_mapping=page.long() * block_size + positions % block_size,
+        slot_mapping=slots,
         query_start_loc=torch.arange(rows + 1, device=positions.device),
-        context_lens=(positions + 1).int(),
+        context_lens=lens,
         block_tables=tables,
         num_prefills=0,
         num_prefill_tokens=0,
@@ -654,27 +672,32 @@ class SpecGraphs:
                 and all(n == self.rows for n in plan.query_lens))
 
     def _step(self, num_seqs: int) -> torch.Tensor:
+        from engine.kernels import spec_step
+
         runner, decode, k, rows = self.runner, self.runner.graphs, self.k, self.rows
         n = num_seqs * rows
         meta, pos = decode.metadata(n)
         ids = decode.input_ids[:n]
         hidden = runner.model(ids, pos, meta)
-        tokens = runner.model.compute_logits(hidden).argmax(dim=-1)  # [n]: every row greedy
-        drawn = tokens.view(num_seqs, rows)
-        counts = (drawn[:, :k] == ids.view(num_seqs, rows)[:, 1:]).long().cumprod(dim=1).sum(dim=1)  # [S]
-        firsts = self.firsts[:num_seqs]
-        drafts = runner._draft(tokens, pos, meta, hidden, firsts + counts,
-                               decode.block_tables.index_select(0, firsts), k)  # [S, k]
-        # the next step's rows, as `LLMEngine._launch_after_drafts` would gather them: bonus token, drafts
-        following = torch.cat([drawn.gather(1, counts[:, None]), drafts], dim=1)  # [S, k + 1]
-        offsets = counts[:, None].expand(num_seqs, rows)
+        # [tokens n | counts S | drafts S * k | next rows n | their offsets n]: the host copies the first
+        # three, a step launched ahead takes the last two
+        out = torch.empty(3 * n + num_seqs * (1 + k), dtype=torch.long, device=ids.device)
+        tokens, counts = out[:n], out[n : n + num_seqs]
+        drafts = out[n + num_seqs : n + num_seqs * (1 + k)].view(num_seqs, k)
+        following, offsets = out[n + num_seqs * (1 + k) :].split(n)
+        greedy_tokens(runner.model.compute_logits(hidden), tokens)  # every row greedy
+        on_device = ids.is_cuda  # one launch each there; the same in PyTorch on a CPU
+        accept = spec_step.accept if on_device else spec_step.reference_accept
+        advance = spec_step.advance if on_device else spec_step.reference_advance
+        _, last = accept(tokens, ids, k, counts)  # accepted drafts, and each sequence's last accepted row
+        runner._draft(tokens, pos, meta, hidden, last, decode.block_tables.index_select(0, self.firsts[:num_seqs]), k,
+                      out=drafts)
+        # the next step's rows (bonus token, drafts), as `LLMEngine._launch_after_drafts` would gather them,
         # and into the buffers, as a decode graph steps its rows on: a step of the same sequences after this
         # one finds them there (`replay`); each row moves past its sequence's accepted tokens and its own,
         # padding sequences (the scratch block's table) stay at position 0
-        live = decode.block_tables[:n, 0] != decode.scratch_block
-        ids.copy_(following.flatten())
-        pos.add_((offsets.flatten() + 1) * live)
-        return torch.cat([tokens, counts, drafts.flatten(), following.flatten(), offsets.flatten()])
+        advance(tokens, counts, drafts, decode.block_tables[:n], decode.scratch_block, ids, pos, following, offsets)
+        return out
 
     def _capture(self, num_seqs: int) -> None:
         decode = self.runner.graphs

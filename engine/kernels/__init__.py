@@ -13,6 +13,7 @@ plain-PyTorch reference the tests compare against.
 | `latent_cache` | kv norm, rope of the queries and the shared key, and the latent cache write (FP8: quantized) in one launch |
 | `rotary` | the in-kernel rotation of query heads (interleaved rope) and its reference |
 | `sampling` | temperature / greedy sampling on the GPU (Gumbel-max) |
+| `spec_step` | a speculative step's bookkeeping: decode rows' cache slots, acceptance, the next step's rows |
 | `mhc` | DeepSeek-V4's mHC site (weights, Sinkhorn, the collapse) and the mix after a sublayer |
 | `compressed_decode` | DeepSeek-V4's decode attention over the window and compressed pools; the indexer's decode scores |
 | `compressor` | DeepSeek-V4's compressor decode step (state, entry norm and rope, cache write) |

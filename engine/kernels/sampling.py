@@ -14,6 +14,28 @@ from engine.kernels._util import check, interpreted
 
 
 @triton.jit
+def _argmax_row(Logits, row, stride_l, vocab, BLOCK_V: tl.constexpr):
+    """The row's greedy draw: the first index of its largest logit, as torch.argmax."""
+    best_val = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK_V], tl.int32)
+    for v0 in range(0, vocab, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(Logits + row * stride_l + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        better = x > best_val  # strict: earlier chunks win ties, like argmax
+        best_idx = tl.where(better, offs, best_idx)
+        best_val = tl.where(better, x, best_val)
+    top = tl.max(best_val, axis=0)
+    return tl.min(tl.where(best_val == top, best_idx, vocab), axis=0)
+
+
+# a column of a step's output buffer starts at any 8-byte offset, with any stride: one variant for all
+@triton.jit(do_not_specialize=["stride_o"], do_not_specialize_on_alignment=["Out"])
+def _greedy_kernel(Logits, Out, stride_l, stride_o, vocab, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0)
+    tl.store(Out + row * stride_o, _argmax_row(Logits, row, stride_l, vocab, BLOCK_V).to(Out.dtype.element_ty))
+
+
+@triton.jit
 def _sample_kernel(Logits, Temperature, Seeds, Step, Out, stride_l, vocab, BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
     temp = tl.load(Temperature + row)
@@ -21,16 +43,11 @@ def _sample_kernel(Logits, Temperature, Seeds, Step, Out, stride_l, vocab, BLOCK
     step = tl.load(Step)
     greedy = temp <= 0.0
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
-    best_val = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK_V], tl.int32)
     if greedy:  # no noise to draw: a plain scan
-        for v0 in range(0, vocab, BLOCK_V):
-            offs = v0 + tl.arange(0, BLOCK_V)
-            x = tl.load(Logits + row * stride_l + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-            better = x > best_val  # strict: earlier chunks win ties, like argmax
-            best_idx = tl.where(better, offs, best_idx)
-            best_val = tl.where(better, x, best_val)
+        idx = _argmax_row(Logits, row, stride_l, vocab, BLOCK_V)
     else:
+        best_val = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        best_idx = tl.zeros([BLOCK_V], tl.int32)
         for v0 in range(0, vocab, BLOCK_V):
             offs = v0 + tl.arange(0, BLOCK_V)
             x = tl.load(Logits + row * stride_l + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32) * inv_t
@@ -39,8 +56,8 @@ def _sample_kernel(Logits, Temperature, Seeds, Step, Out, stride_l, vocab, BLOCK
             better = x > best_val
             best_idx = tl.where(better, offs, best_idx)
             best_val = tl.where(better, x, best_val)
-    top = tl.max(best_val, axis=0)
-    idx = tl.min(tl.where(best_val == top, best_idx, vocab), axis=0)
+        top = tl.max(best_val, axis=0)
+        idx = tl.min(tl.where(best_val == top, best_idx, vocab), axis=0)
     tl.store(Out + row, idx.to(Out.dtype.element_ty))
 
 
@@ -63,3 +80,17 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
 
 def reference_greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
+
+
+def greedy(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] (any float dtype: the head's own, no float32 copy needed) -> argmax [B] int64, into
+    `out` ([B], any stride: a column of a step's output buffer) if given."""
+    check(logits.dim() == 2 and logits.stride(-1) == 1, "logits must be [B, V], contiguous in V")
+    batch, vocab = logits.shape
+    if out is None:
+        out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    check(out.shape == (batch,), "out must be [B]")
+    if batch:
+        _greedy_kernel[(batch,)](logits, out, logits.stride(0), out.stride(0), vocab,
+                                 BLOCK_V=128 if interpreted(logits) else 4096, num_warps=8)
+    return out

@@ -21,7 +21,7 @@ from unittest import mock
 import torch
 
 KERNEL_MODULES = ["compressed_decode", "compressor", "fp8_gemm", "mhc", "norm_rope", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing",
-                  "rms_norm", "rotary", "sampling"]
+                  "rms_norm", "rotary", "sampling", "spec_step"]
 # largest shared memory one block may use, by compute capability (bytes)
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv",
@@ -117,7 +117,7 @@ def launch_all() -> None:
     from engine.kernels.moe_gemv import SharedExperts, moe_gemv
     from engine.kernels.moe_routing import route
     from engine.kernels.rms_norm import rms_norm
-    from engine.kernels.sampling import sample
+    from engine.kernels.sampling import greedy, sample
     from engine.layers.fp8_latent import FP8LatentLayout
 
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
@@ -173,7 +173,26 @@ def launch_all() -> None:
             mla_prefill_attention(q[..., :nope], q[..., nope:], _empty(tokens, heads, nope), _empty(tokens, rope),
                                   _empty(tokens, heads, vdim), cu, cu, tokens, 0.1)
         sample(_empty(8, vocab, dtype=f32), _empty(8, dtype=f32), torch.zeros(8, dtype=i64), torch.zeros(1, dtype=i64))
+        greedy(_empty(4, vocab, dtype=f32), _empty(4, 3, dtype=i64)[:, 0])
+    launch_spec_step()
     launch_v4_decode()
+
+
+def launch_spec_step() -> None:
+    """A speculative step's bookkeeping: decode rows' slots (one row, a graph's 512), a fused step's
+    acceptance and next rows for one sequence and sixteen of k = 3 drafts."""
+    from engine.kernels.spec_step import accept, advance, decode_rows
+
+    i32, i64 = torch.int32, torch.int64
+    for rows in (1, 512):
+        decode_rows(torch.zeros(rows, dtype=i64), torch.zeros(rows, 16, dtype=i32), 64)
+    k = 3
+    for seqs in (1, 16):
+        n = seqs * (k + 1)
+        tokens, counts = torch.zeros(n, dtype=i64), torch.zeros(seqs, dtype=i64)
+        accept(tokens, tokens, k, counts)
+        advance(tokens, counts, torch.zeros(seqs, k, dtype=i64), torch.zeros(n, 16, dtype=i32), 0, tokens, tokens,
+                tokens, tokens)
 
 
 def launch_v4_decode() -> None:

@@ -568,6 +568,77 @@ def test_sample_draws_from_softmax():
     assert (counts / 400 - logits.softmax(-1).cpu()[0]).abs().max() < 0.08
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_is_argmax_first_index_on_ties_into_a_strided_out(dtype):
+    from engine.kernels.sampling import greedy
+
+    g = torch.Generator().manual_seed(23)
+    logits = torch.randn(5, 700, generator=g).to(DEV, dtype)
+    logits[1, 10] = logits[1, 600] = logits[1].max() + 1  # a tie across chunks: the first index wins
+    logits[2, :] = 0.0
+    assert greedy(logits).tolist() == logits.argmax(-1).tolist()
+    out = torch.full((5, 3), -1, dtype=torch.long, device=DEV)
+    greedy(logits, out[:, 1])
+    assert out[:, 1].tolist() == logits.argmax(-1).tolist() and (out[:, [0, 2]] == -1).all()
+
+
+# -- a speculative step's bookkeeping (engine.kernels.spec_step) -----------------------------------
+def test_decode_rows_match_reference():
+    from engine.kernels.spec_step import decode_rows, reference_decode_rows
+
+    g = torch.Generator().manual_seed(29)
+    tables = torch.randint(0, 50, (7, 5), generator=g, dtype=torch.int32).to(DEV)
+    positions = torch.tensor([0, 3, 4, 15, 19, 20, 37], device=DEV)  # 20 and 37 past the table: its last column
+    slots, lens = decode_rows(positions, tables, 4)
+    want = reference_decode_rows(positions, tables, 4)
+    assert slots.dtype == torch.int64 and lens.dtype == torch.int32
+    assert torch.equal(slots, want[0]) and torch.equal(lens, want[1])
+    assert slots[1].item() == tables[1, 0].item() * 4 + 3 and slots[6].item() == tables[6, 4].item() * 4 + 1
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_accept_counts_the_leading_drafts_equal_to_the_draws(k):
+    from engine.kernels.spec_step import accept, reference_accept
+
+    g = torch.Generator().manual_seed(31 + k)
+    num_seqs = 6
+    ids = torch.randint(0, 3, (num_seqs * (k + 1),), generator=g).to(DEV)  # few values: many accepted
+    tokens = torch.randint(0, 3, ids.shape, generator=g).to(DEV)
+    tokens.view(num_seqs, k + 1)[0, :k] = ids.view(num_seqs, k + 1)[0, 1:]  # all accepted
+    tokens.view(num_seqs, k + 1)[1, 0] = ids.view(num_seqs, k + 1)[1, 1] + 1  # none
+    counts = torch.full((num_seqs,), -1, dtype=torch.long, device=DEV)
+    got = accept(tokens, ids, k, counts)
+    want = reference_accept(tokens, ids, k)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(counts, want[0])
+    assert counts[0].item() == k and counts[1].item() == 0
+    assert set(counts.tolist()) != {0}  # the random rows accept some too
+
+
+def test_advance_writes_the_next_rows_and_moves_live_positions():
+    from engine.kernels.spec_step import advance, reference_advance
+
+    g = torch.Generator().manual_seed(37)
+    k, num_seqs, scratch = 3, 4, 9
+    n = num_seqs * (k + 1)
+    tokens = torch.randint(0, 100, (n,), generator=g).to(DEV)
+    counts = torch.tensor([0, 3, 1, 2], device=DEV)
+    drafts = torch.randint(100, 200, (num_seqs, k), generator=g).to(DEV)
+    tables = torch.randint(0, 8, (n + 4, 6), generator=g, dtype=torch.int32).to(DEV)
+    tables[3 * (k + 1) : n, 0] = scratch  # the last sequence pads: it stays where it is
+    outs = []
+    for fn in (advance, reference_advance):
+        ids, following, offsets = (torch.full((n + 4,), -1, dtype=torch.long, device=DEV) for _ in range(3))
+        positions = torch.arange(n + 4, device=DEV) * 10
+        fn(tokens, counts, drafts, tables, scratch, ids, positions, following, offsets)
+        outs.append((ids, positions, following, offsets))
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
+    ids, positions, following, offsets = outs[0]
+    assert ids[4:8].tolist() == [tokens[4 + 3].item(), *drafts[1].tolist()] and ids[n:].eq(-1).all()
+    assert positions[4:8].tolist() == [40 + 4, 50 + 4, 60 + 4, 70 + 4] and positions[12:16].tolist() == [120, 130, 140, 150]
+    assert offsets[8:12].tolist() == [1] * 4 and torch.equal(following[:n], ids[:n])
+
+
 # -- launcher contracts ----------------------------------------------------------------------------
 def test_launchers_reject_bad_inputs():
     args = _decode_case([3], heads=2, kv_lora=32, rope=8, page=4, dtype=torch.float32, seed=18)
