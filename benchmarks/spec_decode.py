@@ -3,8 +3,8 @@
     python benchmarks/spec_decode.py [--model deepseek-tiny] [--k 1,2,3] [--streams 1,4,16]
                                      [--presets v2-lite,v3-slice] [--out results.json]
 
-1. A real checkpoint with a trained MTP layer (deepseek-tiny by default): greedy chat answers
-   (ignore_eos, `--max-tokens` each) through `LLMEngine.step`, one batch of `streams` requests at a
+1. A real checkpoint with a trained MTP layer (deepseek-tiny by default): greedy chat answers, or
+   sampled ones (`--temperature`, `--top-p`, seeded; ignore_eos, `--max-tokens` each) through `LLMEngine.step`, one batch of `streams` requests at a
    time, without speculation and with k = 1, 2, 3 drafts: decode tokens/s (tokens after the first,
    over the time after the first), tokens gained per verification step, and how many requests'
    tokens equal the plain run's (in bf16 a verification's rows and a decode row can round apart).
@@ -43,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--k", default="1,2,3", help="draft tokens per step to compare with plain decoding")
     p.add_argument("--streams", default="1,4,16", help="requests decoded together")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampled requests (seeded per request) where > 0")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--rounds", type=int, default=2, help="batches of `streams` requests per setting")
     p.add_argument("--presets", default="", help="random-weight shapes for the verify-step costs, e.g. v2-lite,v3-slice")
     p.add_argument("--context", type=int, default=1024)
@@ -58,13 +60,14 @@ def chat_prompts(engine: LLMEngine, n: int, offset: int) -> list[list[int]]:
                        add_bos=False) for i in range(n)]
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, int]:
+def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
+               top_p: float = 1.0) -> tuple[list[list[int]], float, int]:
     """Decode a batch to the end -> (tokens per request, decode seconds, decode tokens): from the step
-    that gave every request its first token on."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    that gave every request its first token on. Sampled requests are seeded by their place in the batch."""
     ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, prompt, params)
+    for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+        engine.add_request(rid, prompt, SamplingParams(temperature=temperature, top_p=top_p, seed=i,
+                                                       max_tokens=max_tokens, ignore_eos=True))
     outs, start, first_total = {}, None, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -94,7 +97,7 @@ def real_model(args: argparse.Namespace) -> list[dict]:
         # every shape once, once every engine is built: a setting warmed before the others were built (their
         # kernels compiled, graphs captured, cutoffs measured) ran its first timed round up to a third slower
         for engine in engines.values():
-            run_engine(engine, chat_prompts(engine, streams, 99), args.max_tokens)
+            run_engine(engine, chat_prompts(engine, streams, 99), args.max_tokens, args.temperature, args.top_p)
         # the counters run on (the measured cutoff weighs them): the rounds' drafts are the differences
         counted = {k: (e.speculator.num_draft_tokens, e.speculator.num_accepted_tokens)
                    for k, e in engines.items() if k}
@@ -103,13 +106,15 @@ def real_model(args: argparse.Namespace) -> list[dict]:
         decoded = dict.fromkeys(ks, 0)
         for r in range(args.rounds):
             for k, engine in engines.items():
-                t, sec, d = run_engine(engine, chat_prompts(engine, streams, r * streams), args.max_tokens)
+                t, sec, d = run_engine(engine, chat_prompts(engine, streams, r * streams), args.max_tokens,
+                                       args.temperature, args.top_p)
                 tokens[k] += t
                 seconds[k] += sec
                 decoded[k] += d
         plain = decoded[0] / seconds[0]
         for k in ks:
-            entry = {"streams": streams, "k": k, "decode_tok_s": decoded[k] / seconds[k]}
+            entry = {"streams": streams, "k": k, "temperature": args.temperature, "top_p": args.top_p,
+                     "decode_tok_s": decoded[k] / seconds[k]}
             if k:
                 s = engines[k].speculator
                 drafts, accepted = s.num_draft_tokens - counted[k][0], s.num_accepted_tokens - counted[k][1]
@@ -122,7 +127,8 @@ def real_model(args: argparse.Namespace) -> list[dict]:
                     entry["cutoff_step_ms"] = {size: [round(1e3 * p, 4), round(1e3 * t, 4)]
                                                for size, p, t in zip(s.times.sizes, s.times.plain, s.times.spec)}
                 entry["tokens_per_step"] = 1 + k * entry["accepted_per_draft"]
-                # bf16: a verification's rows and a one-row decode can round a near tie apart
+                # bf16: a verification's rows and a one-row decode can round a near tie apart (seeded draws
+                # are the plain ones where the logits are)
                 entry["same_tokens_as_plain"] = sum(a == b for a, b in zip(tokens[k], tokens[0])) / len(tokens[0])
                 entry["speedup"] = entry["decode_tok_s"] / plain
             rows.append(entry)

@@ -35,7 +35,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode import SpecStep, Speculator, StepTimes, measured_sizes
-from engine.step_plan import PlanBuilder
+from engine.step_plan import FusedSampling, PlanBuilder
 from engine.structured_output import Guide, guide_tokenizer
 from engine.tokenizer import Tokenizer
 
@@ -386,6 +386,8 @@ class LLMEngine:
         plan = self.planner.build(batch, inputs_on_device=inputs is not None, shifted=offsets is not None)
         drafts_of = {id(seq): d for seq, d in zip(batch.verifies, batch.num_drafts)}
         plan.fused_verify = self._fuses(batch, plan, drafts_of, unresolved)
+        if plan.fused_verify:
+            plan.fused_sampling = FusedSampling.of([seq for seq, _ in batch.items])
         result = self.executor.execute(plan, inputs, offsets)
         if result.spec is not None:
             return self._launched_fused(batch, result.spec)
@@ -429,8 +431,9 @@ class LLMEngine:
 
     def _fuses(self, batch: ScheduledBatch, plan, drafts_of: dict[int, int], unresolved: dict[int, int] | None) -> bool:
         """Whether a step may verify, accept and draft in one replay (`StepPlan.fused_verify`): every row a
-        verification of k drafts by a greedy request that needs nothing of the host (no logprobs,
-        penalties, grammar or prompt scoring) and drafts again after it."""
+        verification of k drafts by a request that needs nothing of the host (no logprobs, penalties,
+        grammar or prompt scoring) and drafts again after it; greedy or sampled (temperature, top-k,
+        top-p: drawn in the graph)."""
         sp = self.speculator
         if sp is None or self.runner.spec_graphs is None or len(drafts_of) != len(batch.items) or batch.prefills:
             return False
@@ -439,7 +442,7 @@ class LLMEngine:
         k, unresolved = sp.k, unresolved or {}
         for (seq, n), start in zip(batch.items, plan.num_computed):
             p = seq.params
-            if (n != k + 1 or drafts_of[id(seq)] != k or not p.is_greedy or p.logprobs is not None or p.has_penalties
+            if (n != k + 1 or drafts_of[id(seq)] != k or p.logprobs is not None or p.has_penalties
                     or not sp.may_draft(seq, start + n + unresolved.get(id(seq), 0))):
                 return False
         return True

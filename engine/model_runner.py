@@ -634,17 +634,23 @@ class DraftGraphs:
 
 
 class SpecGraphs:
-    """A whole greedy speculative step as one CUDA graph per padded count of sequences S, each verifying
-    k drafts (k + 1 rows): the target over the rows the decode graphs' buffers hold, the greedy draw at
-    every row, the accepted counts (the leading drafts equal to the draw at the row before each), the MTP
-    layer over every row and k drafts from each sequence's last accepted row; tokens, counts and drafts
-    land back to back in one buffer, so the host launches one replay and starts one copy a step (instead
-    of a decode replay, the eager draws and acceptance, the draft graph's buffer copies and replay, and a
-    copy of four tensors); the same buffer holds the next step's rows (each sequence's bonus token and
-    drafts) and their offsets, which a step launched ahead takes as they are. Steps with other rows
-    (prefills, sampled or penalized rows, fewer drafts) take the decode and draft graphs. One rank only:
-    the draft's inputs never leave the graph, so the other ranks' collectives would have nothing to
-    broadcast."""
+    """A whole speculative step as one CUDA graph per padded count of sequences S, each verifying k
+    drafts (k + 1 rows): the target over the rows the decode graphs' buffers hold, the draw at every row,
+    the accepted counts (the leading drafts equal to the draw at the row before each), the MTP layer over
+    every row and k drafts from each sequence's last accepted row; tokens, counts and drafts land back to
+    back in one buffer, so the host launches one replay and starts one copy a step (instead of a decode
+    replay, the eager draws and acceptance, the draft graph's buffer copies and replay, and a copy of four
+    tensors); the same buffer holds the next step's rows (each sequence's bonus token and drafts) and
+    their offsets, which a step launched ahead takes as they are.
+
+    Three graphs per S by how the rows draw: all greedy (argmax); some sampled (temperature, Gumbel
+    noise keyed by seed and output position, as `sampler.draw_on_device`); some also with top-k / top-p
+    (`sampler.filter_rows`, a sort over the vocabulary). Each sampled row's parameters sit in buffers
+    loaded with its rows (`StepPlan.fused_sampling`). Steps with other rows (prefills, penalized, logprob
+    or guided rows, fewer drafts) take the decode and draft graphs. One rank only: the draft's inputs
+    never leave the graph, so the other ranks' collectives would have nothing to broadcast."""
+
+    GREEDY, SAMPLED, FILTERED = range(3)
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
@@ -654,10 +660,17 @@ class SpecGraphs:
         self.sizes = [s for s in DecodeGraphs.SIZES if s * self.rows <= decode.max_batch]
         # each sequence's first row: its block table, and its last accepted row is first + count
         self.firsts = torch.arange(0, decode.max_batch, self.rows, device=runner.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # per row: [temperature or 1 (greedy), 1 or 0 (greedy: the sampling kernel's argmax), top-p or inf]
+        # and [seed, prompt length, top-k or the vocabulary size]
+        n, dev = decode.max_batch, runner.device
+        self.vocab = runner.model_config.vocab_size
+        self.drawing = torch.tensor([[1.0], [0.0], [float("inf")]], device=dev).repeat(1, n)  # greedy rows
+        self.keying = torch.tensor([[0], [0], [self.vocab]], device=dev).repeat(1, n)
+        self.step0 = torch.zeros(1, dtype=torch.long, device=dev)  # the noise is keyed by position alone
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # [S * (k + 1) + S + S * k + 2 * S * (k + 1)] int64: tokens, counts, drafts, next rows, their offsets
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.views: dict[int, list[FusedVerify]] = {}  # per sequence count: the same views every replay
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.views: dict[tuple[int, int], list[FusedVerify]] = {}  # per (sequences, draw): the same views every replay
         self.pool = None
         # the slots whose next rows the last replay left in the decode graphs' buffers; None once anything
         # else ran (`ModelRunner.run`)
@@ -666,12 +679,20 @@ class SpecGraphs:
     def padded(self, num_seqs: int) -> int | None:
         return next((s for s in self.sizes if s >= num_seqs), None)
 
+    def draw(self, plan: StepPlan) -> int:
+        fs = plan.fused_sampling
+        if fs is None:
+            return self.GREEDY
+        if any(0 < k < self.vocab for k in fs.top_k) or any(p < 1.0 for p in fs.top_p):
+            return self.FILTERED
+        return self.SAMPLED
+
     def takes(self, plan: StepPlan) -> bool:
         """Whether a plan the engine marked `fused_verify` fits a graph: k + 1 rows per sequence."""
-        return (self.padded(len(plan.slots)) in self.graphs and plan.num_prefills == len(plan.slots)
-                and all(n == self.rows for n in plan.query_lens))
+        return ((self.padded(len(plan.slots)), self.draw(plan)) in self.graphs
+                and plan.num_prefills == len(plan.slots) and all(n == self.rows for n in plan.query_lens))
 
-    def _step(self, num_seqs: int) -> torch.Tensor:
+    def _step(self, num_seqs: int, draw: int) -> torch.Tensor:
         from engine.kernels import spec_step
 
         runner, decode, k, rows = self.runner, self.runner.graphs, self.k, self.rows
@@ -685,7 +706,11 @@ class SpecGraphs:
         tokens, counts = out[:n], out[n : n + num_seqs]
         drafts = out[n + num_seqs : n + num_seqs * (1 + k)].view(num_seqs, k)
         following, offsets = out[n + num_seqs * (1 + k) :].split(n)
-        greedy_tokens(runner.model.compute_logits(hidden), tokens)  # every row greedy
+        logits = runner.model.compute_logits(hidden)
+        if draw == self.GREEDY:
+            greedy_tokens(logits, tokens)
+        else:
+            self._sample(logits, pos, draw, tokens)
         on_device = ids.is_cuda  # one launch each there; the same in PyTorch on a CPU
         accept = spec_step.accept if on_device else spec_step.reference_accept
         advance = spec_step.advance if on_device else spec_step.reference_advance
@@ -699,7 +724,41 @@ class SpecGraphs:
         advance(tokens, counts, drafts, decode.block_tables[:n], decode.scratch_block, ids, pos, following, offsets)
         return out
 
-    def _capture(self, num_seqs: int) -> None:
+    def _sample(self, logits: torch.Tensor, positions: torch.Tensor, draw: int, tokens: torch.Tensor) -> None:
+        """Each row's draw as `sampler.draw_on_device` makes it (the same operations, so a seeded request
+        draws the same tokens in and out of the graph): logits / temperature, top-k / top-p, Gumbel-max
+        with the noise keyed by (seed, output position); greedy rows (and padding) take the argmax."""
+        from engine.kernels.sampling import sample
+        from engine.sampler import filter_rows, noise_keys
+
+        n = logits.shape[0]
+        divisor, unit, top_p = self.drawing[:, :n]
+        seeds, prompt, top_k = self.keying[:, :n]
+        scaled = logits / divisor[:, None]
+        if draw == self.FILTERED:
+            scaled = filter_rows(scaled, top_k, top_p)
+        # the token drawn at cache position p is output token p + 1 - prompt length
+        sample(scaled, unit, noise_keys(seeds, positions + 1 - prompt), self.step0, out=tokens)
+
+    def _load_sampling(self, plan: StepPlan, end: int) -> None:
+        """The sampled rows' parameters into the buffers (padding rows greedy), two copies."""
+        from engine.sampler import _signed
+
+        fs, rows = plan.fused_sampling, self.rows
+
+        def per_row(values: list, pad) -> list:
+            return [v for v in values for _ in range(rows)] + [pad] * (end - len(values) * rows)
+
+        temps = fs.temperature
+        self.drawing[:, :end].copy_(to_device(
+            [per_row([t if t > 0 else 1.0 for t in temps], 1.0), per_row([1.0 if t > 0 else 0.0 for t in temps], 0.0),
+             per_row([p if p < 1.0 else float("inf") for p in fs.top_p], float("inf"))], torch.float32, self.drawing.device))
+        self.keying[:, :end].copy_(to_device(
+            [per_row([_signed(s) for s in fs.seeds], 0), per_row(fs.num_prompt_tokens, 0),
+             per_row([k if 0 < k < self.vocab else self.vocab for k in fs.top_k], self.vocab)],
+            torch.long, self.keying.device))
+
+    def _capture(self, num_seqs: int, draw: int) -> None:
         decode = self.runner.graphs
         saved = [t.clone() for t in (decode.input_ids, decode.positions)]
 
@@ -707,9 +766,10 @@ class SpecGraphs:
             decode.input_ids.copy_(saved[0])
             decode.positions.copy_(saved[1])
 
-        graph, self.outputs[num_seqs] = capture_graph(lambda: self._step(num_seqs), self.pool, restore)
+        key = (num_seqs, draw)
+        graph, self.outputs[key] = capture_graph(lambda: self._step(num_seqs, draw), self.pool, restore)
         self.pool = graph.pool()
-        self.graphs[num_seqs] = graph
+        self.graphs[key] = graph
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -720,7 +780,8 @@ class SpecGraphs:
             decode.input_ids[:rows].zero_()
             decode.positions[:rows].zero_()
             decode.block_tables[:rows].fill_(decode.scratch_block)
-            self._capture(size)
+            for draw in (self.GREEDY, self.SAMPLED, self.FILTERED):
+                self._capture(size, draw)
         logger.info("captured %d CUDA graphs for fused speculative steps of %d drafts", len(self.graphs), self.k)
 
     @torch.inference_mode()
@@ -728,31 +789,34 @@ class SpecGraphs:
         """Load the plan's rows into the decode graphs' buffers, one replay -> its outputs (views of the
         graph's output buffer). A step of the same sequences right after a fused one finds its rows there
         already (the graph moved them on: the tokens are `inputs`, the positions the plan's plus
-        `offsets`): only new blocks of their tables are loaded."""
+        `offsets`), and their sampling parameters: only new blocks of their tables are loaded."""
         decode = self.runner.graphs
         num_seqs, slots = len(plan.slots), tuple(plan.slots)
-        padded = self.padded(num_seqs)
+        key = (self.padded(num_seqs), self.draw(plan))
+        end = key[0] * self.rows
         if self.resident != slots:
             n = plan.num_tokens
             decode.load(plan, inputs, offsets)
-            end = padded * self.rows
             if decode.padded(n) < end:  # padding sequences past load's: token 0 at position 0 of the scratch block
                 decode.input_ids[n:end].zero_()
                 decode.positions[n:end].zero_()
                 decode.block_tables[n:end].fill_(decode.scratch_block)
+            if plan.fused_sampling is not None:
+                self._load_sampling(plan, end)
         elif plan.table_deltas:
             decode.load_tables(plan)
         self.resident = slots
-        self.graphs[padded].replay()
-        turns = self.views.get(num_seqs)
+        self.graphs[key].replay()
+        turns = self.views.get((num_seqs, key[1]))
         if turns is None:
-            turns = self.views[num_seqs] = [self._views(padded, num_seqs) for _ in range(2)]
+            turns = self.views[num_seqs, key[1]] = [self._views(key, num_seqs) for _ in range(2)]
         turns.reverse()  # two host buffers in turn (`HostSpan`)
         return turns[0]
 
-    def _views(self, padded: int, num_seqs: int) -> FusedVerify:
-        """The graph of `padded` sequences' outputs for its first num_seqs."""
-        out, k, end, n = self.outputs[padded], self.k, padded * self.rows, num_seqs * self.rows
+    def _views(self, key: tuple[int, int], num_seqs: int) -> FusedVerify:
+        """The outputs of the graph of `key` (padded sequences, draw) for its first num_seqs."""
+        padded = key[0]
+        out, k, end, n = self.outputs[key], self.k, padded * self.rows, num_seqs * self.rows
         drafts_at = end + padded
         next_at = drafts_at + padded * k
         sent = HostSpan(out[: drafts_at + num_seqs * k], [n, end - n, num_seqs, padded - num_seqs, num_seqs * k],

@@ -62,22 +62,27 @@ def draw_inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> 
     return i
 
 
-def filter_rows(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def filter_rows(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """[R, V] logits already divided by their temperature -> the same with everything outside each row's
-    top-k (ties with the k-th value kept; 0 = off) and top-p nucleus at -inf (a token is dropped once
-    the mass before it reaches top_p, so the top token always stays)."""
-    rows, vocab = scaled.shape
-    dev = scaled.device
+    top-k (ties with the k-th value kept) and top-p nucleus at -inf (a token is dropped once the mass
+    before it reaches top_p, so the top token always stays). top_k [R] int64 (the vocabulary size: off),
+    top_p [R] float32 (inf: off), on scaled's device (`row_filters`): device tensors only, so a CUDA
+    graph can hold it."""
     sorted_vals, order = scaled.sort(dim=-1, descending=True, stable=True)  # ties in index order everywhere
-    k = to_device([t if 0 < t < vocab else vocab for t in top_k], torch.long, dev)
-    kth = sorted_vals.gather(1, (k - 1)[:, None])  # ties with the k-th value stay
+    kth = sorted_vals.gather(1, (top_k - 1)[:, None])  # ties with the k-th value stay
     sorted_vals = sorted_vals.masked_fill(sorted_vals < kth, float("-inf"))
     probs = sorted_vals.softmax(-1)
-    # top_p 1 is off: rounding in a 129k-long running sum must not drop the tail
-    p = to_device([q if q < 1.0 else float("inf") for q in top_p], probs.dtype, dev)
-    drop = probs.cumsum(-1) - probs >= p[:, None]
+    drop = probs.cumsum(-1) - probs >= top_p[:, None]
     drop[:, 0] = False  # the top token always stays, however small top_p (it may round to 0 in float32)
     return scaled.scatter(1, order, sorted_vals.masked_fill(drop, float("-inf")))
+
+
+def row_filters(params: list, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's SamplingParams -> its top-k [R] int64 and top-p [R] float32 for `filter_rows`, on device.
+    top_p 1 is off (inf): rounding in a 129k-long running sum must not drop the tail."""
+    both = to_device([[p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                      [p.top_p if p.top_p < 1.0 else float("inf") for p in params]], torch.float64, device)
+    return both[0].long(), both[1].float()
 
 
 def scaled_and_filtered(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -86,7 +91,7 @@ def scaled_and_filtered(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Ten
     scaled = logits / temps[:, None]
     vocab = logits.shape[1]
     if any(0 < s.params.top_k < vocab or s.params.top_p < 1.0 for s in seqs):
-        scaled = filter_rows(scaled, [s.params.top_k for s in seqs], [s.params.top_p for s in seqs])
+        scaled = filter_rows(scaled, *row_filters([s.params for s in seqs], vocab, logits.device))
     return scaled
 
 

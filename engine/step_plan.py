@@ -52,10 +52,12 @@ class StepPlan:
     # launched ahead of a speculative step: each token's position is num_computed's plus an offset known
     # only on the device (`offsets` [T] next to the plan: the drafts that step accepts for its sequence)
     shifted: bool = False
-    # every row a greedy verification of k drafts whose sequence drafts again (k + 1 tokens each): the
+    # every row a verification of k drafts whose sequence drafts again (k + 1 tokens each): the
     # runner may verify, accept and draft in one replay (`model_runner.SpecGraphs`) instead of handing
     # logits back
     fused_verify: bool = False
+    # a fused verification whose rows sample (None: all greedy): what they draw with, per sequence
+    fused_sampling: "FusedSampling | None" = None
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +68,28 @@ class StepPlan:
 
     def context_lens(self) -> list[int]:
         return [start + n for start, n in zip(self.num_computed, self.query_lens)]
+
+
+@dataclass
+class FusedSampling:
+    """Per sequence of a fused verification (`StepPlan.fused_sampling`), what its rows draw with inside
+    the graph, as `engine.sampler.draw_on_device` draws outside it: logits / temperature, top-k and
+    top-p, Gumbel noise keyed by (seed, output position)."""
+
+    temperature: list[float]  # 0: greedy (argmax)
+    seeds: list[int]  # Sequence.seed
+    num_prompt_tokens: list[int]  # a row's output position is its cache position + 1 - this
+    top_k: list[int]  # 0: off
+    top_p: list[float]  # 1: off
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> "FusedSampling | None":
+        """None where every sequence is greedy."""
+        if all(seq.params.is_greedy for seq in seqs):
+            return None
+        return cls([0.0 if s.params.is_greedy else s.params.temperature for s in seqs], [s.seed for s in seqs],
+                   [s.num_prompt_tokens for s in seqs], [s.params.top_k for s in seqs],
+                   [s.params.top_p for s in seqs])
 
 
 @dataclass
@@ -99,7 +123,7 @@ class FusedVerify:
     """A fused verification's outputs on the device: views of one buffer that the graph's next replay
     rewrites (whatever reads them on the device is queued before it)."""
 
-    tokens: torch.Tensor  # [T] the greedy draw at every row
+    tokens: torch.Tensor  # [T] the draw at every row
     counts: torch.Tensor  # [S] drafts each sequence accepted
     drafts: torch.Tensor  # [S, k] its next drafts
     # the span that holds those three (padding between) and a host buffer for it: one copy (`copies.HostSpan`)

@@ -1129,18 +1129,23 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 def test_filter_rows_is_filter_row_by_row():
-    from engine.sampler import filter_rows
+    from types import SimpleNamespace
+
+    from engine.sampler import filter_rows, row_filters
+
+    def params(top_k, top_p):
+        return [SimpleNamespace(top_k=k, top_p=p) for k, p in zip(top_k, top_p)]
 
     g = torch.Generator().manual_seed(34)
     scaled = torch.randn(5, 40, generator=g)
     scaled[2, :10] = 1.0  # ties at the k-th value
     top_k, top_p = [0, 3, 12, 40, 5], [1.0, 1.0, 0.9, 0.5, 0.3]
-    rows = filter_rows(scaled, top_k, top_p)
+    rows = filter_rows(scaled, *row_filters(params(top_k, top_p), 40, scaled.device))
     for i in range(5):
         assert torch.equal(rows[i], _filter(scaled[i], top_k[i], top_p[i]))
     # top_p 1 keeps every token however the running sum rounds over a long vocabulary
     wide = torch.randn(2, 129280, generator=g) * 3
-    assert not filter_rows(wide, [0, 0], [1.0, 1.0]).isinf().any()
+    assert not filter_rows(wide, *row_filters(params([0, 0], [1.0, 1.0]), 129280, wide.device)).isinf().any()
 
 
 def test_sampler_draws_a_mixed_batch_on_the_device_path():

@@ -254,7 +254,8 @@ def test_the_graph_path_on_a_cpu_places_rows_by_their_offsets(monkeypatch, tiny_
     from engine.model_runner import DecodeGraphs, DraftGraphs
 
     # the graph's own draw is not read (the engine samples its logits); greedy stands in for the kernel
-    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, **kwargs: logits.argmax(-1))
+    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, out=None: (
+        logits.argmax(-1) if out is None else out.copy_(logits.argmax(-1))))
     monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, batch: self.graphs.__setitem__(
         batch, EagerGraph(lambda: self.outputs.__setitem__(batch, self._step(batch)))))
     llm = LLM("deepseek-tiny", dtype="float32", max_num_seqs=4, async_scheduling="on", speculative_config=spec(2))
@@ -280,7 +281,8 @@ def test_steps_over_the_cutoff_keep_the_mtp_cache_from_its_graph(monkeypatch, ti
     import engine.kernels.sampling
     from engine.model_runner import DecodeGraphs, DraftGraphs
 
-    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, **kwargs: logits.argmax(-1))
+    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, out=None: (
+        logits.argmax(-1) if out is None else out.copy_(logits.argmax(-1))))
     monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, batch: self.graphs.__setitem__(
         batch, EagerGraph(lambda: self.outputs.__setitem__(batch, self._step(batch)))))
     cutoff = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 2}
@@ -310,13 +312,14 @@ def fused_graphs(monkeypatch, llm) -> "Replays":
     import engine.kernels.sampling
     from engine.model_runner import DecodeGraphs, SpecGraphs
 
-    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, **kwargs: logits.argmax(-1))
+    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, out=None: (
+        logits.argmax(-1) if out is None else out.copy_(logits.argmax(-1))))
     monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, batch: self.graphs.__setitem__(
         batch, EagerGraph(lambda: self.outputs.__setitem__(batch, self._step(batch)))))
 
-    def capture(self, n):  # as a graph does, each replay writes the same output buffer
-        self.outputs[n] = self._step(n)
-        self.graphs[n] = EagerGraph(lambda: self.outputs[n].copy_(self._step(n)))
+    def capture(self, n, draw):  # as a graph does, each replay writes the same output buffer
+        self.outputs[n, draw] = self._step(n, draw)
+        self.graphs[n, draw] = EagerGraph(lambda: self.outputs[n, draw].copy_(self._step(n, draw)))
 
     monkeypatch.setattr(SpecGraphs, "_capture", capture)
     runner = llm.engine.runner
@@ -410,6 +413,44 @@ def test_fused_steps_stop_inside_accepted_drafts_and_keep_host_rows_apart(monkey
     assert aborted and "r1" not in finished
     assert [finished[f"r{i}"].token_ids for i in (0, 2, 3)] == [plain_tokens[i] for i in (0, 2, 3)]
     assert eng.kv_cache_usage == 0.0 and not eng.block_manager.num_hashed_blocks
+
+@emulated_graphs
+def test_fused_steps_draw_sampled_rows_in_the_graph(monkeypatch, tiny_prompts, plain_tokens):
+    """A sampled request (temperature, top-p, seed) beside a greedy one verifies in the fused graph of
+    both: its rows are divided by its temperature, kept to its top-p and keyed by (seed, output position)
+    as `sampler.draw_on_device` keys the host path's draws; the greedy rows and the padding take the
+    argmax. (The emulation's draw is an argmax, so here the sampled request decodes the greedy tokens;
+    the GPU test checks the seeded draws against plain decoding's.)"""
+    import engine.kernels.sampling
+    from engine.sampler import noise_key
+
+    llm = LLM("deepseek-tiny", dtype="float32", max_num_seqs=4, speculative_config=spec(3))
+    replays = fused_graphs(monkeypatch, llm)
+    fused = llm.engine.runner.spec_graphs
+    calls = []
+
+    def recorded(logits, temperature, keys, step, out=None):
+        if step is fused.step0:  # the fused step's draw, not a decode graph's
+            calls.append((logits.clone(), temperature.clone(), keys.clone()))
+        tokens = logits.argmax(-1)
+        return tokens if out is None else out.copy_(tokens)
+
+    monkeypatch.setattr(engine.kernels.sampling, "sample", recorded)
+    sampled = SamplingParams(temperature=0.7, top_p=0.5, seed=11, max_tokens=40, ignore_eos=True)
+    outs = llm.generate(tiny_prompts[:2], [GREEDY, sampled])
+    assert [o.token_ids for o in outs] == plain_tokens[:2]
+    assert 2 in replays and len(calls) > 5
+    seed, rows, starts = 11, 4, []
+    for logits, unit, keys in calls:
+        assert unit.tolist() == [0.0] * rows + [1.0] * rows  # the greedy request's rows, then the sampled one's
+        # its keys: consecutive output positions from the step's first draw
+        start = next(p for p in range(40) if keys[rows].item() == noise_key(seed, p))
+        assert keys[rows : 2 * rows].tolist() == [noise_key(seed, start + j) for j in range(rows)]
+        starts.append(start)
+        # top-p 0.5 at temperature 0.7 leaves few tokens of the sampled rows; the greedy rows keep them all
+        assert logits[rows:].isinf().any(dim=-1).all() and not logits[:rows].isinf().any()
+    assert starts == sorted(starts) and len(set(starts)) == len(starts) and starts[0] <= 1
+
 
 def test_device_noise_keys_are_the_hosts():
     """A row launched before its position is known keys its noise on the device: the same 63-bit keys."""
@@ -552,20 +593,23 @@ def test_on_the_gpu_graphs_give_the_plain_tokens(tiny_prompts, k):
     """The fast path: verification rows replayed from the decode graphs, the draft from its own graphs,
     steps launched ahead of the verification before them (positions and noise keys shifted on the
     device); greedy and seeded sampled tokens as plain decoding's (the sampling noise is keyed by position).
-    Greedy-only steps verify, accept and draft in one fused replay, its three outputs copied as one span."""
+    Steps verify, draw (greedy, or with temperature and top-p), accept and draft in one fused replay, its
+    three outputs copied as one span."""
     params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True)]
     batch = [tiny_prompts[0], tiny_prompts[1], tiny_prompts[1]]
     plain = LLM("deepseek-tiny", dtype="float32").generate(batch, [params[0], params[0], params[1]])
     llm = LLM("deepseek-tiny", dtype="float32", speculative_config=spec(k))
     assert llm.engine.runner.draft_graphs.graphs and llm.engine.async_scheduling
     launches = record_launches(llm.engine)
-    outs = llm.generate(batch, [params[0], params[0], params[1]])
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    assert launches.count(True) >= len(launches) - 3
     fused = llm.engine.runner.spec_graphs
     assert fused.graphs
     replays, replay = [], fused.replay
     fused.replay = lambda plan, *args: replays.append(len(plan.slots)) or replay(plan, *args)
+    outs = llm.generate(batch, [params[0], params[0], params[1]])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert launches.count(True) >= len(launches) - 3
+    assert len(replays) > 5 and 3 in replays  # the seeded top-p request's rows drawn in the fused graph
+    replays.clear()
     one = llm.generate([tiny_prompts[3]], GREEDY)[0]  # one stream: the fused (k + 1)-row graph
     assert one.token_ids == LLM("deepseek-tiny", dtype="float32").generate([tiny_prompts[3]], GREEDY)[0].token_ids
     assert len(replays) > 5 and set(replays) == {1}
