@@ -221,12 +221,15 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
     least one tile (64 tokens: at batch 1 and 1k-16k context, 1.3-2x faster than 256).
 
     FP8 (elem 1): the e4m3 tile loaded twice (`_attend_tile`, RELOAD), so that both loads are pipelined;
-    its two 32 KB copies take the shared memory of one bf16 tile, so the bf16 choices fit as they are
-    (sm_90 compile: 94 KB at two stages, 168 KB at five). 128-token tiles would need 144 KB a stage."""
+    its two 32 KB copies take the shared memory of one bf16 tile, so the bf16 tile shapes fit as they are
+    (sm_90 compile: 94 KB at two stages, 168 KB at five). Eight warps: the widened tile is a register
+    operand of both products (the bf16 one stays in shared memory), and four warps hold it only by
+    spilling: measured 2.5-2.9x faster with eight (benchmarks/mla_decode.py --sweep, docs/perf.md).
+    128-token tiles lost 2x (one load; two would need 288 KB), the transposed accumulator 5x."""
     block_n = 64 if block_c * max(elem, 2) <= 1024 else 32
     stages = 5 if deep and block_h <= 16 and block_c * max(elem, 2) <= 1024 else 2
-    return dict(block_n=block_n, num_stages=stages, num_warps=4 if block_h <= 16 else 8, min_chunk=block_n,
-                block_h=block_h, reload=fp8)
+    return dict(block_n=block_n, num_stages=stages, num_warps=4 if block_h <= 16 and not fp8 else 8,
+                min_chunk=block_n, block_h=block_h, reload=fp8)
 
 
 def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

@@ -259,7 +259,7 @@ def test_write_latent_fp8_quantizes_as_the_reference(dtype):
     codes, want_codes = layout.views(cache)[0][blk, tok].float(), layout.views(want_pages)[0][blk, tok].float()
     if dtype == torch.float32:
         assert ((got - ref).abs() <= step).all() and (codes == want_codes).float().mean() > 0.9
-        assert torch.equal(got[:, lora:], ref[:, lora:])  # k_pe as the reference rotates it
+        assert torch.allclose(got[:, lora:], ref[:, lora:], rtol=1e-6, atol=1e-6)  # k_pe as the reference rotates it
     else:  # the reference norm rounds bf16 apart from the kernel's (as in the bf16 cache's test)
         assert rel_err(got, ref) < 2e-2
     untouched = torch.ones(blocks, page, dtype=torch.bool, device=DEV)
