@@ -18,10 +18,13 @@ SM, each streaming its tiles through a five-stage pipeline; from batch 5, two pr
 stages each), which hide each other's latency. The tile's products take M = 16 heads, so a program
 is bound by its own latency more than by the bytes: more programs in flight is what pays.
 
-An FP8 latent cache (`engine.layers.fp8_latent`) is read as e4m3 c_kv widened in registers, the
-per-token scale folded into the scores and the probabilities, k_pe as stored.
+An FP8 latent cache (`engine.layers.fp8_latent`, each block's c_kv, k_pe and scales in sections of
+their own, each one wide load) is read as e4m3 c_kv widened in registers (the tile loaded twice, so
+both loads are pipelined: `_attend_tile`), the per-token scale folded into the scores and the
+probabilities, k_pe as stored. It runs eight warps: still 1.3-1.7x slower than bf16 on an H200
+(docs/perf.md).
 
-Bytes: context_len * 576 * elem per sequence and head block (FP8: context_len * 656 at V3's shapes);
+Bytes: context_len * 576 * elem per sequence and head block (FP8: context_len * 644 at V3's shapes);
 FLOPs: 4 * heads * context_len * 544.
 """
 
@@ -224,8 +227,9 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
     its two 32 KB copies take the shared memory of one bf16 tile, so the bf16 tile shapes fit as they are
     (sm_90 compile: 94 KB at two stages, 168 KB at five). Eight warps: the widened tile is a register
     operand of both products (the bf16 one stays in shared memory), and four warps hold it only by
-    spilling: measured 2.5-2.9x faster with eight (benchmarks/mla_decode.py --sweep, docs/perf.md).
-    128-token tiles lost 2x (one load; two would need 288 KB), the transposed accumulator 5x."""
+    spilling (ptxas: 1,096 bytes at four, none at eight): measured 1.6-1.9x faster with eight at batch 1,
+    2.9x at 64 (benchmarks/mla_decode.py --sweep, docs/perf.md). 128-token tiles lost 2x (one load; two
+    would need 288 KB), the transposed accumulator 4-5x."""
     block_n = 64 if block_c * max(elem, 2) <= 1024 else 32
     stages = 5 if deep and block_h <= 16 and block_c * max(elem, 2) <= 1024 else 2
     return dict(block_n=block_n, num_stages=stages, num_warps=4 if block_h <= 16 and not fp8 else 8,
