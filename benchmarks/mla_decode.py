@@ -1,7 +1,7 @@
 """MLA decode attention alone (`engine.kernels.mla_decode`): effective bandwidth over the latent cache.
 
     python benchmarks/mla_decode.py [--heads 16] [--batches 1,8,64] [--contexts 1024,...,131072]
-                                    [--sweep] [--check] [--kv-cache-dtype bf16|fp8|both]
+                                    [--sweep] [--variants a,b] [--check] [--kv-cache-dtype bf16|fp8|both]
                                     [--out results.json]
 
 For each (batch, context): B sequences of `context` tokens in a paged bf16 cache (64-token pages,
@@ -11,7 +11,8 @@ memory, not from the 60 MB L2, as in a model where every layer has its own cache
 = cache bytes (B x context x 576 x 2) / time per call, split and merge launches included.
 
 --sweep also times tile choices (tile rows, pipeline depth, warps, least slice) and slice counts
-around the default; --check compares every variant with the float32 reference first.
+around the default (FP8: how the e4m3 tile is read, `mla_decode._attend_tile`); --variants keeps the
+named ones; --check compares every variant with the float32 reference first.
 """
 
 import argparse
@@ -40,6 +41,22 @@ TILE_SWEEP = {
     "n32 s3": dict(block_n=32, num_stages=3, min_chunk=32),
     "min chunk 256": dict(min_chunk=256),
 }
+# the FP8 cache (default: the e4m3 tile loaded twice, eight warps): loaded once (its load left
+# synchronous), the transposed accumulator (`acc_t`: the tile as the wgmma's register operand), pipeline
+# depth, four warps, 128-token tiles (one load: two would take 288 KB), 32-token tiles
+FP8_SWEEP = {
+    "default": {},
+    "one load s2": dict(reload=False, num_stages=2),
+    "reload s2": dict(num_stages=2),
+    "reload s5": dict(num_stages=5),
+    "reload w4": dict(num_warps=4),
+    "acc_t": dict(acc_t=True),
+    "one load acc_t s2": dict(reload=False, acc_t=True, num_stages=2),
+    "n128 one load s2": dict(block_n=128, min_chunk=128, reload=False, num_stages=2),
+    # not yet timed: 32-token tiles keep four warps free of spills (ptxas, sm_90), so two programs fit an SM
+    "n32 w4 s2": dict(block_n=32, min_chunk=32, num_warps=4, num_stages=2),
+    "n32 w4 s5": dict(block_n=32, min_chunk=32, num_warps=4, num_stages=5),
+}
 HEAD_BLOCK_SWEEP = {"default": {}, "h32": dict(block_h=32), "h16": dict(block_h=16)}
 SPLIT_SWEEP = ("default", "n64 s2 w8", "n32 s3")  # the variants also timed at other slice counts
 
@@ -49,7 +66,7 @@ def _ints(text: str) -> list[int]:
 
 
 def row_bytes(kv: str) -> int:
-    return FP8_LAYOUT.row_bytes if kv == "fp8" else (KV_LORA + ROPE) * 2
+    return FP8_LAYOUT.token_bytes if kv == "fp8" else (KV_LORA + ROPE) * 2
 
 
 def make_case(batch: int, context: int, heads: int, copies: int, lens: list[int] | None = None, kv: str = "bf16"):
@@ -59,7 +76,7 @@ def make_case(batch: int, context: int, heads: int, copies: int, lens: list[int]
     blocks = batch * per_seq
     caches = [torch.randn(blocks, PAGE, KV_LORA + ROPE, generator=g, device="cuda").to(torch.bfloat16)
               for _ in range(copies)]
-    if kv == "fp8":  # the same rows, quantized (a copy at a time: the bf16 ones are dropped as we go)
+    if kv == "fp8":  # the same pages, quantized (a copy at a time: the bf16 ones are dropped as we go)
         caches = [FP8_LAYOUT.quantize(caches.pop(0)) for _ in range(copies)]
     tables = torch.randperm(blocks, generator=g, device="cuda").view(batch, per_seq).int()
     q = torch.randn(batch, heads, KV_LORA, generator=g, device="cuda").to(torch.bfloat16)
@@ -98,7 +115,7 @@ def measure(batch: int, context: int, heads: int, variants: dict, split_sweep: l
     q, q_pe, caches, tables, lens = make_case(batch, context, heads, copies, kv=kv)
     rows = []
     runs = [(name, tiles, s) for name, tiles in variants.items()
-            for s in [None] + (split_sweep if name in SPLIT_SWEEP else [])]
+            for s in [None] + (split_sweep if name in SPLIT_SWEEP and kv == "bf16" else [])]
     if baseline is not None:
         runs.insert(0, ("before", None, None))
     for name, tiles, s in runs:
@@ -148,10 +165,11 @@ def main() -> int:
     p.add_argument("--batches", type=_ints, default=[1, 8, 64])
     p.add_argument("--contexts", type=_ints, default=[1024, 4096, 16384, 32768, 65536, 131072])
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--variants", type=lambda t: t.split(","), help="only these sweep variants (names, comma-separated)")
     p.add_argument("--check", action="store_true")
     p.add_argument("--baseline", type=Path, help="a module file whose mla_decode_attention is timed beside (before)")
     p.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8", "both"],
-                   help="the latent cache timed (fp8: 656-byte rows; effective bandwidth counts those bytes)")
+                   help="the latent cache timed (fp8: 644 bytes a token; effective bandwidth counts those bytes)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     baseline = None
@@ -164,11 +182,17 @@ def main() -> int:
         baseline = module.mla_decode_attention
     result = dict(gpu=torch.cuda.get_device_name(), sms=num_sms(torch.device("cuda")), rows=[], failures=[])
     for heads in args.heads:
-        variants = (TILE_SWEEP if heads <= 16 else HEAD_BLOCK_SWEEP) if args.sweep else {"default": {}}
         kvs = ["bf16", "fp8"] if args.kv_cache_dtype == "both" else [args.kv_cache_dtype]
+
+        def variants(kv: str) -> dict:
+            if not args.sweep:
+                return {"default": {}}
+            every = FP8_SWEEP if kv == "fp8" else TILE_SWEEP if heads <= 16 else HEAD_BLOCK_SWEEP
+            return {k: v for k, v in every.items() if not args.variants or k in args.variants}
+
         if args.check:
             for kv in kvs:
-                result["failures"] += check(variants, heads, kv)
+                result["failures"] += check(variants(kv), heads, kv)
             print(f"check, {heads} heads: {len(result['failures'])} failures so far", flush=True)
         for batch in args.batches:
             for ctx in args.contexts:
@@ -177,7 +201,7 @@ def main() -> int:
                 default = default_num_splits(batch, heads, result["sms"])
                 splits = [x for x in (default // 2, default * 2, default * 4) if 1 <= x <= 256] if args.sweep else []
                 for kv in kvs:
-                    for row in measure(batch, ctx, heads, variants, splits, baseline, kv):
+                    for row in measure(batch, ctx, heads, variants(kv), splits, baseline, kv):
                         result["rows"].append(row)
                         print(json.dumps(row), flush=True)
     if args.out:

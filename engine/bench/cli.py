@@ -34,6 +34,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"],
+                   help="the latent cache's dtype (fp8: e4m3 c_kv with a scale per token; V3-family models, one rank)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs): steps through the executor")
@@ -57,7 +59,7 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
                         decode_steps=args.decode_steps, hf_decode_steps=args.hf_decode_steps,
                         hf_max_prompt_len=args.hf_max_prompt_len, repeats=args.repeats, kernels=args.kernels,
                         device=args.device, dtype=args.dtype, backend=args.backend, block_size=args.block_size,
-                        eager=args.eager, seed=args.seed, out_dir=args.out, command=command,
+                        eager=args.eager, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, out_dir=args.out, command=command,
                         tensor_parallel_size=args.tensor_parallel_size,
                         enable_expert_parallel=args.enable_expert_parallel, parallel_path=args.parallel_path)
     try:
@@ -72,8 +74,9 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
 def summary(result: dict) -> str:
     ranks = (f", TP={result['tensor_parallel_size']}" + (" + EP" if result["enable_expert_parallel"] else "")
              if "tensor_parallel_size" in result else "")
+    cache = f", {result['kv_cache_dtype']} latent cache" if result.get("kv_cache_dtype", "auto") != "auto" else ""
     lines = [f"{result['preset']} on {result['gpu']} ({result['weights']}, {result['backend']}, "
-             f"graphs={result['cuda_graphs']}{ranks}):"]
+             f"graphs={result['cuda_graphs']}{ranks}{cache}):"]
     hf = result.get("hf") or {}
     for key, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s")):
         for k, v in result[key].items():

@@ -54,11 +54,12 @@ def param_bytes(params) -> int:
 
 class PhaseCosts:
     """Bytes and FLOPs of prefill and decode for one model, from its actual parameters (so FP8 blocks
-    count one byte per weight) and its shape. Reads the latent cache as 576 values per token and layer."""
+    count one byte per weight) and its shape. Reads the latent cache as 576 values per token and layer, or
+    kv_token_bytes (an FP8 cache's)."""
 
-    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, kv_elem_bytes: int):
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, kv_elem_bytes: int, kv_token_bytes: float | None = None):
         self.cfg = cfg
-        self.kv_row = cfg.kv_cache_dim * kv_elem_bytes
+        self.kv_row = kv_token_bytes or cfg.kv_cache_dim * kv_elem_bytes
         self.layers = []
         for layer in model.model.layers:
             experts = getattr(layer.mlp, "experts", None)

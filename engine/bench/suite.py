@@ -39,6 +39,7 @@ class BenchOptions:
     dtype: str = "auto"
     backend: str = "auto"
     block_size: int = 64
+    kv_cache_dtype: str = "auto"  # EngineConfig's: auto, bf16, fp8 (the V3-family latent cache, one rank)
     eager: bool = False
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -72,6 +73,9 @@ def run(opts: BenchOptions) -> dict:
     else:
         path, hf_config, name = None, preset_config(opts.preset), opts.preset
     model_config = ModelConfig.from_hf(hf_config)
+    if opts.kv_cache_dtype != "auto" and (opts.tensor_parallel_size > 1 or opts.parallel_path or model_config.architecture
+                                          in ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM")):
+        raise ValueError("--kv-cache-dtype is measured for V3-family models on one rank")
     if model_config.architecture in ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"):
         from engine.bench.v4 import run_v4
         from engine.bench.v41 import run_v41
@@ -97,13 +101,16 @@ def run(opts: BenchOptions) -> dict:
     num_blocks = max(-(-max_len // bs), max_conc * -(-decode_len // bs)) + 4
     engine_config = EngineConfig(model=str(path or name), dtype=opts.dtype, device=opts.device,
                                  attention_backend=opts.backend, max_num_seqs=max_conc, block_size=bs,
+                                 kv_cache_dtype=opts.kv_cache_dtype,
                                  num_kv_blocks=num_blocks, seed=opts.seed, show_progress=False,
                                  extra={"enforce_eager": opts.eager, "capture_graphs_at_start": False})
     runner = ModelRunner(engine_config, model_config, path, max_len)
     runner.init_cache(num_blocks)
     fp8 = model_config.quant is not None and runner.backend == "triton"
     ceilings = measure_ceilings(device)
-    costs = PhaseCosts(runner.model, model_config, torch.empty((), dtype=runner.dtype).element_size())
+    # the latent cache's bytes a token and layer, whatever its layout (the FP8 one's sections included)
+    kv_token_bytes = runner.kv_specs[0].block_bytes(bs) / bs
+    costs = PhaseCosts(runner.model, model_config, torch.empty((), dtype=runner.dtype).element_size(), kv_token_bytes)
     pool = BlockPool(runner.num_blocks, bs)
     vocab = model_config.vocab_size
 
@@ -135,7 +142,7 @@ def run(opts: BenchOptions) -> dict:
         gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         date=datetime.date.today().isoformat(), torch=torch.__version__,
         dtype=str(runner.dtype).replace("torch.", ""), weights="fp8 e4m3, 128x128 blocks" if fp8 else str(runner.dtype).replace("torch.", ""),
-        backend=runner.backend, cuda_graphs=runner.graphs is not None, num_layers=model_config.num_hidden_layers,
+        backend=runner.backend, kv_cache_dtype=opts.kv_cache_dtype, cuda_graphs=runner.graphs is not None, num_layers=model_config.num_hidden_layers,
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
         ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),
         decode_tok_s=_summary(decode, "tok_s"), prefill=prefill, decode=decode, layers=layers, kernels=kernels,

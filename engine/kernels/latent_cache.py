@@ -1,5 +1,6 @@
 """MLA's new-token bookkeeping in one launch: normalize the compressed KV, rotate the shared rope key and
-the queries' rope parts, write the latent row [c_kv | k_pe] into its paged cache slot (an FP8 cache's row quantized on the way).
+the queries' rope parts, write the latent row [c_kv | k_pe] into its paged cache slot (into an FP8 cache's
+block sections, c_kv quantized on the way).
 
 The unfused path takes four launches per layer for this (kv_a_layernorm, rope, concatenation, cache
 write), each moving a few kilobytes at decode: pure launch latency. Rounding follows the reference
@@ -31,14 +32,15 @@ def _e4m3_grid(x):
 
 @triton.jit
 def _latent_write_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt,
-                         stride_qh, stride_cos, stride_cache, stride_r, stride_s, num_heads, LORA: tl.constexpr,
-                         HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                         FP8: tl.constexpr, EXACT_CAST: tl.constexpr):
+                         stride_qh, stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads,
+                         LORA: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_D: tl.constexpr, FP8: tl.constexpr, EXACT_CAST: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(Slots + t).to(tl.int64)
-    row = Cache + slot * stride_cache
-    # k_pe's row: after c_kv in the same row, or (FP8) in its own view of the byte row
-    rrow = CacheR + slot * stride_r if FP8 else row + LORA
+    blk, tok = slot // page, slot % page
+    # c_kv's and k_pe's rows: one row (k_pe a view LORA values in), or (FP8) in their sections of the block
+    row = Cache + blk * stride_cb + tok * stride_ct
+    rrow = CacheR + blk * stride_rb + tok * stride_rt
     # c_kv: RMSNorm as layers.norm.RMSNorm rounds it
     offs_c = tl.arange(0, BLOCK_C)
     mask_c = offs_c < LORA
@@ -55,7 +57,7 @@ def _latent_write_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slo
         if EXACT_CAST:
             qv = _e4m3_grid(qv)
         tl.store(row + offs_c, qv.to(Cache.dtype.element_ty), mask=mask_c)
-        tl.store(CacheS + slot * stride_s, scale)
+        tl.store(CacheS + blk * stride_sb + tok, scale)
     else:
         tl.store(row + offs_c, c_kv.to(Cache.dtype.element_ty), mask=mask_c)
     # rope: pairs (x0, x1), (x2, x3), ... share a frequency
@@ -78,8 +80,9 @@ def write_latent_(kv_cache: torch.Tensor, kv: torch.Tensor, norm_weight: torch.T
                   slot_mapping: torch.Tensor) -> None:
     """kv: [T, kv_lora + rope] (kv_a_proj_with_mqa's output) -> kv_cache rows at slot_mapping, as
     [RMSNorm(c_kv) | rope(k_pe)]; q_pe: [T, H, rope] (a strided view is fine) rotated in place.
-    kv_cache: [blocks, block_size, kv_lora + rope], or an FP8 latent cache [blocks, block_size, row_bytes]
-    uint8 (`engine.layers.fp8_latent`: c_kv quantized per token, k_pe in kv's dtype); cos/sin_cache:
+    kv_cache: [blocks, block_size, kv_lora + rope], or an FP8 latent cache [blocks, block_size, token_bytes]
+    uint8 (`engine.layers.fp8_latent`: c_kv quantized per token into its block's sections, k_pe in kv's
+    dtype); cos/sin_cache:
     [max_position, rope // 2] float32."""
     check(kv.dim() == 2 and q_pe.dim() == 3, "kv must be [T, kv_lora + rope] and q_pe [T, H, rope]")
     num_tokens, width = kv.shape
@@ -90,12 +93,10 @@ def write_latent_(kv_cache: torch.Tensor, kv: torch.Tensor, norm_weight: torch.T
     fp8 = kv_cache.dtype == torch.uint8
     check(kv_cache.dim() == 3 and kv_cache.is_contiguous(), f"the cache must be 3-D and contiguous, got {tuple(kv_cache.shape)}")
     if fp8:
-        cache, cache_r, cache_s = FP8LatentLayout(width - q_pe.shape[2], q_pe.shape[2], kv.dtype).views(kv_cache)
-        stride_r, stride_s = cache_r.stride(1), cache_s.stride(1)
+        cache, cache_r, cache_s = FP8LatentLayout(lora, rope, kv.dtype).views(kv_cache)
     else:
         check(kv_cache.shape[-1] == width, f"cache rows must be {width} wide, got {tuple(kv_cache.shape)}")
-        cache = cache_r = cache_s = kv_cache
-        stride_r = stride_s = 0
+        cache, cache_r, cache_s = kv_cache, kv_cache[..., lora:], kv_cache[..., 0]  # no scales
     check(q_pe.shape[0] == num_tokens and positions.shape == (num_tokens,) and slot_mapping.shape == (num_tokens,),
           "q_pe, positions and slot_mapping need one row per token")
     check(q_pe.dtype == kv.dtype and rope % 2 == 0 and cos_cache.shape[-1] == rope // 2
@@ -107,6 +108,6 @@ def write_latent_(kv_cache: torch.Tensor, kv: torch.Tensor, norm_weight: torch.T
         num_heads = q_pe.shape[1]
         _latent_write_kernel[(num_tokens,)](
             kv, norm_weight, q_pe, positions, cos_cache, sin_cache, cache, cache_r, cache_s, slot_mapping, eps,
-            kv.stride(0), q_pe.stride(0), q_pe.stride(1), cos_cache.stride(0), cache.stride(1), stride_r, stride_s,
-            num_heads, LORA=lora, HALF=rope // 2, BLOCK_C=pow2(lora), BLOCK_H=min(16, pow2(num_heads, 1)),
+            kv.stride(0), q_pe.stride(0), q_pe.stride(1), cos_cache.stride(0), cache.stride(0), cache.stride(1),
+            cache_r.stride(0), cache_r.stride(1), cache_s.stride(0), kv_cache.shape[1], num_heads, LORA=lora, HALF=rope // 2, BLOCK_C=pow2(lora), BLOCK_H=min(16, pow2(num_heads, 1)),
             BLOCK_D=pow2(rope // 2, 1), FP8=fp8, EXACT_CAST=interpreted(kv))

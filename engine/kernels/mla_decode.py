@@ -18,10 +18,13 @@ SM, each streaming its tiles through a five-stage pipeline; from batch 5, two pr
 stages each), which hide each other's latency. The tile's products take M = 16 heads, so a program
 is bound by its own latency more than by the bytes: more programs in flight is what pays.
 
-An FP8 latent cache (`engine.layers.fp8_latent`) is read as e4m3 c_kv widened in registers, the
-per-token scale folded into the scores and the probabilities, k_pe as stored.
+An FP8 latent cache (`engine.layers.fp8_latent`, each block's c_kv, k_pe and scales in sections of
+their own, each one wide load) is read as e4m3 c_kv widened in registers (the tile loaded twice, so
+both loads are pipelined: `_attend_tile`), the per-token scale folded into the scores and the
+probabilities, k_pe as stored. It runs eight warps: still 1.3-1.7x slower than bf16 on an H200
+(docs/perf.md).
 
-Bytes: context_len * 576 * elem per sequence and head block (FP8: context_len * 656 at V3's shapes);
+Bytes: context_len * 576 * elem per sequence and head block (FP8: context_len * 644 at V3's shapes);
 FLOPs: 4 * heads * context_len * 544.
 """
 
@@ -38,51 +41,68 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_tile(Cache, CacheR, CacheS, Tables, b, stride_tb, stride_cb, stride_ct, stride_rt, stride_st, n0, end, offs_t,
-               offs_c, offs_r, mask_c, mask_r, KV_LORA: tl.constexpr, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr,
-               FP8: tl.constexpr, QDT: tl.constexpr):
+def _load_tile(Cache, CacheR, CacheS, Tables, b, stride_tb, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, n0,
+               end, offs_t, offs_c, offs_r, mask_c, mask_r, PAGE: tl.constexpr, ONE_PAGE: tl.constexpr,
+               FP8: tl.constexpr, RELOAD: tl.constexpr):
     """Tokens [n0, n0 + BLOCK_N) of one sequence, those before `end`: (c_kv [BLOCK_N, BLOCK_C],
-    k_pe [BLOCK_N, BLOCK_R], valid [BLOCK_N], c_kv's scale [BLOCK_N]); each row is 576 contiguous values
-    (16-byte loads). FP8: c_kv read as e4m3 and widened to the queries' dtype (exact), its per-token
-    scale applied by the caller to the scores and the probabilities, k_pe from its own view of the row."""
+    k_pe [BLOCK_N, BLOCK_R], valid [BLOCK_N], c_kv's scale [BLOCK_N]). A token's c_kv and k_pe are each
+    contiguous and 16-byte aligned: in one 576-wide row (bf16), or in their sections of the block (FP8:
+    512 bytes of e4m3 a token, widened to the queries' dtype (exact); its per-token scale applied by the
+    caller to the scores and the probabilities)."""
     offs_n = n0 + offs_t
     mask_n = offs_n < end
     if ONE_PAGE:  # the tile lies in one page: one table entry, rows at a fixed stride
-        page = tl.load(Tables + b * stride_tb + n0 // PAGE, mask=n0 < end, other=0)
-        tok = page.to(tl.int64) * PAGE + (n0 % PAGE) + offs_t
-        row = page.to(tl.int64) * stride_cb + ((n0 % PAGE) + offs_t) * stride_ct
+        page = tl.load(Tables + b * stride_tb + n0 // PAGE, mask=n0 < end, other=0).to(tl.int64)
+        tok = (n0 % PAGE) + offs_t
     else:
-        page = tl.load(Tables + b * stride_tb + offs_n // PAGE, mask=mask_n, other=0)
-        tok = page.to(tl.int64) * PAGE + (offs_n % PAGE)
-        row = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_ct
-    kv = tl.load(Cache + row[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
-    if FP8:  # a contiguous cache of byte rows: token `tok` starts at tok * stride in each view
-        kv = kv.to(QDT)
-        kp = tl.load(CacheR + tok[:, None] * stride_rt + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
-                     other=0.0)
-        sc = tl.load(CacheS + tok * stride_st, mask=mask_n, other=0.0)
+        page = tl.load(Tables + b * stride_tb + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
+        tok = offs_n % PAGE
+    row_c = page * stride_cb + tok * stride_ct
+    row_r = page * stride_rb + tok * stride_rt
+    kv = tl.load(Cache + row_c[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
+    if RELOAD:  # the same tile again (from L2) for the second product: each load has one use (`_attend_tile`)
+        kv2 = tl.load(Cache + row_c[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0,
+                      eviction_policy="evict_first")
     else:
-        kp = tl.load(Cache + row[:, None] + KV_LORA + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
-                     other=0.0)
+        kv2 = kv
+    kp = tl.load(CacheR + row_r[:, None] + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+    if FP8:
+        sc = tl.load(CacheS + page * stride_sb + tok, mask=mask_n, other=0.0)
+    else:
         sc = offs_t.to(tl.float32) * 0.0 + 1.0  # unused
-    return kv, kp, mask_n, sc
+    return kv, kv2, kp, mask_n, sc
 
 
 @triton.jit
-def _attend_tile(q, qp, kv, kp, mask_n, sc, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr, FP8: tl.constexpr):
-    """Online softmax over one tile for every head of the program: -> (m_i, l_i, acc). FP8: c_kv = kv * sc
-    per token, so q . c_kv = (q . kv) * sc and p @ c_kv = (p * sc) @ kv."""
-    qk = mma(q.to(kv.dtype), tl.trans(kv), UPCAST)
+def _attend_tile(q, qp, kv, kv2, kp, mask_n, sc, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr, FP8: tl.constexpr,
+                 ACC_T: tl.constexpr):
+    """Online softmax over one tile for every head of the program: -> (m_i, l_i, acc), acc [BLOCK_H, BLOCK_C]
+    or (ACC_T) its transpose [BLOCK_C, BLOCK_H]. kv2 is kv, or the same tile loaded again.
+
+    FP8: c_kv = kv * sc per token, so q . c_kv = (q . kv) * sc and p @ c_kv = (p * sc) @ kv, kv widened
+    in registers (exact). One of the two products takes the tile transposed, and one-byte operands have
+    no transposing shared-memory load: a tile with two uses goes through registers twice and the
+    pipeliner leaves its load synchronous. Hence RELOAD (a second load, from L2, for the second product:
+    both loads pipelined) and ACC_T (acc^T += kv^T @ p^T: the tile as the wgmma's register operand,
+    M = BLOCK_C instead of BLOCK_H rows)."""
     if FP8:
-        qk = qk * sc[None, :]
+        qk = mma(q, tl.trans(kv).to(q.dtype), UPCAST) * sc[None, :]
+    else:
+        qk = mma(q.to(kv.dtype), tl.trans(kv), UPCAST)
     qk += mma(qp.to(kp.dtype), tl.trans(kp), UPCAST)  # [BLOCK_H, BLOCK_N]
     qk = tl.where(mask_n[None, :], qk * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     p = tl.exp2(qk - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    pv = p * sc[None, :] if FP8 else p
-    acc = acc * alpha[:, None] + mma(pv.to(kv.dtype), kv, UPCAST)
+    if FP8:
+        pv, v = (p * sc[None, :]).to(q.dtype), kv2.to(q.dtype)
+    else:
+        pv, v = p.to(kv.dtype), kv2
+    if ACC_T:
+        acc = acc * alpha[None, :] + mma(tl.trans(v), tl.trans(pv), UPCAST)
+    else:
+        acc = acc * alpha[:, None] + mma(pv, v, UPCAST)
     return m_new, l_i, acc
 
 
@@ -90,11 +110,13 @@ def _attend_tile(q, qp, kv, kp, mask_n, sc, m_i, l_i, acc, scale_log2, UPCAST: t
 # the batch) makes a compiled variant of its own
 @triton.jit(do_not_specialize=["stride_tb", "num_splits"])
 def _split_kernel(QL, QP, Cache, CacheR, CacheS, Tables, Lens, MidO, MidLse, Out,
-                  stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_cb, stride_ct, stride_rt, stride_st, stride_tb,
+                  stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb,
+                  stride_tb,
                   stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2,
                   KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                  DIRECT: tl.constexpr, ONE_PAGE: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
+                  DIRECT: tl.constexpr, ONE_PAGE: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
+                  RELOAD: tl.constexpr, ACC_T: tl.constexpr):
     # head blocks of one slice are neighbours in launch order: they run together and share its tiles in L2
     hb, s, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(Lens + b)
@@ -116,12 +138,17 @@ def _split_kernel(QL, QP, Cache, CacheR, CacheS, Tables, Lens, MidO, MidLse, Out
                  mask=read_h[:, None] & mask_r[None, :], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    if ACC_T:
+        acc = tl.zeros([BLOCK_C, BLOCK_H], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        kv, kp, mask_n, sc = _load_tile(Cache, CacheR, CacheS, Tables, b, stride_tb, stride_cb, stride_ct, stride_rt,
-                                        stride_st, n0, end, offs_t, offs_c, offs_r, mask_c, mask_r, KV_LORA, PAGE,
-                                        ONE_PAGE, FP8, QL.dtype.element_ty)
-        m_i, l_i, acc = _attend_tile(q, qp, kv, kp, mask_n, sc, m_i, l_i, acc, scale_log2, UPCAST, FP8)
+        kv, kv2, kp, mask_n, sc = _load_tile(Cache, CacheR, CacheS, Tables, b, stride_tb, stride_cb, stride_ct, stride_rb,
+                                        stride_rt, stride_sb, n0, end, offs_t, offs_c, offs_r, mask_c, mask_r, PAGE,
+                                        ONE_PAGE, FP8, RELOAD)
+        m_i, l_i, acc = _attend_tile(q, qp, kv, kv2, kp, mask_n, sc, m_i, l_i, acc, scale_log2, UPCAST, FP8, ACC_T)
+    if ACC_T:
+        acc = tl.trans(acc)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     if DIRECT:  # the only slice: the output itself (zeros for an empty context)
@@ -190,15 +217,23 @@ def default_num_splits(batch: int, num_heads: int, sms: int = 132, block_h: int 
     return min(MAX_SPLITS, 1 << (fill.bit_length() - 1))
 
 
-def _tiles(block_c: int, block_h: int, elem: int, deep: bool) -> dict:
+def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False) -> dict:
     """64 tokens a tile (a 72 KB bf16 tile of 576-wide rows). Deep: five pipeline stages (two tiles in
     flight, 168 KB: one program per SM), for batches the slices alone spread over the chip (measured at
     batch 1: 2.9 vs 2.5 TB/s at 128k); else two stages (94 KB: two programs per SM). Slices of at
-    least one tile (64 tokens: at batch 1 and 1k-16k context, 1.3-2x faster than 256)."""
-    block_n = 64 if block_c * elem <= 1024 else 32
-    stages = 5 if deep and block_h <= 16 and block_c * elem <= 1024 else 2
-    return dict(block_n=block_n, num_stages=stages, num_warps=4 if block_h <= 16 else 8, min_chunk=block_n,
-                block_h=block_h)
+    least one tile (64 tokens: at batch 1 and 1k-16k context, 1.3-2x faster than 256).
+
+    FP8 (elem 1): the e4m3 tile loaded twice (`_attend_tile`, RELOAD), so that both loads are pipelined;
+    its two 32 KB copies take the shared memory of one bf16 tile, so the bf16 tile shapes fit as they are
+    (sm_90 compile: 94 KB at two stages, 168 KB at five). Eight warps: the widened tile is a register
+    operand of both products (the bf16 one stays in shared memory), and four warps hold it only by
+    spilling (ptxas: 1,096 bytes at four, none at eight): measured 1.6-1.9x faster with eight at batch 1,
+    2.9x at 64 (benchmarks/mla_decode.py --sweep, docs/perf.md). 128-token tiles lost 2x (one load; two
+    would need 288 KB), the transposed accumulator 4-5x."""
+    block_n = 64 if block_c * max(elem, 2) <= 1024 else 32
+    stages = 5 if deep and block_h <= 16 and block_c * max(elem, 2) <= 1024 else 2
+    return dict(block_n=block_n, num_stages=stages, num_warps=4 if block_h <= 16 and not fp8 else 8,
+                min_chunk=block_n, block_h=block_h, reload=fp8)
 
 
 def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -206,12 +241,13 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
                          num_splits: int | None = None, out: torch.Tensor | None = None,
                          tiles: dict | None = None) -> torch.Tensor:
     """q_latent: [B, H, kv_lora], q_pe: [B, H, rope], kv_cache: [num_blocks, page, kv_lora + rope], or an
-    FP8 latent cache [num_blocks, page, row_bytes] uint8 (`engine.layers.fp8_latent`, its k_pe in q_latent's dtype),
+    FP8 latent cache [num_blocks, page, token_bytes] uint8 (`engine.layers.fp8_latent`, its k_pe in q_latent's dtype),
     block_tables: [B, max_blocks] int32, context_lens: [B] int32 -> latent output [B, H, kv_lora].
 
     Never reads context_lens on the host, so a CUDA graph can replay it with new lengths. num_splits:
     slices per sequence (default from the batch and the SM count); tiles: override of `_tiles`
-    (block_n, num_stages, num_warps, min_chunk, block_h), for benchmarks and tests."""
+    (block_n, num_stages, num_warps, min_chunk, block_h, reload; acc_t: the transposed accumulator of
+    `_attend_tile`), for benchmarks and tests."""
     check(q_latent.dim() == 3 and q_pe.dim() == 3 and kv_cache.dim() == 3, "q_latent, q_pe, kv_cache must be 3-D")
     batch, num_heads, kv_lora = q_latent.shape
     rope = q_pe.shape[2]
@@ -220,11 +256,9 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     if fp8:
         check(kv_cache.is_contiguous(), "an FP8 latent cache must be contiguous")
         cache, cache_r, cache_s = FP8LatentLayout(kv_lora, rope, q_latent.dtype).views(kv_cache)
-        stride_rt, stride_st = cache_r.stride(1), cache_s.stride(1)
     else:
         check(kv_cache.shape[2] == kv_lora + rope, f"cache rows hold {kv_cache.shape[2]} values, expected {kv_lora + rope}")
-        cache = cache_r = cache_s = kv_cache
-        stride_rt = stride_st = 0
+        cache, cache_r, cache_s = kv_cache, kv_cache[..., kv_lora:], kv_cache[..., 0]  # no scales
     for name, t in (("q_latent", q_latent), ("q_pe", q_pe), ("kv_cache", kv_cache)):
         if t is not kv_cache or not fp8:
             check_float(name, t)
@@ -236,7 +270,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     sms = num_sms(q_latent.device)
     block_h = (tiles or {}).get("block_h") or block_heads(num_heads)
     deep = programs_per_sm(batch, num_heads, sms, block_h) == 1
-    cfg = dict(_tiles(pow2(kv_lora), block_h, kv_cache.element_size(), deep), **(tiles or {}))
+    cfg = dict(_tiles(pow2(kv_lora), block_h, kv_cache.element_size(), deep, fp8), **(tiles or {}))
     if num_splits is None:
         num_splits = default_num_splits(batch, num_heads, sms, block_h)
     check(num_splits >= 1, "num_splits must be >= 1")
@@ -252,13 +286,15 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     grid = (triton.cdiv(num_heads, block_h), num_splits, batch)
     _split_kernel[grid](q_latent, q_pe, cache, cache_r, cache_s, block_tables, context_lens, mid_o, mid_lse, out,
                         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
-                        cache.stride(0), cache.stride(1), stride_rt, stride_st, block_tables.stride(0),
+                        cache.stride(0), cache.stride(1), cache_r.stride(0), cache_r.stride(1), cache_s.stride(0),
+                        block_tables.stride(0),
                         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), out.stride(0), out.stride(1),
                         num_heads, num_splits, softmax_scale * LOG2E,
                         KV_LORA=kv_lora, ROPE=rope, BLOCK_C=block_c, BLOCK_R=pow2(rope), BLOCK_H=block_h,
                         BLOCK_N=cfg["block_n"], PAGE=kv_cache.shape[1], MIN_CHUNK=cfg["min_chunk"], DIRECT=direct,
                         ONE_PAGE=kv_cache.shape[1] % cfg["block_n"] == 0,
-                        UPCAST=interpreted(kv_cache), FP8=fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                        UPCAST=interpreted(kv_cache), FP8=fp8, RELOAD=cfg["reload"] and fp8,
+                        ACC_T=cfg.get("acc_t", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if not direct:
         # columns per merge program from the slice count alone (no variant per batch size): ~2K partial
         # values each, so batch 1's 16 heads still make hundreds of programs
@@ -272,12 +308,12 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
 
 def reference_mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, context_lens, softmax_scale):
     """Plain PyTorch, float32, one sequence at a time (an empty context gives zeros); an FP8 cache's rows
-    are decoded first."""
+    pages are decoded first."""
     page, kv_lora = kv_cache.shape[1], q_latent.shape[2]
     outs = []
     for b, n in enumerate(context_lens.tolist()):
-        rows = kv_cache[block_tables[b, : -(-n // page)].long()].flatten(0, 1)[:n]
-        rows = dequantized(rows, kv_lora, q_pe.shape[2], q_latent.dtype).float()  # [n, kv_lora + rope]
+        pages = kv_cache[block_tables[b, : -(-n // page)].long()]
+        rows = dequantized(pages, kv_lora, q_pe.shape[2], q_latent.dtype).float().flatten(0, 1)[:n]  # [n, kv_lora + rope]
         scores = (q_latent[b].float() @ rows[:, :kv_lora].T + q_pe[b].float() @ rows[:, kv_lora:].T) * softmax_scale
         outs.append(scores.softmax(-1) @ rows[:, :kv_lora] if n else torch.zeros_like(q_latent[b], dtype=torch.float32))
     return torch.stack(outs).to(q_latent.dtype)

@@ -1,7 +1,8 @@
 """MLA attention over the paged latent KV cache (reference PyTorch backend).
 
 Cache layout per layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]; one row holds a
-token's normalized compressed KV (c_kv) followed by its rotated shared key (k_pe). A batch is laid
+token's normalized compressed KV (c_kv) followed by its rotated shared key (k_pe); an FP8 cache (uint8)
+holds each block as sections instead (`fp8_latent`), read through `gather_kv_cache` / `latent_rows`. A batch is laid
 out prefills first, then decodes (one query token each). `mla_prefill` / `mla_decode` are the
 reference; `mla_prefill_fast` / `mla_decode_fast` take the same arguments and run the Triton kernels
 (the decode one reads only device tensors, so a CUDA graph can capture it).
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.copies import to_device
-from engine.layers.fp8_latent import FP8LatentLayout, dequantized, is_fp8
+from engine.layers.fp8_latent import FP8LatentLayout, dequantized, is_fp8, latent_rows
 
 
 @dataclass
@@ -72,14 +73,17 @@ def write_kv_cache(kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: t
     """latent: [T, kv_cache_dim] -> kv_cache rows at slot_mapping; an FP8 latent cache (uint8) takes
     them quantized (`fp8_latent`), which needs kv_lora_rank."""
     if is_fp8(kv_cache):
-        latent = FP8LatentLayout(kv_lora_rank, latent.shape[-1] - kv_lora_rank, latent.dtype).quantize(latent)
+        FP8LatentLayout(kv_lora_rank, latent.shape[-1] - kv_lora_rank, latent.dtype).write(kv_cache, slot_mapping, latent)
+        return
     kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, latent.to(kv_cache.dtype))
 
 
-def gather_kv_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """One sequence's first `length` cache rows: [length, kv_cache_dim]."""
+def gather_kv_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, block_size: int, kv_lora_rank: int,
+                    rope: int, dtype: torch.dtype) -> torch.Tensor:
+    """One sequence's first `length` latents in `dtype`: [length, kv_lora_rank + rope] (an FP8 cache's pages
+    decoded whole, then cut)."""
     num_blocks = (length + block_size - 1) // block_size
-    return kv_cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+    return dequantized(kv_cache[block_table[:num_blocks]], kv_lora_rank, rope, dtype).flatten(0, 1)[:length]
 
 
 def mla_prefill(
@@ -101,8 +105,8 @@ def mla_prefill(
     for i in range(meta.num_prefills):
         q_start, q_len = int(meta.query_start_loc_cpu[i]), meta.query_lens_cpu[i]
         ctx = meta.context_lens_cpu[i]
-        latent = gather_kv_cache(kv_cache, meta.block_tables[i], ctx, meta.block_size)
-        latent = dequantized(latent, kv_lora_rank, q_pe.shape[-1], q_pe.dtype)
+        latent = gather_kv_cache(kv_cache, meta.block_tables[i], ctx, meta.block_size, kv_lora_rank, q_pe.shape[-1],
+                                 q_pe.dtype)
         c_kv, k_pe = latent.split([kv_lora_rank, latent.shape[-1] - kv_lora_rank], dim=-1)
         kv = F.linear(c_kv.to(w_kv_b.dtype), w_kv_b).view(ctx, num_heads, nope + v_head_dim)
         k_nope, v = kv.split([nope, v_head_dim], dim=-1)
@@ -141,8 +145,8 @@ def mla_decode(
     max_len = max(lens)
     latent = torch.stack(
         [
-            F.pad(dequantized(gather_kv_cache(kv_cache, meta.block_tables[first + b], n, meta.block_size),
-                              kv_lora_rank, q_pe.shape[-1], q_pe.dtype), (0, 0, 0, max_len - n))
+            F.pad(gather_kv_cache(kv_cache, meta.block_tables[first + b], n, meta.block_size, kv_lora_rank,
+                                  q_pe.shape[-1], q_pe.dtype), (0, 0, 0, max_len - n))
             for b, n in enumerate(lens)
         ]
     ).float()  # [B, L, kv_lora + rope]
@@ -180,7 +184,7 @@ def mla_prefill_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv
     slots, cu_k = meta.prefill_context
     # [Tk, kv_lora + rope]; an FP8 cache's rows decoded as they are gathered (the expansion GEMM and the
     # attention after it run in the activation dtype)
-    latent = dequantized(kv_cache.view(-1, kv_cache.shape[-1])[slots], kv_lora_rank, q_pe.shape[-1], q_pe.dtype)
+    latent = latent_rows(kv_cache, slots, kv_lora_rank, q_pe.shape[-1], q_pe.dtype)
     kv = F.linear(latent[:, :kv_lora_rank], w_kv_b).view(latent.shape[0], num_heads, nope + v_head_dim)
     cu_q = meta.query_start_loc[: meta.num_prefills + 1].int()
     max_q = max(meta.query_lens_cpu[: meta.num_prefills])

@@ -287,10 +287,10 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def kv_cache_specs(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> list[KVCacheSpec]:
         """One latent cache per layer (MLA's cache is shared by all heads: every rank holds it whole);
-        kv_cache_dtype fp8: rows of bytes (`fp8_latent`), k_pe in the activation dtype."""
+        kv_cache_dtype fp8: blocks of bytes in sections (`fp8_latent`), k_pe in the activation dtype."""
         if kv_cache_dtype == "fp8":
             c = self.config
-            width, cache_dtype = FP8LatentLayout(c.kv_lora_rank, c.qk_rope_head_dim, dtype).row_bytes, torch.uint8
+            width, cache_dtype = FP8LatentLayout(c.kv_lora_rank, c.qk_rope_head_dim, dtype).token_bytes, torch.uint8
         else:
             width, cache_dtype = self.config.kv_cache_dim, torch.bfloat16 if kv_cache_dtype == "bf16" else dtype
         return [KVCacheSpec("latent", i, width, cache_dtype) for i in range(len(self.attention_layers()))]

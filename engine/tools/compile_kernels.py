@@ -133,7 +133,7 @@ def launch_all() -> None:
             cos = sin = _empty(4096, rope // 2, dtype=f32)
             pos = torch.zeros(tokens, dtype=i64)
             write_latent_(_empty(64, page, lora + rope), kv, _empty(lora), 1e-6, q[..., nope:], pos, cos, sin, pos)
-            fp8_row = FP8LatentLayout(lora, rope, torch.bfloat16).row_bytes  # --kv-cache-dtype fp8
+            fp8_row = FP8LatentLayout(lora, rope, torch.bfloat16).token_bytes  # --kv-cache-dtype fp8
             write_latent_(_empty(64, page, fp8_row, dtype=torch.uint8), kv, _empty(lora), 1e-6, q[..., nope:], pos,
                           cos, sin, pos)
             ids = torch.randint(0, experts, (tokens, experts)).argsort(-1)[:, :top_k].to(i32).contiguous()

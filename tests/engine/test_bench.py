@@ -10,6 +10,7 @@ from engine.bench.presets import PRESETS, preset_config
 from engine.bench.roofline import PhaseCosts, expected_experts
 from engine.cli import main
 from engine.config import ModelConfig
+from engine.layers.fp8_latent import FP8LatentLayout
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 
 
@@ -32,6 +33,24 @@ def test_bench_writes_results_and_plot_with_the_peer(tmp_path):
     assert set(hf["prefill_tok_s"]) == {"32", "64"} and all(v > 0 for v in hf["decode_tok_s"].values())
     assert set(result["speedup"]["decode"]) == {"1", "2"}
     assert (tmp_path / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_takes_the_fp8_latent_cache_and_counts_its_bytes(tmp_path):
+    decode_bytes = {}
+    for dtype in ("auto", "fp8"):
+        rc = main(["bench", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prompt-lens", "32",
+                   "--concurrency", "1", "--decode-context", "64", "--decode-steps", "2", "--repeats", "1",
+                   "--kv-cache-dtype", dtype, "--out", str(tmp_path / dtype)])
+        assert rc == 0
+        result = json.loads((tmp_path / dtype / "tiny.json").read_text())
+        assert result["kv_cache_dtype"] == dtype and result["decode_tok_s"]["1"] > 0
+        decode_bytes[dtype] = result["decode"]["1"]["bytes"]
+    cfg = ModelConfig.from_hf(preset_config("tiny"))
+    # the same weights; per token and layer the cache's own bytes: float32 rows against e4m3 sections
+    token_bytes = FP8LatentLayout(cfg.kv_lora_rank, cfg.qk_rope_head_dim, torch.float32).token_bytes
+    context = 64 + 3 + 1  # the prompt, the warm-up steps and half the timed ones
+    saved = cfg.num_hidden_layers * context * (cfg.kv_cache_dim * 4 - token_bytes)
+    assert decode_bytes["auto"] - decode_bytes["fp8"] == pytest.approx(saved)
 
 
 def test_bench_over_two_ranks_writes_its_figures(tmp_path):

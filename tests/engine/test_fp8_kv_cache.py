@@ -50,7 +50,7 @@ def test_fp8_cache_logit_drift_and_greedy_agreement(checkpoint):
     # chunks of 16 over pages of 4: most rows a chunk attends to come back from the cache
     fp8 = _llm(path, block_size=4, max_num_batched_tokens=16)
     bf16 = _llm(path, "bf16", block_size=4, max_num_batched_tokens=16)  # bf16 cache, float32 activations
-    assert all(c.dtype == torch.uint8 and c.shape[-1] == FP8LatentLayout(32, 8, torch.float32).row_bytes
+    assert all(c.dtype == torch.uint8 and c.shape[-1] == FP8LatentLayout(32, 8, torch.float32).token_bytes
                for c in fp8.engine.runner.kv_pool.caches)
     assert all(c.dtype == torch.bfloat16 for c in bf16.engine.runner.kv_pool.caches)
     batch = prompts(0, [5, 17, 33, 64])
@@ -84,7 +84,7 @@ def test_fp8_blocks_move_as_bytes_and_a_bf16_replica_is_refused(checkpoint):
     fp8, plain = _llm(path), _llm(path, kv_cache_dtype="auto")
     assert fp8.engine.model_key != plain.engine.model_key
     fp8.generate(prompts(4, [30]), GREEDY)  # blocks with content
-    caches = torch.stack(fp8.engine.runner.kv_pool.caches)  # [layers, blocks, block_size, row_bytes] uint8
+    caches = torch.stack(fp8.engine.runner.kv_pool.caches)  # [layers, blocks, block_size, token_bytes] uint8
     layout = BlockLayout((caches.shape[0], *caches.shape[2:]), caches.dtype)
     hashes = [i.to_bytes(16, "big") for i in range(4)]
 

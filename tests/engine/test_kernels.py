@@ -102,12 +102,12 @@ def _decode_case(lens, heads, kv_lora, rope, page, dtype, seed):
     return q_latent, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEV)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits,acc_t", [(1, False), (3, False), (3, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_decode_small(num_splits, dtype):
+def test_mla_decode_small(num_splits, acc_t, dtype):
     args = _decode_case([1, 9, 33], heads=5, kv_lora=32, rope=8, page=4, dtype=dtype, seed=3)
     out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
-    mla_decode_attention(*args, 0.3, num_splits=num_splits, out=out)
+    mla_decode_attention(*args, 0.3, num_splits=num_splits, out=out, tiles=dict(acc_t=True) if acc_t else None)
     ref = reference_mla_decode_attention(*args, 0.3)
     assert rel_err(out, ref) < (F32_TOL if dtype == torch.float32 else 2e-2)
 
@@ -173,14 +173,18 @@ def _fp8_decode_case(lens, heads, kv_lora, rope, page, dtype, seed):
     return (q_latent, q_pe, fp8, tables, lens_t), cache
 
 
-@pytest.mark.parametrize("num_splits,page,block_n", [(1, 4, 16), (3, 16, 16), (4, 32, 16)])
+# the tile read once or twice (`reload`), the accumulator as is or transposed (`acc_t`)
+@pytest.mark.parametrize("num_splits,page,block_n,variant", [(1, 4, 16, {}), (3, 16, 16, dict(reload=False)),
+                                                             (4, 32, 16, dict(acc_t=True)),
+                                                             (3, 16, 16, dict(reload=False, acc_t=True))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_decode_fp8_cache_matches_its_dequantized_reference(num_splits, page, block_n, dtype):
+def test_mla_decode_fp8_cache_matches_its_dequantized_reference(num_splits, page, block_n, variant, dtype):
     from engine.layers.fp8_latent import FP8LatentLayout
 
     args, exact = _fp8_decode_case([0, 9, 50, 77], heads=5, kv_lora=32, rope=8, page=page, dtype=dtype, seed=7)
     out = torch.full_like(args[0], float("nan"))
-    mla_decode_attention(*args, 0.3, num_splits=num_splits, out=out, tiles=dict(block_n=block_n, min_chunk=16))
+    mla_decode_attention(*args, 0.3, num_splits=num_splits, out=out,
+                         tiles=dict(block_n=block_n, min_chunk=16, **variant))
     ref = reference_mla_decode_attention(*args, 0.3)  # decodes the FP8 rows, then float32 attention
     assert rel_err(out, ref) < (F32_TOL if dtype == torch.float32 else 2e-2)
     # and the reference really is the FP8 cache's: close to the unquantized cache, not equal to it
@@ -190,20 +194,41 @@ def test_mla_decode_fp8_cache_matches_its_dequantized_reference(num_splits, page
     assert 1e-4 < rel_err(ref, full) < 0.1
 
 
-def test_fp8_latent_rows_round_trip():
+def test_fp8_latent_pages_round_trip():
     from engine.layers.fp8_latent import FP8LatentLayout
 
     layout = FP8LatentLayout(512, 64, torch.bfloat16)
-    assert layout.row_bytes == 656 and layout.row_bytes < 0.6 * 576 * 2  # V3's row: 57 % of bf16's
+    assert layout.token_bytes == 644 and layout.token_bytes < 0.56 * 576 * 2  # V3's token: 56 % of bf16's row
     g = torch.Generator().manual_seed(1)
     latent = (torch.randn(40, 576, generator=g) * torch.logspace(-3, 3, 40)[:, None]).to(DEV, torch.bfloat16)
-    back = layout.dequantize(layout.quantize(latent)).float()
+    back = layout.dequantize(layout.quantize(latent.view(5, 8, 576))).view(40, 576).float()
     c, bc = latent[:, :512].float(), back[:, :512]
     # e4m3 keeps 3 mantissa bits: every value within 1/16 of itself or of its row's amax / 2^9
     amax = c.abs().amax(-1, keepdim=True)
     assert ((bc - c).abs() <= c.abs() / 16 + amax * 2**-9 + 1e-30).all()
     assert torch.equal(back[:, 512:], latent[:, 512:].float())
-    assert torch.equal(layout.dequantize(layout.quantize(torch.zeros(2, 576, device=DEV))), torch.zeros(2, 576, device=DEV, dtype=torch.bfloat16))
+    assert torch.equal(layout.dequantize(layout.quantize(torch.zeros(1, 2, 576, device=DEV))),
+                       torch.zeros(1, 2, 576, device=DEV, dtype=torch.bfloat16))
+
+
+def test_fp8_latent_block_is_three_contiguous_sections():
+    """A block's bytes: every token's e4m3 c_kv, then every k_pe, then every scale (one wide load each)."""
+    from engine.layers.fp8_latent import FP8, FP8LatentLayout
+
+    page, lora, rope = 4, 32, 8
+    layout = FP8LatentLayout(lora, rope, torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    latent = torch.randn(3, page, lora + rope, generator=g).to(DEV, torch.bfloat16)
+    pages = layout.quantize(latent)  # [3, page, token_bytes]
+    block = pages[1].flatten()  # its page * token_bytes bytes
+    c_bytes, r_bytes = page * lora, page * rope * 2
+    scale = latent[1, :, :lora].float().abs().amax(-1) / 448
+    assert torch.equal(block[c_bytes + r_bytes :].view(torch.float32), scale)
+    codes = block[:c_bytes].view(FP8).view(page, lora).float() * scale[:, None]
+    assert torch.allclose(codes, latent[1, :, :lora].float(), rtol=1 / 16, atol=1e-6)
+    assert torch.equal(block[c_bytes : c_bytes + r_bytes].view(torch.bfloat16).view(page, rope), latent[1, :, lora:])
+    # and the readers of single slots see the same: slot 6 is block 1's token 2
+    assert torch.equal(layout.rows(pages, torch.tensor([6], device=DEV))[0], layout.dequantize(pages)[1, 2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -220,25 +245,27 @@ def test_write_latent_fp8_quantizes_as_the_reference(dtype):
     cos, sin = torch.randn(50, rope // 2, generator=g).to(DEV), torch.randn(50, rope // 2, generator=g).to(DEV)
     pos = torch.randint(0, 50, (t,), generator=g).to(DEV)
     slots = torch.randperm(blocks * page, generator=g)[:t].to(DEV)
-    cache = torch.full((blocks, page, layout.row_bytes), 0xAB, dtype=torch.uint8, device=DEV)
+    cache = torch.full((blocks, page, layout.token_bytes), 0xAB, dtype=torch.uint8, device=DEV)
     want = torch.cat([reference_rms_norm(kv[:, :lora], weight, 1e-6), reference_rope(kv[:, lora:], pos, cos, sin)], -1)
     write_latent_(cache, kv, weight, 1e-6, q[..., 16:], pos, cos, sin, slots)
-    rows = cache.view(-1, layout.row_bytes)
-    want_rows = layout.quantize(want)
-    _, _, scale = layout.views(rows[slots])
-    assert torch.allclose(scale, layout.views(want_rows)[2], rtol=1e-5 if dtype == torch.float32 else 1e-2)
-    got = layout.dequantize(rows[slots]).float()
-    ref = layout.dequantize(want_rows).float()
+    want_pages = torch.full_like(cache, 0xAB)
+    layout.write(want_pages, slots, want)  # the reference writer, into the same slots
+    blk, tok = slots // page, slots % page
+    scale, want_scale = layout.views(cache)[2][blk, tok], layout.views(want_pages)[2][blk, tok]
+    assert torch.allclose(scale, want_scale, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+    got, ref = layout.rows(cache, slots).float(), layout.rows(want_pages, slots).float()
     # the same quantization: equal but where a value sits on a rounding edge (one e4m3 step)
     step = ref.abs() / 8 + scale[:, None] * 2**-9
-    codes, want_codes = layout.views(rows[slots])[0].float(), layout.views(want_rows)[0].float()
+    codes, want_codes = layout.views(cache)[0][blk, tok].float(), layout.views(want_pages)[0][blk, tok].float()
     if dtype == torch.float32:
         assert ((got - ref).abs() <= step).all() and (codes == want_codes).float().mean() > 0.9
+        assert torch.allclose(got[:, lora:], ref[:, lora:], rtol=1e-6, atol=1e-6)  # k_pe as the reference rotates it
     else:  # the reference norm rounds bf16 apart from the kernel's (as in the bf16 cache's test)
         assert rel_err(got, ref) < 2e-2
-    untouched = torch.ones(blocks * page, dtype=torch.bool, device=DEV)
-    untouched[slots] = False
-    assert (rows[untouched] == 0xAB).all()  # nothing but the slots is written
+    untouched = torch.ones(blocks, page, dtype=torch.bool, device=DEV)
+    untouched[blk, tok] = False
+    for view in layout.views(cache):  # nothing but the slots' c_kv, k_pe and scale is written
+        assert (view[untouched].contiguous().view(torch.uint8) == 0xAB).all()
 
 
 @gpu
