@@ -19,7 +19,13 @@ def redis_server(tmp_path):
 
 def pytest_collection_finish(session):
     """The interpreted kernel tests run in a process of their own for minutes: start it now, beside the
-    rest of the run, and check its result last."""
+    rest of the run, and check its result last. The image install checks' virtualenvs start now too."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        installs = getattr(getattr(item, "module", None), "INSTALLS", {})  # tests/fleet/test_images.py's
+        if item.name in installs:
+            item.module.installing(installs[item.name])
     chosen = [item for item in session.items if item.name == "test_kernel_and_fast_path_tests_pass_under_the_interpreter"]
     if not chosen:
         return

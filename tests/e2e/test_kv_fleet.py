@@ -19,14 +19,19 @@ FOLLOW_UP = {"role": "user", "content": "And what happens when a pod is deleted?
 
 @pytest.fixture
 def fleet(tiny_checkpoint, redis_server, tmp_path):  # noqa: F811
+    """`fleet("a", ("b", *extra), ...)`: replicas started at once (their start-ups overlap), each ready."""
     procs = []
 
-    def start(name: str, *extra: str) -> ServerProcess:
-        proc = ServerProcess(tiny_checkpoint, tmp_path / f"{name}-{len(procs)}.log", "--kv-directory", redis_server.url,
-                             "--replica-id", name, "--advertise-host", "127.0.0.1", "--kv-transfer-port", "0",
-                             "--kv-min-prefix-tokens", "16", *extra)
-        procs.append(proc)
-        return proc.wait_ready()
+    def start(*replicas: str | tuple[str, ...]) -> list[ServerProcess]:
+        started = []
+        for replica in replicas:
+            name, *extra = (replica,) if isinstance(replica, str) else replica
+            started.append(ServerProcess(
+                tiny_checkpoint, tmp_path / f"{name}-{len(procs)}.log", "--kv-directory", redis_server.url,
+                "--replica-id", name, "--advertise-host", "127.0.0.1", "--kv-transfer-port", "0",
+                "--kv-min-prefix-tokens", "16", *extra))
+            procs.append(started[-1])
+        return [proc.wait_ready() for proc in started]
 
     yield start
     for p in procs:
@@ -50,8 +55,7 @@ def remote_hits(server: ServerProcess) -> float:
 
 
 def test_next_turn_on_another_replica_pulls_the_prefix(fleet, redis_server):
-    a, b = fleet("a"), fleet("b")
-    recomputing = fleet("c", "--kv-pull-policy", "never")
+    a, b, recomputing = fleet("a", "b", ("c", "--kv-pull-policy", "never"))
     convo, turn2 = two_turns(a, b, redis_server)
     cached = turn2.usage.prompt_tokens_details.cached_tokens
     assert cached >= 32 and cached < turn2.usage.prompt_tokens
@@ -66,15 +70,15 @@ def test_next_turn_on_another_replica_pulls_the_prefix(fleet, redis_server):
 def test_a_tensor_parallel_replica_pulls_into_every_rank(fleet, redis_server):
     """Rank 0 receives the pulled blocks; every rank holds MLA's latent cache whole, so the next step
     copies them to the others first (without it rank 1 would attend over blocks it never wrote)."""
-    a, b = fleet("a", "--tensor-parallel-size", "2"), fleet("b", "--tensor-parallel-size", "2")
-    recomputing = fleet("c", "--kv-pull-policy", "never")
+    a, b, recomputing = fleet(("a", "--tensor-parallel-size", "2"), ("b", "--tensor-parallel-size", "2"),
+                              ("c", "--kv-pull-policy", "never"))
     convo, turn2 = two_turns(a, b, redis_server)
     assert turn2.usage.prompt_tokens_details.cached_tokens >= 32 and remote_hits(b) > 0
     assert turn2.choices[0].message.content == chat(recomputing, convo).choices[0].message.content
 
 
 def test_killed_peer_means_recompute_not_error(fleet, redis_server):
-    a, b = fleet("a"), fleet("b")
+    a, b = fleet("a", "b")
     chat(a, HISTORY)
     assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
     a.stop(signal.SIGKILL)  # its heartbeat key outlives it: b still finds its entries
@@ -86,12 +90,11 @@ def test_killed_peer_means_recompute_not_error(fleet, redis_server):
 
 
 def test_restarted_replica_old_entries_are_not_trusted(fleet, redis_server):
-    a = fleet("a")
+    (a,) = fleet("a")
     chat(a, HISTORY)
     assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
     a.stop(signal.SIGKILL)
-    fleet("a")  # same name, new incarnation, empty cache
-    b = fleet("b")
+    _, b = fleet("a", "b")  # "a": same name, new incarnation, empty cache
     turn2 = chat(b, HISTORY + [{"role": "assistant", "content": "ok"}, FOLLOW_UP])
     assert turn2.usage.prompt_tokens_details.cached_tokens == 0
     assert remote_hits(b) == 0
@@ -99,7 +102,7 @@ def test_restarted_replica_old_entries_are_not_trusted(fleet, redis_server):
 
 
 def test_redis_stopped_both_keep_serving(fleet, redis_server):
-    a, b = fleet("a"), fleet("b")
+    a, b = fleet("a", "b")
     redis_server.stop()
     for server in (a, b, a):
         assert chat(server, HISTORY).choices[0].finish_reason in ("stop", "length")
@@ -107,7 +110,7 @@ def test_redis_stopped_both_keep_serving(fleet, redis_server):
 
 
 def test_corrupted_block_in_transit_is_recomputed(fleet, redis_server):
-    a, b = fleet("a"), fleet("b")
+    a, b = fleet("a", "b")
     chat(a, HISTORY)
     assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
     r = redis_server.client()
@@ -125,9 +128,9 @@ def test_replicas_of_one_fleet_authenticate_and_strangers_recompute(fleet, redis
     replica holding another secret can neither read the fleet's blocks nor be read from."""
     (tmp_path / "fleet").write_text("a-fleet-secret-of-32-characters!\n")
     (tmp_path / "other").write_text("another-secret-of-32-characters!\n")
-    a = fleet("a", "--kv-secret-file", str(tmp_path / "fleet"))
-    b = fleet("b", "--kv-secret-file", str(tmp_path / "fleet"))
-    stranger = fleet("s", "--kv-secret-file", str(tmp_path / "other"))
+    a, b, stranger = fleet(("a", "--kv-secret-file", str(tmp_path / "fleet")),
+                           ("b", "--kv-secret-file", str(tmp_path / "fleet")),
+                           ("s", "--kv-secret-file", str(tmp_path / "other")))
     convo, turn2 = two_turns(a, b, redis_server)
     assert turn2.usage.prompt_tokens_details.cached_tokens >= 32 and remote_hits(b) > 0
     other = chat(stranger, convo)
@@ -157,7 +160,7 @@ def test_the_directory_password_never_reaches_the_log(tmp_path, tiny_checkpoint)
 def test_an_idle_replica_reports_the_directory_down(fleet, redis_server):
     """No request needed: the directory's heartbeat fails, and the engine's own heartbeat carries it to
     /metrics within seconds."""
-    a = fleet("a")
+    (a,) = fleet("a")
     assert a.metrics()["deepseek_engine_kv_directory_up"] == 1
     redis_server.stop()
     assert wait_for(lambda: a.metrics()["deepseek_engine_kv_directory_up"] == 0, timeout=15, interval=0.5)
@@ -166,7 +169,7 @@ def test_an_idle_replica_reports_the_directory_down(fleet, redis_server):
 def test_redis_restarted_mid_conversation(fleet, redis_server):
     """The directory's content is soft state: after a restart the replicas register again, the next turn
     recomputes (no error), and later turns pull again."""
-    a, b = fleet("a"), fleet("b")
+    a, b = fleet("a", "b")
     convo, turn2 = two_turns(a, b, redis_server)
     redis_server.stop()
     redis_server.start()
@@ -184,7 +187,7 @@ def test_a_peer_serving_garbage_costs_a_recompute(fleet, redis_server):
     import socket
     import threading
 
-    a, b = fleet("a"), fleet("b")
+    a, b = fleet("a", "b")
     chat(a, HISTORY)
     assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
     garbage = socket.create_server(("127.0.0.1", 0))
@@ -219,7 +222,7 @@ def test_200_disconnects_during_pulls_leave_nothing_behind(fleet, redis_server):
 
     from tests.engine.test_parallel_server import descendants
 
-    a, b = fleet("a"), fleet("b")
+    a, b = fleet("a", "b")
     chat(a, HISTORY)
     assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
     (engine_pid,) = [pid for pid, cmd in descendants(b.proc.pid) if "spawn_main" in cmd]

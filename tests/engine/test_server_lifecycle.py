@@ -29,6 +29,32 @@ from tests.engine.conftest_server import (  # noqa: F401
 )
 
 SPAWN = multiprocessing.get_context("spawn")  # the engine process is spawned; its events must be too
+# The servers of this module's tests, by the test that uses each: all started when the first test starts, so
+# their start-ups overlap one another and the tests before theirs; each serves its own test alone.
+SERVERS = {
+    "test_sigterm_drains_streams_then_exits_0[off]": ("--drain-timeout", "120", "--async-scheduling", "off"),
+    "test_sigterm_drains_streams_then_exits_0[on]": ("--drain-timeout", "120", "--async-scheduling", "on"),
+    "test_drain_timeout_ends_streams_with_an_error_and_exits_0": ("--drain-timeout", "0.5"),
+    "test_a_stopped_engine_process_turns_health_unhealthy": ("--engine-heartbeat-timeout", "2"),
+}
+
+
+@pytest.fixture(scope="module")
+def started(tiny_checkpoint, tmp_path_factory, request):  # noqa: F811
+    """The servers of the tests this run selected, started at once (SIGKILLed at the end, if still up)."""
+    chosen = {item.name for item in request.session.items if item.module is request.module}
+    logs = tmp_path_factory.mktemp("servers")
+    servers = {name: ServerProcess(tiny_checkpoint, logs / f"{i}.log", *args)
+               for i, (name, args) in enumerate(SERVERS.items()) if name in chosen}
+    yield servers
+    for server in servers.values():
+        server.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def server(started, request) -> ServerProcess:
+    """This test's own server, ready."""
+    return started[request.node.name].wait_ready()
 
 
 def stream_body(max_tokens: int) -> dict:
@@ -63,9 +89,7 @@ async def open_streams(http: httpx.AsyncClient, num: int, max_tokens: int):
 
 
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
-async def test_sigterm_drains_streams_then_exits_0(tiny_checkpoint, tmp_path, async_scheduling):
-    server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--drain-timeout", "120",
-                           "--async-scheduling", async_scheduling).wait_ready()
+async def test_sigterm_drains_streams_then_exits_0(server, async_scheduling):
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
             streams = await open_streams(http, 4, 250)
@@ -92,8 +116,7 @@ async def test_sigterm_drains_streams_then_exits_0(tiny_checkpoint, tmp_path, as
         server.stop()
 
 
-async def test_drain_timeout_ends_streams_with_an_error_and_exits_0(tiny_checkpoint, tmp_path):
-    server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--drain-timeout", "0.5").wait_ready()
+async def test_drain_timeout_ends_streams_with_an_error_and_exits_0(server):
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
             streams = await open_streams(http, 2, 1800)
@@ -232,12 +255,11 @@ async def test_an_engine_process_that_dies_fails_requests(tiny_checkpoint):
         await engine.stop()
 
 
-def test_a_stopped_engine_process_turns_health_unhealthy(tiny_checkpoint, tmp_path):  # noqa: F811
+def test_a_stopped_engine_process_turns_health_unhealthy(server):
     """The engine reports at least every second, idle or not: one that stops (SIGSTOP, a wedged driver)
     fails /health within the heartbeat timeout, so the kubelet restarts the pod, and recovers with it."""
     from tests.engine.test_parallel_server import descendants
 
-    server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--engine-heartbeat-timeout", "2").wait_ready()
     try:
         time.sleep(2.5)  # idle longer than the timeout: the heartbeat keeps it healthy
         assert httpx.get(f"{server.url}/health").status_code == 200

@@ -3,6 +3,7 @@ of the embedded deepseek-tiny. The model was never trained on tools; constrained
 calls and JSON valid, so every assertion here is about the path, not the model's judgement."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -79,6 +80,14 @@ def client(server):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c
+
+
+def for_each_seed(seeds, ask):
+    """`ask(seed)` for every seed at once, results in seed order: the server batches them (a seeded request
+    draws the same tokens whatever shares its batch), where one after another each decoded alone."""
+    seeds = list(seeds)
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        return list(pool.map(ask, seeds))
 
 
 def check_call(call) -> dict:
@@ -158,9 +167,10 @@ def test_streamed_call_round_trips_through_the_sdks_accumulator(client):
 
 
 def test_parallel_tool_calls_false_makes_exactly_one_call(client):
-    for seed in range(6):
-        resp = client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
-                                              parallel_tool_calls=False, temperature=1, seed=seed, max_tokens=200)
+    replies = for_each_seed(range(6), lambda seed: client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=1,
+        seed=seed, max_tokens=200))
+    for resp in replies:
         calls = resp.choices[0].message.tool_calls
         assert len(calls) == 1 and resp.choices[0].finish_reason == "tool_calls"
         check_call(calls[0])
@@ -186,7 +196,7 @@ def test_a_call_cut_short_is_length_with_its_arguments_so_far(client):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_tool_choice_none_never_calls(client, stream):
-    for seed in range(8):
+    def ask(seed):
         kw = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="none", temperature=1.5, seed=seed,
                   max_tokens=48)
         if stream:
@@ -198,15 +208,18 @@ def test_tool_choice_none_never_calls(client, stream):
             choice = client.chat.completions.create(**kw).choices[0]
             assert choice.message.tool_calls is None
             content, reason = choice.message.content, choice.finish_reason
+        return content, reason
+
+    for content, reason in for_each_seed(range(8), ask):
         assert reason in ("stop", "length")
         no_markers(content)
 
 
 def test_auto_with_a_strict_function_calls_validly_or_answers(client):
     strict = {**SEARCH, "function": {**SEARCH["function"], "strict": True}}
-    for seed in range(4):
-        choice = client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=[strict], temperature=1,
-                                                seed=seed, max_tokens=200).choices[0]
+    replies = for_each_seed(range(4), lambda seed: client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, tools=[strict], temperature=1, seed=seed, max_tokens=200))
+    for choice in (resp.choices[0] for resp in replies):
         no_markers(choice.message.content)
         for call in choice.message.tool_calls or []:
             check_call(call)
@@ -217,9 +230,9 @@ def test_auto_with_a_strict_function_calls_validly_or_answers(client):
 
 
 def test_strict_json_schema_always_validates(client):
-    for seed in range(20):
-        resp = client.chat.completions.create(model=MODEL_NAME, messages=DESCRIBE,
-                                              response_format=PERSON_FORMAT, temperature=1, seed=seed)
+    replies = for_each_seed(range(20), lambda seed: client.chat.completions.create(
+        model=MODEL_NAME, messages=DESCRIBE, response_format=PERSON_FORMAT, temperature=1, seed=seed))
+    for resp in replies:
         choice = resp.choices[0]
         assert choice.finish_reason == "stop", choice
         jsonschema.validate(json.loads(choice.message.content), PERSON)
@@ -233,10 +246,10 @@ def test_json_schema_streams(client):
 
 
 def test_json_object(client):
-    for seed in range(4):
-        choice = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "In JSON?"}],
-                                                response_format={"type": "json_object"}, temperature=0.7, seed=seed,
-                                                max_tokens=300).choices[0]
+    replies = for_each_seed(range(4), lambda seed: client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "In JSON?"}], response_format={"type": "json_object"},
+        temperature=0.7, seed=seed, max_tokens=300))
+    for choice in (resp.choices[0] for resp in replies):
         if choice.finish_reason == "stop":
             assert isinstance(json.loads(choice.message.content), dict)
         else:  # cut at max_tokens: a JSON prefix
@@ -244,9 +257,10 @@ def test_json_object(client):
 
 
 def test_completions_take_response_format(client):
-    for seed in range(5):
-        resp = client.completions.create(model=MODEL_NAME, prompt="A person:", max_tokens=200, temperature=1, seed=seed,
-                                         extra_body={"response_format": PERSON_FORMAT})
+    replies = for_each_seed(range(5), lambda seed: client.completions.create(
+        model=MODEL_NAME, prompt="A person:", max_tokens=200, temperature=1, seed=seed,
+        extra_body={"response_format": PERSON_FORMAT}))
+    for resp in replies:
         assert resp.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(resp.choices[0].text), PERSON)
 

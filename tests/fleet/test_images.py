@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import functools
 import shutil
 import subprocess
+import tempfile
 import venv
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,18 +149,39 @@ def run(*command: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def operator_venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    where = tmp_path_factory.mktemp("operator-image")
-    yield install_as_the_image_does(Dockerfile.read(OPERATOR), where)
-    shutil.rmtree(where, ignore_errors=True)
+# The install checks' virtualenvs, by the test that uses each: most of a minute of pip. tests/conftest.py
+# starts them when collection ends, one after the other in a thread that only waits on pip, so they run
+# beside the tests before theirs; the fixtures take them when their tests come.
+INSTALLS = {
+    "test_operator_install_works_in_a_fresh_virtualenv_without_torch": OPERATOR,
+    "test_engine_install_works_in_a_fresh_virtualenv": ENGINE,
+}
+_installer = ThreadPoolExecutor(1, thread_name_prefix="image-install")
+
+
+@functools.cache
+def installing(dockerfile: Path) -> tuple[Future[Path], Path]:
+    """The install of `dockerfile`, started once: (its bin/ to come, the directory to remove afterwards)."""
+    where = Path(tempfile.mkdtemp(prefix=f"{dockerfile.parent.name}-image-"))
+    return _installer.submit(install_as_the_image_does, Dockerfile.read(dockerfile), where), where
+
+
+def installed(dockerfile: Path) -> Iterator[Path]:
+    bin_dir, where = installing(dockerfile)
+    try:
+        yield bin_dir.result()
+    finally:
+        shutil.rmtree(where, ignore_errors=True)  # the engine's: about a gigabyte
 
 
 @pytest.fixture(scope="module")
-def engine_venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    where = tmp_path_factory.mktemp("engine-image")
-    yield install_as_the_image_does(Dockerfile.read(ENGINE), where)
-    shutil.rmtree(where, ignore_errors=True)  # about a gigabyte
+def operator_venv() -> Iterator[Path]:
+    yield from installed(OPERATOR)
+
+
+@pytest.fixture(scope="module")
+def engine_venv() -> Iterator[Path]:
+    yield from installed(ENGINE)
 
 
 def test_dockerignore_keeps_what_the_images_copy_and_nothing_else() -> None:
