@@ -54,6 +54,31 @@ def fp4_gemv_rows(w_ptrs, s_ptrs, x_ptr, mask_n, K, GROUPS: tl.constexpr, BLOCK_
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
+@triton.jit
+def _dequant_kernel(C, S, Out, row_bytes, BLOCK: tl.constexpr):
+    """One program per (row, BLOCK bytes): both codes of each byte, scaled, into Out's even and odd columns."""
+    row, pid = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < row_bytes
+    codes = tl.load(C + row * row_bytes + offs, mask=mask, other=0)
+    scale = e8m0(tl.load(S + row * (row_bytes // 16) + offs // 16, mask=mask, other=0))
+    out = Out + row * 2 * row_bytes + 2 * offs
+    tl.store(out, (e2m1(codes & 15) * scale).to(Out.dtype.element_ty), mask=mask)
+    tl.store(out + 1, (e2m1(codes >> 4) * scale).to(Out.dtype.element_ty), mask=mask)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes [E, rows, cols / 2] + E8M0 scale [E, rows, cols / 32] -> [E, rows, cols] in dtype, in one launch
+    (exact in bf16: 3 significant bits times a power of two)."""
+    e, rows, half = codes.shape
+    check_mxfp4("codes", codes, scale, rows, 2 * half)
+    out = torch.empty(e, rows, 2 * half, dtype=dtype, device=codes.device)
+    block = 1024
+    _dequant_kernel[(e * rows, triton.cdiv(half, block))](as_bytes(codes), as_bytes(scale), out, half, BLOCK=block,
+                                                          num_warps=4)
+    return out
+
+
 def is_mxfp4(w: torch.Tensor) -> bool:
     """Packed e2m1 codes (the experts' stacks keep them so)."""
     return w.dtype in CODE_DTYPES

@@ -134,6 +134,11 @@ class FusedExperts(nn.Module):
         self.block = None
         # not measured for MXFP4 yet: as bf16 experts, whose GEMVs stream at bandwidth up to 8 tokens
         self.gemv_max_tokens = 8
+        # from this many (token, expert) pairs per expert on, batches dequantize every expert to the
+        # activations' dtype (one launch) and run the bf16 grouped GEMM: on an H200 the GEMM that decodes
+        # its tiles ran at 34 TFLOP/s against bf16's 413 (2,048 tokens, 32 V4 Flash experts) and 2.4 vs
+        # 0.4 ms at 64 tokens (docs/perf.md); the threshold itself is not measured
+        self.dequantize_pairs_per_expert = 2
         codes = lambda *shape: nn.Parameter(torch.empty(*shape, dtype=torch.int8), requires_grad=False)
         scales = lambda *shape: nn.Parameter(torch.empty(*shape, dtype=torch.float8_e8m0fnu), requires_grad=False)
         self.w13, self.w2 = codes(num_experts, 2 * inter, hidden // 2), codes(num_experts, hidden, inter // 2)
@@ -207,6 +212,11 @@ class FusedExperts(nn.Module):
                                 swiglu_limit=self.swiglu_limit)
             if shared is not None:
                 raise ValueError("shared experts fold into the GEMV path only")
+            if self.fp4 and topk_ids.numel() >= self.dequantize_pairs_per_expert * self.num_experts:
+                from engine.kernels.mxfp4 import dequantize
+
+                w13, w2 = dequantize(self.w13, self.w13_scale_inv, x.dtype), dequantize(self.w2, self.w2_scale_inv, x.dtype)
+                return fused_experts(x, w13, w2, topk_weights, topk_ids, swiglu_limit=self.swiglu_limit)
             return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, *scales, block=self.block,
                                  swiglu_limit=self.swiglu_limit)
         if self.fp4:  # the dequantized weight (exact in bf16) and the activations' dtype, as HF runs them

@@ -20,7 +20,7 @@ from unittest import mock
 
 import torch
 
-KERNEL_MODULES = ["compressed_decode", "compressor", "fp8_gemm", "mhc", "norm_rope", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing",
+KERNEL_MODULES = ["compressed_decode", "compressor", "fp8_gemm", "mhc", "norm_rope", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing", "mxfp4",
                   "rms_norm", "rotary", "sampling"]
 # largest shared memory one block may use, by compute capability (bytes)
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
@@ -185,6 +185,7 @@ def launch_v4_weights() -> None:
     from engine.kernels.fused_moe import fused_experts
     from engine.kernels.gemv import gemv
     from engine.kernels.moe_gemv import moe_gemv
+    from engine.kernels.mxfp4 import dequantize
 
     u8, f32 = torch.uint8, torch.float32
     hidden, inter, top_k = 4096, 2048, 6
@@ -196,6 +197,7 @@ def launch_v4_weights() -> None:
         if tokens <= 8:
             moe_gemv(x, w13, w2, weights, ids, s13, s2, swiglu_limit=10.0)
         fused_experts(x, w13, w2, weights, ids, s13, s2, swiglu_limit=10.0)
+    dequantize(w13, s13, torch.bfloat16)  # prefill batches: every expert to bf16, then the bf16 grouped GEMM
     out = _empty(1, 8 * 4096)
     gemv(out, _empty(8 * 1024, 4096, dtype=FP8), _empty(64, 32, dtype=f32), (128, 128), groups=8)
     gemv(out, _empty(8 * 1024, 4096), groups=8)

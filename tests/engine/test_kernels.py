@@ -689,6 +689,17 @@ def test_fused_experts_mxfp4_decodes_tiles_in_the_kernel(dtype):
     assert rel_err(out, want) < (F32_TOL if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dequantize_is_exact(dtype):
+    from engine.kernels.mxfp4 import dequantize
+
+    g = torch.Generator().manual_seed(44)
+    w = torch.randn(3, 5, 96, generator=g) * torch.exp2(torch.randint(-4, 4, (3, 5, 1), generator=g).float())
+    codes, scales, want = _mxfp4_experts(w)
+    out = dequantize(codes, scales, dtype)
+    assert out.dtype == dtype and torch.equal(out.float().cpu(), want.to(dtype).float())
+
+
 def test_mxfp4_experts_check_their_contract():
     from engine.kernels.moe_gemv import moe_gemv
 
