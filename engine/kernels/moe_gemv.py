@@ -38,6 +38,7 @@ from engine.kernels.mxfp4 import as_bytes, check_mxfp4, fp4_gemv_rows, is_mxfp4
 CONFIG = {"bf16": (16, 1, 4), "fp8": (8, 4, 4)}
 # MXFP4: (BLOCK_N, groups of 32 values per step, num_warps); not swept yet, 128 bytes of each row a step
 FP4_CONFIG = (8, 8, 4)
+FP4_INTERPRETED_CONFIG = (64, 2, 4)  # few, wide programs; two groups a step (a K remainder in the tests)
 INTERPRETED_CONFIG = (16, 1, 4)  # the interpreter pays per program: few, wide ones
 
 
@@ -277,7 +278,7 @@ def _moe_gemv_fp4(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         return torch.empty_like(x)
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
-    block_n, groups, warps = config or (INTERPRETED_CONFIG if interpreted(x) else FP4_CONFIG)
+    block_n, groups, warps = config or (FP4_INTERPRETED_CONFIG if interpreted(x) else FP4_CONFIG)
     ids = topk_ids.int()
     w13, w2, s13, s2 = (as_bytes(t) for t in (w13, w2, w13_scale, w2_scale))
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)

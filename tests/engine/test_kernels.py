@@ -671,12 +671,10 @@ def test_moe_gemv_mxfp4_is_the_dequantized_math(dtype):
     from engine.kernels.moe_gemv import moe_gemv
 
     x, (w13, s13), (w2, s2), weights, ids, want = _fp4_case(40, 3, 160, 64, 6, 2, dtype)
-    for config in (None, (8, 2, 4)):
-        out = moe_gemv(x, w13, w2, weights, ids, s13, s2, swiglu_limit=1.5, config=config)
-        assert rel_err(out, want) < (F32_TOL if dtype == torch.float32 else 2e-2)
-    # the checkpoint's I8 codes and unsigned bytes are the same codes
-    out = moe_gemv(x, w13.view(torch.uint8), w2.view(torch.uint8), weights, ids, s13.view(torch.uint8),
-                   s2.view(torch.uint8), swiglu_limit=1.5)
+    if dtype == torch.bfloat16:  # the checkpoint's I8 codes and unsigned bytes are the same codes
+        w13, w2, s13, s2 = (t.view(torch.uint8) for t in (w13, w2, s13, s2))
+    config = None if DEV == "cpu" else (8, 2, 4)  # two groups a step: 160 leaves a remainder
+    out = moe_gemv(x, w13, w2, weights, ids, s13, s2, swiglu_limit=1.5, config=config)
     assert rel_err(out, want) < (F32_TOL if dtype == torch.float32 else 2e-2)
 
 
