@@ -144,29 +144,38 @@ def load_weights(model: nn.Module, path: Path, num_hidden_layers: int, block_siz
         param = params.get(target)
         if param is None:
             raise CheckpointError(f"unexpected tensor {name} in checkpoint: the model has no parameter {target}")
+        def keep_scale(scale_name: str) -> None:
+            """The model keeps the quantized tensor for its kernels: its scales (`<weight>_scale_inv`, V3, or
+            `<module>.scale`, V4) go to the weight's parameter's `_scale_inv` companion."""
+            scale_target, _ = _param_name(ours + "_scale_inv", M)
+            if scale_target not in params:
+                raise CheckpointError(f"the model has no parameter {scale_target} for {scale_name}")
+            _load_into(params[scale_target], read(scale_name), shard_id, scale_name)
+            loaded.add(f"{scale_target}#{shard_id}")
+
         if tensor.dtype == torch.float8_e4m3fn:
             scale_name = scale_of(name)
             if scale_name is None:
                 raise CheckpointError(f"FP8 tensor {name} has no {name}_scale_inv")
             scale = read(scale_name)
             if param.dtype == torch.float8_e4m3fn:  # the model keeps the blocks for its FP8 kernels
-                scale_target, _ = _param_name(rename(scale_name), M)
-                if scale_target not in params:
-                    raise CheckpointError(f"the model has no parameter {scale_target} for {scale_name}")
-                _load_into(params[scale_target], scale, shard_id, scale_name)
-                loaded.add(f"{scale_target}#{shard_id}")
+                keep_scale(scale_name)
             else:  # dequantized once at load (the reference path), then sliced
                 tensor = dequantize_fp8_block(tensor.read(), scale.read(), block_size or (128, 128))
         elif param.dtype == torch.float8_e4m3fn:
             raise CheckpointError(f"tensor {name} is {tensor.dtype}, but the FP8 model expects float8_e4m3fn blocks")
-        elif tensor.dtype in (torch.int8, torch.uint8) and param.dtype.is_floating_point:
+        elif tensor.dtype in (torch.int8, torch.uint8) and (param.dtype.is_floating_point or param.dtype == torch.int8):
             scale_name = scale_of(name)
             if scale_name is None:
                 raise CheckpointError(f"packed FP4 tensor {name} has no scales ({name.removesuffix('weight')}scale)")
-            try:
-                tensor = dequantize_mxfp4(tensor.read(), read(scale_name).read())
-            except ValueError as e:
-                raise CheckpointError(f"tensor {name}: {e}") from e
+            if param.dtype == torch.int8:  # the model keeps the codes (MXFP4 experts) for its kernels
+                keep_scale(scale_name)
+                tensor = tensor.read().view(torch.int8)
+            else:
+                try:
+                    tensor = dequantize_mxfp4(tensor.read(), read(scale_name).read())
+                except ValueError as e:
+                    raise CheckpointError(f"tensor {name}: {e}") from e
         _load_into(param, tensor, shard_id, name)
         loaded.add(f"{target}#{shard_id}")
 

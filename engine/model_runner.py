@@ -17,7 +17,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.copies import HostSpan, index_to_device, to_device
 from engine.kv_pool import KVPool, block_bytes
 from engine.layers.attention import AttentionMetadata
-from engine.layers.fp8 import quantize_fp8_block
+from engine.layers.fp8 import quantize_fp8_block, quantize_mxfp4
 from engine.loader import load_weights
 from engine.models import model_class
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -77,7 +77,12 @@ def init_random_weights(model: DeepseekV3ForCausalLM, seed: int, std: float = 0.
     for name, param in params.items():
         if name.endswith("_scale_inv"):
             continue  # written with its weight
-        if param.dtype == torch.float8_e4m3fn:
+        if param.dtype == torch.int8 and name + "_scale_inv" in params:  # MXFP4 experts: codes and scales
+            for w, s in zip(param.data, params[name + "_scale_inv"].data):
+                codes, scale = quantize_mxfp4(torch.randn(w.shape[0], 2 * w.shape[1], generator=gen, device=device) * std)
+                w.copy_(codes.view(torch.int8))
+                s.copy_(scale)
+        elif param.dtype == torch.float8_e4m3fn:
             scale = params[name + "_scale_inv"]  # w13 -> w13_scale_inv, weight -> weight_scale_inv
             mats, scales = (param.data, scale.data) if param.dim() == 3 else (param.data[None], scale.data[None])
             for w, s in zip(mats, scales):

@@ -32,6 +32,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-kernels", dest="kernels", action="store_false", help="skip the per-kernel measurements")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--weights", default="checkpoint", choices=["checkpoint", "bf16"],
+                   help="checkpoint: quantized as the preset or checkpoint ships them (V3's FP8 blocks, V4's FP8 "
+                        "and MXFP4 experts); bf16: dequantized (results as <preset>-bf16)")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"],
@@ -58,8 +61,9 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
                         concurrency=args.concurrency, decode_context=args.decode_context,
                         decode_steps=args.decode_steps, hf_decode_steps=args.hf_decode_steps,
                         hf_max_prompt_len=args.hf_max_prompt_len, repeats=args.repeats, kernels=args.kernels,
-                        device=args.device, dtype=args.dtype, backend=args.backend, block_size=args.block_size,
-                        eager=args.eager, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, out_dir=args.out, command=command,
+                        device=args.device, dtype=args.dtype, weights=args.weights, backend=args.backend,
+                        block_size=args.block_size, eager=args.eager, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
+                        out_dir=args.out, command=command,
                         tensor_parallel_size=args.tensor_parallel_size,
                         enable_expert_parallel=args.enable_expert_parallel, parallel_path=args.parallel_path)
     try:

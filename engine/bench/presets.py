@@ -44,9 +44,14 @@ PRESETS: dict[str, dict] = {
     ),
     # DeepSeek-V4 Flash's real layer shapes, its first 4 layers as it orders them: two sliding-window-only
     # layers, a CSA (ratio 4, indexer top-512) and an HCA (ratio 128) layer, the first three hash-routed;
-    # 256 experts top-6, 4 residual streams
+    # 256 experts top-6, 4 residual streams. Weights as Flash ships them: the dense projections of attention
+    # (wq_a, wq_b, wkv, wo_a, wo_b, the indexer's wq_b) and the shared expert FP8 e4m3 in 128x128 blocks,
+    # the routed experts MXFP4; bf16 the compressors' wkv / wgate, the indexer's weights_proj, embedding and
+    # head; float32 norms, router, mHC, sinks and position biases (`--weights bf16`: all bf16)
     "v4-slice": dict(
-        _V4, vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num_attention_heads=64, head_dim=512,
+        _V4, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                  "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+        expert_dtype="fp4", vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num_attention_heads=64, head_dim=512,
         qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, moe_intermediate_size=2048,
         n_routed_experts=256, num_experts_per_tok=6, compress_ratios=[0, 0, 4, 128], num_hash_layers=3,
         sliding_window=128, hc_mult=4, hc_sinkhorn_iters=20, index_n_heads=64, index_head_dim=128,

@@ -37,6 +37,7 @@ class BenchOptions:
     kernels: bool = True
     device: str = "auto"
     dtype: str = "auto"
+    weights: str = "checkpoint"  # "bf16": the checkpoint's FP8 / MXFP4 weights dequantized
     backend: str = "auto"
     block_size: int = 64
     kv_cache_dtype: str = "auto"  # EngineConfig's: auto, bf16, fp8 (the V3-family latent cache, one rank)
@@ -72,6 +73,9 @@ def run(opts: BenchOptions) -> dict:
         name = opts.preset or path.name
     else:
         path, hf_config, name = None, preset_config(opts.preset), opts.preset
+    if opts.weights == "bf16":
+        hf_config = {k: v for k, v in hf_config.items() if k not in ("quantization_config", "expert_dtype")}
+        name = f"{name}-bf16"
     model_config = ModelConfig.from_hf(hf_config)
     if opts.kv_cache_dtype != "auto" and (opts.tensor_parallel_size > 1 or opts.parallel_path or model_config.architecture
                                           in ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM")):

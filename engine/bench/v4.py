@@ -23,7 +23,9 @@ logger = logging.getLogger(__name__)
 
 
 class V4Costs:
-    """Bytes and FLOPs of V4 phases from the model's own parameters and shape."""
+    """Bytes and FLOPs of V4 phases from the model's own parameters and shape: bytes as held (FP8 blocks a
+    byte a weight plus their float32 scales, MXFP4 experts half a byte plus an E8M0 byte per 32 values),
+    FLOPs by the weights' logical sizes."""
 
     def __init__(self, model: torch.nn.Module, cfg: DeepseekV4Config, kv_elem_bytes: int):
         self.cfg, self.e = cfg, kv_elem_bytes
@@ -31,10 +33,11 @@ class V4Costs:
         for layer in model.layers:
             experts = layer.ffn.experts
             ids = {id(p) for p in experts.parameters()}
-            rest = [p for p in layer.parameters() if id(p) not in ids]
-            self.layers.append(dict(rest_bytes=param_bytes(rest), rest_numel=sum(p.numel() for p in rest),
+            rest = [(n, p) for n, p in layer.named_parameters() if id(p) not in ids]
+            self.layers.append(dict(rest_bytes=param_bytes(p for _, p in rest),
+                                    rest_numel=sum(p.numel() for n, p in rest if not n.endswith("_scale_inv")),
                                     expert_bytes=param_bytes(experts.parameters()) / experts.num_experts,
-                                    expert_numel=(experts.w13.numel() + experts.w2.numel()) / experts.num_experts))
+                                    expert_numel=3 * cfg.hidden_size * experts.inter))
         self.head_bytes = param_bytes(model.head.parameters())
         self.head_numel = model.head.weight.numel()
 
@@ -179,7 +182,7 @@ def run_v4(opts, hf_config: dict, cfg: DeepseekV4Config, name: str, costs_cls=V4
     result = dict(
         preset=name, command=opts.command, gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         date=datetime.date.today().isoformat(), torch=torch.__version__, dtype=str(runner.dtype).removeprefix("torch."),
-        weights=str(runner.dtype).removeprefix("torch.") + " (FP8 / FP4 checkpoints are dequantized at load)",
+        weights=weights_held(runner),
         backend=runner.backend, cuda_graphs=runner.graphs is not None, num_layers=cfg.num_hidden_layers,
         layer_kinds=[costs.kind(i) for i in range(cfg.num_hidden_layers)], max_model_len=max_len,
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
@@ -205,10 +208,25 @@ def run_v4(opts, hf_config: dict, cfg: DeepseekV4Config, name: str, costs_cls=V4
     return result
 
 
+def weights_held(runner: ModelRunner) -> str:
+    """What the model's weights are, in words (the results' `weights`)."""
+    dtype = str(runner.dtype).removeprefix("torch.")
+    quant = runner.model.config.quant
+    if quant is None:
+        return dtype + " (FP8 / FP4 checkpoints are dequantized at load)"
+    experts = "MXFP4" if runner.model.config.expert_dtype == "fp4" else "FP8"
+    b0, b1 = quant.weight_block_size
+    return (f"FP8 e4m3 {b0}x{b1} blocks (attention projections, shared expert), {experts} routed experts, "
+            f"{dtype} elsewhere")
+
+
 def _run_hf(hf_config: dict, opts, device: torch.device, vocab: int) -> dict:
-    """HF transformers' DeepseekV4ForCausalLM, random bf16 weights (timing does not depend on their values)."""
+    """HF transformers' DeepseekV4ForCausalLM, random bf16 weights (timing does not depend on their values;
+    HF runs V4's FP8 / MXFP4 checkpoints dequantized to bf16 too)."""
     import transformers
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    hf_config = {k: v for k, v in hf_config.items() if k not in ("quantization_config", "expert_dtype")}
 
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)

@@ -3,7 +3,14 @@
 Two launches: w13 (gate and up rows of one expert, SiLU(gate) * up fused in the epilogue) writes one
 intermediate row per pair; w2 multiplies by the pair's routing weight; a sum over top_k finishes.
 Weights are bf16/fp16/fp32, or FP8 e4m3 with [block_n, block_k] scales (activations then quantized
-per token group). Bytes at decode: the chosen experts' weights once; FLOPs: 6 * T * top_k * H * I.
+per token group), or MXFP4 (DeepSeek-V4's routed experts: e2m1 codes two a byte, an E8M0 scale per 32
+values of a row). MXFP4 tiles are decoded in the kernel, not dequantized per expert beforehand: a
+[BLOCK_K / 2, BLOCK_N] tile of bytes becomes the even-k and the odd-k halves of the weight tile in the
+activations' dtype (exact: 3 significant bits times a power of two), multiplied by the even and odd
+columns of the activations in two dots. Dequantizing every expert a prefill touches first would write
+and read back 4 bytes of bf16 for each half byte of codes (12.9 GB a V4 Flash layer, ~5 ms on an H200)
+and hold them; in the kernel the weights cross HBM once, as FP4. Activations stay in their dtype (the
+dequantized weight's math). Bytes at decode: the chosen experts' weights once; FLOPs: 6 * T * top_k * H * I.
 """
 
 import torch
@@ -13,6 +20,59 @@ import triton.language as tl
 from engine.kernels._util import check, check_float, interpreted, mma, upcast_fp8_dot
 from engine.kernels.fp8_gemm import FP8, TensorDescriptor, num_sms, per_token_group_quant, tile_of, tma_capable
 from engine.kernels.moe_routing import align_by_expert
+from engine.kernels.mxfp4 import as_bytes, check_mxfp4, e2m1, e8m0, is_mxfp4
+
+
+@triton.jit
+def _fp4_half_tiles(b_ptr, bs_ptr, mask, dtype):
+    """A [BLOCK_K / 2, BLOCK_N] tile of packed bytes and its scales -> the weight's even-k and odd-k
+    halves in `dtype` (exact)."""
+    codes = tl.load(b_ptr, mask=mask, other=0)
+    scale = e8m0(tl.load(bs_ptr, mask=mask, other=0))
+    return (e2m1(codes & 15) * scale).to(dtype), (e2m1(codes >> 4) * scale).to(dtype)
+
+
+@triton.jit
+def _fp4_gemm_tile(A, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded, N, K, num_pairs, top_k, limit,
+                   stride_am, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, pid_m, pid_n,
+                   GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_BY_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """`_moe_gemm_kernel`'s tile over MXFP4 weights: B [E, rows, K / 2] codes, BS [E, rows, K / 32] E8M0."""
+    if pid_m * BLOCK_M < tl.load(NumPadded):
+        HALF: tl.constexpr = BLOCK_K // 2
+        ids = tl.load(SortedIds + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        mask_m = ids < num_pairs
+        rows = (ids // top_k if A_BY_TOKEN else ids).to(tl.int64)
+        expert = tl.load(BlockExpert + pid_m).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_j = tl.arange(0, HALF)  # byte j of a K step: values 2j and 2j + 1
+        mask_n = offs_n < N
+        a_ptr = A + rows[:, None] * stride_am + 2 * offs_j[None, :]
+        b_ptr = B + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_j[:, None]
+        bs_ptr = BS + expert * stride_bse + offs_n[None, :].to(tl.int64) * stride_bsn + offs_j[:, None] // 16
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            mask_k = 2 * offs_j < K - kb * BLOCK_K
+            mask_a = mask_m[:, None] & mask_k[None, :]
+            even = tl.load(a_ptr, mask=mask_a, other=0.0)
+            odd = tl.load(a_ptr + 1, mask=mask_a, other=0.0)
+            mask_b = mask_n[None, :] & mask_k[:, None]
+            lo, hi = _fp4_half_tiles(b_ptr, bs_ptr, mask_b, even.dtype)
+            acc += mma(even, lo, UPCAST) + mma(odd, hi, UPCAST)
+            if GATED:
+                lo, hi = _fp4_half_tiles(b_ptr + N * stride_bn, bs_ptr + N * stride_bsn, mask_b, even.dtype)
+                acc_up += mma(even, lo, UPCAST) + mma(odd, hi, UPCAST)
+            a_ptr += BLOCK_K
+            b_ptr += HALF
+            bs_ptr += BLOCK_K // 32
+        if GATED:  # V4 clamps both pre-activations (limit inf: none)
+            acc = tl.minimum(acc, limit)
+            acc = acc / (1.0 + tl.exp(-acc)) * tl.maximum(tl.minimum(acc_up, limit), -limit)
+        if MUL_WEIGHT:
+            acc = acc * tl.load(Weights + ids, mask=mask_m, other=0.0)[:, None]
+        c_ptr = C + ids[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # varies with the batch: one compiled variant
@@ -20,9 +80,13 @@ def _moe_gemm_kernel(A, AS, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded
                      stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
                      GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_BY_TOKEN: tl.constexpr, USE_FP8: tl.constexpr,
                      GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     UPCAST: tl.constexpr):
+                     UPCAST: tl.constexpr, USE_FP4: tl.constexpr = False):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if pid_m * BLOCK_M < tl.load(NumPadded):
+    if USE_FP4:
+        _fp4_gemm_tile(A, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded, N, K, num_pairs, top_k, limit,
+                       stride_am, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, pid_m, pid_n,
+                       GATED, MUL_WEIGHT, A_BY_TOKEN, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    elif pid_m * BLOCK_M < tl.load(NumPadded):
         ids = tl.load(SortedIds + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         mask_m = ids < num_pairs
         rows = (ids // top_k if A_BY_TOKEN else ids).to(tl.int64)
@@ -132,15 +196,19 @@ def _launch(a, a_scale, w, w_scale, out, weights, align, num_pairs, top_k, gated
     sorted_ids, block_expert, num_padded = align
     bm, bn, bk, warps, stages = cfg
     n = w.shape[1] // 2 if gated else w.shape[1]
-    fp8 = w_scale is not None
+    fp4 = is_mxfp4(w)
+    fp8 = w_scale is not None and not fp4
+    k = 2 * w.shape[2] if fp4 else w.shape[2]
+    if fp4:
+        w, w_scale = as_bytes(w), as_bytes(w_scale)
     grid = (sorted_ids.shape[0] // bm, triton.cdiv(n, bn))
-    _moe_gemm_kernel[grid](a, a_scale if fp8 else a, w, w_scale if fp8 else w, out, weights, sorted_ids,
-                           block_expert, num_padded, n, w.shape[2], num_pairs, top_k, limit, a.stride(0),
+    _moe_gemm_kernel[grid](a, a_scale if fp8 else a, w, w_scale if fp8 or fp4 else w, out, weights, sorted_ids,
+                           block_expert, num_padded, n, k, num_pairs, top_k, limit, a.stride(0),
                            a_scale.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
-                           w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, out.stride(0),
-                           GATED=gated, MUL_WEIGHT=not gated, A_BY_TOKEN=by_token, USE_FP8=fp8,
+                           w_scale.stride(0) if fp8 or fp4 else 0, w_scale.stride(1) if fp8 or fp4 else 0,
+                           out.stride(0), GATED=gated, MUL_WEIGHT=not gated, A_BY_TOKEN=by_token, USE_FP8=fp8,
                            GROUP_N=block[0] if fp8 else 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                           UPCAST=upcast_fp8_dot(a, bk) if fp8 else interpreted(a),
+                           UPCAST=upcast_fp8_dot(a, bk) if fp8 else interpreted(a), USE_FP4=fp4,
                            num_warps=warps, num_stages=stages)
 
 
@@ -217,14 +285,24 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     topk_ids [T, k] int -> [T, H] = sum_k weight * w2_e(SiLU(gate_e x) * up_e x). FP8 weights need their
     scales ([E, ceil(2I / bn), ceil(H / bk)] and [E, ceil(H / bn), ceil(I / bk)]) and block.
     `swiglu_limit` l: SiLU(min(gate, l)) * clamp(up, -l, l) (DeepSeek-V4). `tma_path`: None chooses by
-    rows per expert (`tma_config`; the pointer kernels under the interpreter), True / False forces."""
+    rows per expert (`tma_config`; the pointer kernels under the interpreter), True / False forces.
+    MXFP4 experts: w13 / w2 the packed codes [E, 2I, H / 2] / [E, H, I / 2] (int8 or uint8), the scales
+    their E8M0 bytes [E, 2I, H / 32] / [E, H, I / 32], no block (the pointer kernels, tiles decoded)."""
     check_float("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] contiguous, got {tuple(x.shape)}")
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
-    check(w13.shape == (num_experts, 2 * inter, hidden) and w2.shape == (num_experts, hidden, inter),
-          f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden={hidden}")
+    fp4 = is_mxfp4(w13)
+    if fp4:
+        check(is_mxfp4(w2) and w2.shape[:2] == (num_experts, hidden), "w13 and w2 must both be MXFP4")
+        check_mxfp4("w13", w13, w13_scale, 2 * inter, hidden)
+        check_mxfp4("w2", w2, w2_scale, hidden, 2 * w2.shape[2])
+        inter = 2 * w2.shape[2]
+        check(two_inter == 2 * inter, f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden={hidden}")
+    else:
+        check(w13.shape == (num_experts, 2 * inter, hidden) and w2.shape == (num_experts, hidden, inter),
+              f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden={hidden}")
     check(w13.is_contiguous() and w2.is_contiguous(), "expert weights must be contiguous")
     check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens, "one top-k row per token")
     check(topk_weights.dtype == torch.float32 and topk_weights.is_contiguous(), "topk_weights must be contiguous float32")
@@ -237,7 +315,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         check(w13_scale.shape == (num_experts, -(-2 * inter // block[0]), -(-hidden // block[1]))
               and w2_scale.shape == (num_experts, -(-hidden // block[0]), -(-inter // block[1])),
               f"scale shapes {tuple(w13_scale.shape)}, {tuple(w2_scale.shape)} do not match block {block}")
-    else:
+    elif not fp4:
         check(w13.dtype == x.dtype and w2.dtype == x.dtype, f"expert weights ({w13.dtype}) must match x ({x.dtype})")
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k

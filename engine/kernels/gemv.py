@@ -58,7 +58,7 @@ def gemv_rows(w_ptrs, x_ptrs, scales, mask_n, K, USE_FP8: tl.constexpr, GROUP_K:
 
 
 @triton.jit
-def _gemv_kernel(X, W, WS, Out, N, K, stride_xm, stride_wn, stride_wsn, stride_om,
+def _gemv_kernel(X, W, WS, Out, N, K, rows_per_group, stride_xm, stride_wn, stride_wsn, stride_om,
                  USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
                  PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr):
     row, pid_n = tl.program_id(0), tl.program_id(1)
@@ -66,22 +66,26 @@ def _gemv_kernel(X, W, WS, Out, N, K, stride_xm, stride_wn, stride_wsn, stride_o
     offs_k = tl.arange(0, GROUPS)[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
     w_ptrs = W + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, :, :]
     scales = WS + ((pid_n * BLOCK_N) // GROUP_N) * stride_wsn
-    y = gemv_rows(w_ptrs, X + row * stride_xm + offs_k, scales, offs_n < N, K, USE_FP8, GROUP_K, GROUPS,
-                  PRE_ROUND, BLOCK_N)
+    x = X + row * stride_xm + ((pid_n * BLOCK_N) // rows_per_group) * K  # block-diagonal: the rows' group of x
+    y = gemv_rows(w_ptrs, x + offs_k, scales, offs_n < N, K, USE_FP8, GROUP_K, GROUPS, PRE_ROUND, BLOCK_N)
     tl.store(Out + row * stride_om + offs_n, y.to(Out.dtype.element_ty), mask=offs_n < N)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
          block: tuple[int, int] | None = None, out_dtype: torch.dtype | None = None,
-         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+         config: tuple[int, int, int] | None = None, groups: int = 1) -> torch.Tensor:
     """x [M, K] (M small: each row streams the whole weight) times weight [N, K] -> [M, N] in out_dtype
     (default x's). The weight is x's dtype, float32 (x widened: the router's float32 logits), or FP8 with
     its [ceil(N / block_n), ceil(K / block_k)] scales and the block size.
-    `config`: (BLOCK_N, K groups per step, num_warps)."""
+    `config`: (BLOCK_N, K groups per step, num_warps). groups > 1: block-diagonal, x [M, groups * K] and
+    rows j * N / groups.. of the weight multiply x's slice j (DeepSeek-V4's grouped wo_a)."""
     check_float("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [M, K] with contiguous rows, got {tuple(x.shape)}")
     num_rows, k = x.shape
     n = weight.shape[0]
+    check(k % groups == 0 and n % groups == 0, f"{groups} groups do not split x [{num_rows}, {k}] and {n} rows")
+    k //= groups
+    rows_per_group = n // groups
     check(weight.dim() == 2 and weight.shape[1] == k and weight.stride(-1) == 1,
           f"weight must be [N, {k}] with contiguous rows, got {tuple(weight.shape)}")
     fp8 = weight.dtype == FP8
@@ -92,19 +96,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
               f"weight_scale must be [{-(-n // block[0])}, {-(-k // block[1])}], got {tuple(weight_scale.shape)}")
     else:
         check(weight.dtype in (x.dtype, torch.float32), f"weight ({weight.dtype}) must match x ({x.dtype}) or be float32")
-    block_n, groups, warps = config or (INTERPRETED_CONFIG if interpreted(x) else CONFIG["fp8" if fp8 else "bf16"])
+    block_n, k_groups, warps = config or (INTERPRETED_CONFIG if interpreted(x) else CONFIG["fp8" if fp8 else "bf16"])
     if config is None and not interpreted(x):  # enough programs to keep every SM busy for small N (router)
         block_n = max(1, min(block_n, triton.next_power_of_2(n) // 64))
     group_k = block[1] if fp8 else 128
     if fp8:
         while block[0] % block_n:  # a program's rows must sit in one scale block
             block_n //= 2
+    while groups > 1 and rows_per_group % block_n:  # and in one group
+        block_n //= 2
     out = torch.empty(num_rows, n, dtype=out_dtype or x.dtype, device=x.device)
     if num_rows == 0:
         return out
     ws = weight_scale if fp8 else weight
     _gemv_kernel[(num_rows, triton.cdiv(n, block_n))](
-        x, weight, ws, out, n, k, x.stride(0), weight.stride(0), ws.stride(0) if fp8 else 0, out.stride(0),
-        USE_FP8=fp8, GROUP_N=block[0] if fp8 else 1, GROUP_K=group_k, GROUPS=groups,
+        x, weight, ws, out, n, k, rows_per_group, x.stride(0), weight.stride(0), ws.stride(0) if fp8 else 0,
+        out.stride(0),
+        USE_FP8=fp8, GROUP_N=block[0] if fp8 else 1, GROUP_K=group_k, GROUPS=k_groups,
         PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n, num_warps=warps)
     return out

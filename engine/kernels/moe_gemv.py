@@ -13,9 +13,13 @@ at the end, so a K step is loads and FMAs only (the K loop is `gemv.gemv_rows`'s
 keep enough loads in flight to stream the weights at memory bandwidth.
 FP8 experts multiply the same FP8 math as the grouped kernel: activations quantized per group of
 block_k, weight blocks scaled (the scale applied to the group's activations, shared by a program's rows).
+MXFP4 experts (DeepSeek-V4's: e2m1 codes two a byte, an E8M0 scale per 32 values of a row) have kernels
+of their own (`_up_fp4_kernel`, `_down_fp4_kernel`): a program's rows each have their own scales, and
+the codes are decoded in registers (`mxfp4.fp4_gemv_rows`); activations stay in their dtype, the math
+of the dequantized weight. Their shared experts (FP8 in V4) run apart.
 
 Bytes: the chosen experts' and the shared experts' weights (an expert picked by two tokens is read
-twice); FLOPs: as the GEMMs.
+twice; MXFP4: 17 bytes per 32 values, codes and scale); FLOPs: as the GEMMs.
 """
 
 from typing import NamedTuple
@@ -27,10 +31,14 @@ import triton.language as tl
 from engine.kernels._util import check, check_float, interpreted
 from engine.kernels.fp8_gemm import FP8
 from engine.kernels.gemv import fp8_groups, gemv_rows
+from engine.kernels.mxfp4 import as_bytes, check_mxfp4, fp4_gemv_rows, is_mxfp4
 
 
 # (BLOCK_N, K groups per step, num_warps), chosen on an H200 with benchmarks/moe_gemv_configs.py
 CONFIG = {"bf16": (16, 1, 4), "fp8": (8, 4, 4)}
+# MXFP4: (BLOCK_N, groups of 32 values per step, num_warps); not swept yet, 128 bytes of each row a step
+FP4_CONFIG = (8, 8, 4)
+FP4_INTERPRETED_CONFIG = (64, 2, 4)  # few, wide programs; two groups a step (a K remainder in the tests)
 INTERPRETED_CONFIG = (16, 1, 4)  # the interpreter pays per program: few, wide ones
 
 
@@ -125,6 +133,51 @@ def _down_kernel(Act, W, WS, SW, SWS, Out, Weights, Ids, N, K, top_k, slots, str
 
 
 @triton.jit
+def _fp4_rows(W, WS, expert, row0, N, stride_we, stride_wn, stride_se, stride_sn, pid_n, GROUPS: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """Pointers of a program's BLOCK_N packed rows (from row0 of the expert) for `fp4_gemv_rows`."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_g = tl.arange(0, GROUPS)
+    offs_b = offs_g[:, None] * 16 + tl.arange(0, 16)[None, :]
+    rows = (row0 + offs_n).to(tl.int64)
+    w_ptrs = W + expert * stride_we + rows[:, None, None] * stride_wn + offs_b[None, :, :]
+    s_ptrs = WS + expert * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
+    return offs_n, offs_n < N, w_ptrs, s_ptrs
+
+
+@triton.jit
+def _up_fp4_kernel(X, W, WS, Act, Ids, N, K, top_k, limit, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+                   stride_am, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (token, k) pair and BLOCK_N outputs: SiLU(min(gate, l)) * clamp(up, -l, l) of its
+    expert's packed w13 (gate rows [0, N), up rows [N, 2N))."""
+    pair, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(Ids + pair).to(tl.int64)
+    x = X + (pair // top_k) * stride_xm
+    offs_n, mask_n, w_ptrs, s_ptrs = _fp4_rows(W, WS, expert, 0, N, stride_we, stride_wn, stride_se, stride_sn,
+                                               pid_n, GROUPS, BLOCK_N)
+    gate = fp4_gemv_rows(w_ptrs, s_ptrs, x, mask_n, K, GROUPS, BLOCK_N)
+    up = fp4_gemv_rows(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, x, mask_n, K, GROUPS, BLOCK_N)
+    gate = tl.minimum(gate, limit)
+    up = tl.maximum(tl.minimum(up, limit), -limit)
+    tl.store(Act + pair * stride_am + offs_n, (gate / (1.0 + tl.exp(-gate)) * up).to(Act.dtype.element_ty),
+             mask=mask_n)
+
+
+@triton.jit
+def _down_fp4_kernel(Act, W, WS, Out, Weights, Ids, N, K, stride_am, stride_we, stride_wn, stride_se, stride_sn,
+                     stride_om, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per pair and BLOCK_N outputs: weight * (act W_down of its expert)."""
+    pair, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(Ids + pair).to(tl.int64)
+    offs_n, mask_n, w_ptrs, s_ptrs = _fp4_rows(W, WS, expert, 0, N, stride_we, stride_wn, stride_se, stride_sn,
+                                               pid_n, GROUPS, BLOCK_N)
+    y = fp4_gemv_rows(w_ptrs, s_ptrs, Act + pair * stride_am, mask_n, K, GROUPS, BLOCK_N)
+    # rounded to the activation dtype before the weight, as the reference path's expert outputs are
+    y = y.to(Out.dtype.element_ty).to(tl.float32)
+    tl.store(Out + pair * stride_om + offs_n, (y * tl.load(Weights + pair)).to(Out.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
 def _sum_kernel(Partial, Out, N, slots, stride_pm, stride_om, BLOCK_N: tl.constexpr):
     """Out[t] = sum over the token's slots of Partial[t * slots + s], in float32, slots in order."""
     token, pid_n = tl.program_id(0), tl.program_id(1)
@@ -143,9 +196,14 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     """`fused_moe.fused_experts`'s contract, plus the shared experts' output when `shared` is given;
     meant for T * top_k up to a few dozen pairs. `config`: (BLOCK_N, K groups per step, num_warps); a
     K group is 128 columns for bf16 weights and the scale block's width for FP8 ones. `swiglu_limit` l:
-    SiLU(min(gate, l)) * clamp(up, -l, l) (DeepSeek-V4)."""
+    SiLU(min(gate, l)) * clamp(up, -l, l) (DeepSeek-V4). MXFP4 experts: w13 / w2 the packed codes
+    [E, 2I, H / 2] / [E, H, I / 2] (int8 or uint8), w13_scale / w2_scale their E8M0 scales [E, 2I, H / 32]
+    / [E, H, I / 32], no block, no shared experts; config (BLOCK_N, groups of 32 per step, num_warps)."""
     check_float("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] contiguous, got {tuple(x.shape)}")
+    if is_mxfp4(w13):
+        check(shared is None, "MXFP4 experts take no shared experts (V4 keeps them FP8, run apart)")
+        return _moe_gemv_fp4(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, config, swiglu_limit)
     num_tokens, hidden = x.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     check(w13.shape == (num_experts, 2 * inter, hidden) and w2.shape == (num_experts, hidden, inter)
@@ -201,5 +259,39 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     # torch's reduction over the middle dimension took 5 us for one token on an H200: a plain loop instead
     sum_block = 256
     _sum_kernel[(num_tokens, triton.cdiv(hidden, sum_block))](partial, out, hidden, slots, partial.stride(0),
+                                                              out.stride(0), BLOCK_N=sum_block, num_warps=4)
+    return out
+
+
+def _moe_gemv_fp4(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+                  config: tuple[int, int, int] | None, swiglu_limit: float | None) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    num_experts, two_inter = w13.shape[0], w13.shape[1]
+    inter = two_inter // 2
+    check_mxfp4("w13", w13, w13_scale, 2 * inter, hidden)
+    check_mxfp4("w2", w2, w2_scale, hidden, inter)
+    check(w2.shape[0] == num_experts and is_mxfp4(w2), "w13 and w2 must both be MXFP4, of the same experts")
+    check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens and topk_ids.is_contiguous()
+          and topk_weights.dtype == torch.float32 and topk_weights.is_contiguous(), "one top-k row per token")
+    if num_tokens == 0:
+        return torch.empty_like(x)
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    block_n, groups, warps = config or (FP4_INTERPRETED_CONFIG if interpreted(x) else FP4_CONFIG)
+    ids = topk_ids.int()
+    w13, w2, s13, s2 = (as_bytes(t) for t in (w13, w2, w13_scale, w2_scale))
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    partial = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _up_fp4_kernel[(num_pairs, triton.cdiv(inter, block_n))](
+        x, w13, s13, act, ids, inter, hidden, top_k, float("inf") if swiglu_limit is None else float(swiglu_limit),
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0),
+        GROUPS=groups, BLOCK_N=block_n, num_warps=warps)
+    _down_fp4_kernel[(num_pairs, triton.cdiv(hidden, block_n))](
+        act, w2, s2, partial, topk_weights, ids, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
+        s2.stride(0), s2.stride(1), partial.stride(0), GROUPS=groups, BLOCK_N=block_n, num_warps=warps)
+    out = torch.empty_like(x)
+    sum_block = 256
+    _sum_kernel[(num_tokens, triton.cdiv(hidden, sum_block))](partial, out, hidden, top_k, partial.stride(0),
                                                               out.stride(0), BLOCK_N=sum_block, num_warps=4)
     return out

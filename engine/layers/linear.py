@@ -77,6 +77,28 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+    def forward_grouped(self, x: torch.Tensor, groups: int) -> torch.Tensor:
+        """Block-diagonal over `groups` (DeepSeek-V4's wo_a): x [T, groups * in_features] whose slice j
+        multiplies the weight's rows j * out / groups.. -> [T, out_features]."""
+        num_tokens, rows = x.shape[0], self.out_features // groups
+        if self.use_kernels and x.shape[0] <= self.gemv_max_tokens and x.is_contiguous():
+            from engine.kernels.gemv import gemv
+
+            return gemv(x, self.weight, self.weight_scale_inv if self.block else None, self.block, groups=groups)
+        xs = x.view(num_tokens, groups, self.in_features)
+        if self.block is not None and self.use_kernels and rows % self.block[0] == 0:  # each group its own blocks
+            from engine.kernels.fp8_gemm import fp8_linear
+
+            per = rows // self.block[0]
+            return torch.cat([fp8_linear(xs[:, j].contiguous(), self.weight[j * rows: (j + 1) * rows],
+                                         self.weight_scale_inv[j * per: (j + 1) * per], self.block)
+                              for j in range(groups)], dim=1)
+        w = self.weight if self.block is None else dequantize_fp8_block(self.weight, self.weight_scale_inv, self.block)
+        a = xs if self.block is None else quantize_activations_reference(xs, self.block[1])
+        y = torch.bmm(a.transpose(0, 1), w.view(groups, rows, -1).transpose(1, 2).to(a.dtype))  # [g, T, rows]
+        return y.transpose(0, 1).flatten(1).to(x.dtype)
+
+
 class ColumnParallelLinear(Linear):
     """Output features split across tensor-parallel ranks."""
 

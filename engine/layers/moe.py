@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig, QuantConfig
-from engine.layers.fp8 import dequantize_fp8_block, quantize_activations_reference
+from engine.layers.fp8 import MXFP4_GROUP, dequantize_fp8_block, quantize_activations_reference
 from engine.loader import materialize
 from engine.parallel import SINGLE, ParallelContext, divide
 
@@ -77,13 +77,17 @@ class FusedExperts(nn.Module):
     tensor parallelism keeps every expert's intermediate slice [tp_rank * inter / tp, ...). Either way
     the output is this rank's partial sum: the MoE layer all-reduces it. With a QuantConfig the
     weights stay FP8 e4m3 with per-block scales `w13_scale_inv` / `w2_scale_inv` (one [E, rows / bn,
-    cols / bk] tensor each), as the checkpoint's `weight_scale_inv` of every expert, stacked.
+    cols / bk] tensor each), as the checkpoint's `weight_scale_inv` of every expert, stacked. With
+    expert_dtype "fp4" (DeepSeek-V4) they stay MXFP4: w13 [E, 2 * inter, hidden / 2] and w2 [E, hidden,
+    inter / 2] of e2m1 codes, two a byte (int8, as the checkpoint's I8), and `w13_scale_inv` /
+    `w2_scale_inv` their E8M0 scales, one per 32 values of a row ([E, rows, cols / 32]; the checkpoint's
+    `<wK>.scale`, the multiplier as `weight_scale_inv` is).
     """
 
     use_kernels = False
 
     def __init__(self, num_experts: int, hidden: int, inter: int, quant: QuantConfig | None = None,
-                 par: ParallelContext = SINGLE, swiglu_limit: float | None = None):
+                 par: ParallelContext = SINGLE, swiglu_limit: float | None = None, expert_dtype: str | None = None):
         super().__init__()
         # V4 clamps the pre-activations: silu(min(gate, l)) * clamp(up, -l, l)
         self.swiglu_limit = swiglu_limit
@@ -94,6 +98,12 @@ class FusedExperts(nn.Module):
         inter = divide(inter, self.tp_size, "moe_intermediate_size")
         self.num_experts, self.inter = num_experts, inter
         self.block = quant.weight_block_size if quant is not None else None
+        self.fp4 = expert_dtype == "fp4"
+        if expert_dtype not in (None, "fp4"):
+            raise ValueError(f"unsupported expert_dtype {expert_dtype!r}; supported: fp4 (MXFP4)")
+        if self.fp4:
+            self._init_fp4(num_experts, hidden, inter, swiglu_limit)
+            return
         # batches of at most this many tokens run as GEMVs without the sort by expert, the shared experts
         # folded in (kernels.moe_gemv); 0 keeps every batch on the grouped GEMM. Crossovers measured on
         # an H200 (docs/perf.md): bf16 GEMVs stream the experts at 3.3-3.6 TB/s up to 8 tokens, ahead of
@@ -116,15 +126,39 @@ class FusedExperts(nn.Module):
             self.w13_scale_inv.weight_loader = self.scale_loader
             self.w2_scale_inv.weight_loader = self.scale_loader
 
+    def _init_fp4(self, num_experts: int, hidden: int, inter: int, swiglu_limit: float | None) -> None:
+        group = MXFP4_GROUP
+        if hidden % group or inter % group:
+            raise ValueError(f"MXFP4 groups of {group} do not tile hidden={hidden} and this rank's "
+                             f"moe_intermediate_size {inter}")
+        self.block = None
+        # not measured for MXFP4 yet: as bf16 experts, whose GEMVs stream at bandwidth up to 8 tokens
+        self.gemv_max_tokens = 8
+        # from this many (token, expert) pairs per expert on, batches dequantize every expert to the
+        # activations' dtype (one launch) and run the bf16 grouped GEMM: on an H200 the GEMM that decodes
+        # its tiles ran at 34 TFLOP/s against bf16's 413 (2,048 tokens, 32 V4 Flash experts) and 2.4 vs
+        # 0.4 ms at 64 tokens (docs/perf.md); the threshold itself is not measured
+        self.dequantize_pairs_per_expert = 2
+        codes = lambda *shape: nn.Parameter(torch.empty(*shape, dtype=torch.int8), requires_grad=False)
+        scales = lambda *shape: nn.Parameter(torch.empty(*shape, dtype=torch.float8_e8m0fnu), requires_grad=False)
+        self.w13, self.w2 = codes(num_experts, 2 * inter, hidden // 2), codes(num_experts, hidden, inter // 2)
+        self.w13_scale_inv = scales(num_experts, 2 * inter, hidden // group)
+        self.w2_scale_inv = scales(num_experts, hidden, inter // group)
+        self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        self.w13_scale_inv.weight_loader = self.w2_scale_inv.weight_loader = self.scale_loader
+
     def owns(self, expert: int) -> bool:
         """Whether this rank holds the (global) expert: the loader never reads the others."""
         return self.expert_offset <= expert < self.expert_offset + self.num_experts
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
-        self._load(param, loaded, shard_id, self.inter, self.inter)
+        self._load(param, loaded, shard_id, self.inter, self.inter // 2 if self.fp4 else self.inter)
 
     def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
-        self._load(param, loaded, shard_id, self.inter // self.block[0], self.inter // self.block[1])
+        if self.fp4:  # a scale per 32 values of every row
+            self._load(param, loaded, shard_id, self.inter, self.inter // MXFP4_GROUP)
+        else:
+            self._load(param, loaded, shard_id, self.inter // self.block[0], self.inter // self.block[1])
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str], rows: int,
               cols: int) -> None:
@@ -145,6 +179,10 @@ class FusedExperts(nn.Module):
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) as float32 (for the reference path and for oracles)."""
+        if self.fp4:
+            from engine.kernels.mxfp4 import dequantize_experts
+
+            return dequantize_experts(self.w13, self.w13_scale_inv), dequantize_experts(self.w2, self.w2_scale_inv)
         if self.block is None:
             return self.w13.float(), self.w2.float()
         deq = lambda w, s: torch.stack([dequantize_fp8_block(a, b, self.block) for a, b in zip(w, s)])
@@ -167,15 +205,24 @@ class FusedExperts(nn.Module):
             from engine.kernels.fused_moe import fused_experts
             from engine.kernels.moe_gemv import moe_gemv
 
-            scales = (self.w13_scale_inv, self.w2_scale_inv) if self.block is not None else (None, None)
+            quantized = self.block is not None or self.fp4
+            scales = (self.w13_scale_inv, self.w2_scale_inv) if quantized else (None, None)
             if self.takes_gemv(topk_ids):
                 return moe_gemv(x, self.w13, self.w2, topk_weights, topk_ids, *scales, block=self.block, shared=shared,
                                 swiglu_limit=self.swiglu_limit)
             if shared is not None:
                 raise ValueError("shared experts fold into the GEMV path only")
+            if self.fp4 and topk_ids.numel() >= self.dequantize_pairs_per_expert * self.num_experts:
+                from engine.kernels.mxfp4 import dequantize
+
+                w13, w2 = dequantize(self.w13, self.w13_scale_inv, x.dtype), dequantize(self.w2, self.w2_scale_inv, x.dtype)
+                return fused_experts(x, w13, w2, topk_weights, topk_ids, swiglu_limit=self.swiglu_limit)
             return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, *scales, block=self.block,
                                  swiglu_limit=self.swiglu_limit)
-        w13, w2 = (self.w13, self.w2) if self.block is None else self.dequantized()
+        if self.fp4:  # the dequantized weight (exact in bf16) and the activations' dtype, as HF runs them
+            w13, w2 = (w.to(x.dtype) for w in self.dequantized())
+        else:
+            w13, w2 = (self.w13, self.w2) if self.block is None else self.dequantized()
         # FP8 experts: activations go through FP8 per token group too, as in the kernels
         qdq = (lambda a: a) if self.block is None else (lambda a: quantize_activations_reference(a, self.block[1]))
         out = torch.zeros_like(x)

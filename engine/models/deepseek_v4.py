@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import DeepseekV4Config
+from engine.config import DeepseekV4Config, QuantConfig
 from engine.copies import to_device
 from engine.kv_pool import KVCacheSpec, KVPool
 from engine.layers.attention import AttentionMetadata, write_kv_cache
@@ -255,8 +255,8 @@ class Indexer(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, rotary: Rope):
         super().__init__()
         self.num_heads, self.head_dim, self.top_k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
-        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
-        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, quant=cfg.quant)
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)  # bf16, as are the compressors'
         self.compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, cfg.csa_ratio, True, cfg.rms_norm_eps, rotary)
         object.__setattr__(self, "rotary", rotary)
 
@@ -285,15 +285,16 @@ class Attention(nn.Module):
         self.num_heads = divide(cfg.num_attention_heads, par.tp_size, "num_attention_heads")
         self.groups = divide(cfg.o_groups, par.tp_size, "o_groups")
         self.head_dim, self.window, self.eps = cfg.head_dim, cfg.sliding_window, cfg.rms_norm_eps
-        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        quant = cfg.quant  # FP8 128x128 blocks as V4 ships its dense projections (None: dequantized at load)
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, quant=quant)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, cfg.num_attention_heads * cfg.head_dim, par=par)
-        self.wkv = Linear(cfg.hidden_size, cfg.head_dim)
+        self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, cfg.num_attention_heads * cfg.head_dim, par=par, quant=quant)
+        self.wkv = Linear(cfg.hidden_size, cfg.head_dim, quant=quant)
         self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)  # the kv norm
         # block-diagonal: group j maps its heads' outputs [heads/g * head_dim] to o_lora_rank
         self.wo_a = ColumnParallelLinear(cfg.num_attention_heads * cfg.head_dim // cfg.o_groups,
-                                         cfg.o_groups * cfg.o_lora_rank, par=par)
-        self.wo_b = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, par=par)
+                                         cfg.o_groups * cfg.o_lora_rank, par=par, quant=quant)
+        self.wo_b = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, par=par, quant=quant)
         self.attn_sink = _fp32(self.num_heads)
         rank, heads = par.tp_rank, self.num_heads
         self.attn_sink.weight_loader = lambda p, t, _: p.data.copy_(materialize(t.narrow(0, rank * heads, heads)))
@@ -358,9 +359,7 @@ class Attention(nn.Module):
         path = (self._decode if pools else self._decode_gathered) if decode else self._prefill
         out = path(positions, q, meta, iq, iw)
         out = self.rotary(out, positions, inverse=True)  # K = V carried RoPE into the output
-        grouped = out.view(num_tokens, self.groups, -1).transpose(0, 1)  # [g, T, heads/g * head_dim]
-        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, heads/g * head_dim]
-        o = torch.bmm(grouped, w.transpose(1, 2).to(grouped.dtype)).transpose(0, 1).flatten(1)
+        o = self.wo_a.forward_grouped(out.view(num_tokens, -1), self.groups)  # [T, g * o_lora]
         return self.wo_b(o)
 
     # queries attended at once in a prefill chunk: bounds the [queries, heads, keys] logits (keys: the
@@ -442,12 +441,13 @@ class Attention(nn.Module):
 class Expert(nn.Module):
     """SwiGLU with clamped pre-activations (the shared expert): w2(silu(min(w1 x, l)) * clamp(w3 x, -l, l))."""
 
-    def __init__(self, hidden: int, inter: int, limit: float, par: ParallelContext = SINGLE):
+    def __init__(self, hidden: int, inter: int, limit: float, par: ParallelContext = SINGLE,
+                 quant: QuantConfig | None = None):
         super().__init__()
         self.limit = limit
-        self.w1 = ColumnParallelLinear(hidden, inter, par=par)
-        self.w3 = ColumnParallelLinear(hidden, inter, par=par)
-        self.w2 = RowParallelLinear(inter, hidden, par=par, reduce_results=False)
+        self.w1 = ColumnParallelLinear(hidden, inter, par=par, quant=quant)
+        self.w3 = ColumnParallelLinear(hidden, inter, par=par, quant=quant)
+        self.w2 = RowParallelLinear(inter, hidden, par=par, quant=quant, reduce_results=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.w1(x).clamp(max=self.limit)
@@ -491,10 +491,14 @@ class MoE(nn.Module):
         super().__init__()
         self.par = par
         self.gate = Gate(cfg, cfg.hash_layers[layer])
-        self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, None, par,
-                                    swiglu_limit=cfg.swiglu_limit)
+        # kept as shipped where the model keeps quantized weights (cfg.quant): MXFP4 (expert_dtype "fp4")
+        # or FP8 blocks; the shared expert FP8 blocks
+        fp4 = cfg.quant is not None and cfg.expert_dtype == "fp4"
+        self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                    None if fp4 else cfg.quant, par, swiglu_limit=cfg.swiglu_limit,
+                                    expert_dtype="fp4" if fp4 else None)
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                     cfg.swiglu_limit, par)
+                                     cfg.swiglu_limit, par, cfg.quant)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
@@ -584,14 +588,15 @@ class DeepseekV4Base(nn.Module):
     """What V4 and V4.1 share around their blocks: the main and compress ropes, embedding and head
     (vocab-parallel under TP), the blocks, their attention layers' cache specs, the expert names."""
 
-    # the routed experts' checkpoint tensors (ffn.experts.E.w1/w3/w2) -> FusedExperts' stacks
-    expert_pattern = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight()$")
+    # the routed experts' checkpoint tensors (ffn.experts.E.w1/w3/w2, and where kept quantized their
+    # scales, which the loader names after the weight) -> FusedExperts' stacks
+    expert_pattern = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight(_scale_inv)?$")
     expert_params = {"w1": ("w13", "w1"), "w3": ("w13", "w3"), "w2": ("w2", "w2")}
     stacked_params: dict = {}
     # decode steps run as CUDA graphs (Attention.use_kernels: no host lists); steps with prefill chunks
     # run eagerly, row by row: a chunk's tokens feed its compressors in order, never as rows of a graph
     graph_prefill_rows = False
-    fp8_kernels = False  # FP8 / FP4 weights are dequantized at load
+    fp8_kernels = False  # FP8 / FP4 weights are dequantized at load (V4.1; V4 keeps them)
 
     def __init__(self, cfg: DeepseekV4Config, max_position: int, par: ParallelContext, block: type[nn.Module]):
         super().__init__()
@@ -664,6 +669,7 @@ class MultiTokenPredictor(Block):
 
 
 class DeepseekV4ForCausalLM(DeepseekV4Base):
+    fp8_kernels = True  # FP8 blocks and MXFP4 experts kept as shipped on the fast path
     def __init__(self, cfg: DeepseekV4Config, max_position: int, par: ParallelContext = SINGLE,
                  num_draft_layers: int = 0):
         """num_draft_layers: the checkpoint's MTP layers to load as speculative drafts (0: none)."""

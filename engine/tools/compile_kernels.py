@@ -20,12 +20,12 @@ from unittest import mock
 
 import torch
 
-KERNEL_MODULES = ["compressed_decode", "compressor", "fp8_gemm", "mhc", "norm_rope", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing",
+KERNEL_MODULES = ["compressed_decode", "compressor", "fp8_gemm", "mhc", "norm_rope", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing", "mxfp4",
                   "rms_norm", "rotary", "sampling", "spec_step"]
 # largest shared memory one block may use, by compute capability (bytes)
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv",
-          torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}
+          torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
 
 
 def _signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict]:
@@ -176,6 +176,33 @@ def launch_all() -> None:
         greedy(_empty(4, vocab, dtype=f32), _empty(4, 3, dtype=i64)[:, 0])
     launch_spec_step()
     launch_v4_decode()
+    launch_v4_weights()
+
+
+def launch_v4_weights() -> None:
+    """DeepSeek-V4 Flash's weights as it ships them: the MXFP4 routed experts (2 x 2048 x 4096 and 4096 x
+    2048, top-6) as GEMVs at decode sizes and the grouped GEMM from decode to prefill sizes; the grouped
+    wo_a (8 groups of 1024 x 4096) as one GEMV, FP8 and bf16."""
+    from engine.kernels.fp8_gemm import FP8
+    from engine.kernels.fused_moe import fused_experts
+    from engine.kernels.gemv import gemv
+    from engine.kernels.moe_gemv import moe_gemv
+    from engine.kernels.mxfp4 import dequantize
+
+    u8, f32 = torch.uint8, torch.float32
+    hidden, inter, top_k = 4096, 2048, 6
+    w13, s13 = _empty(16, 2 * inter, hidden // 2, dtype=u8), _empty(16, 2 * inter, hidden // 32, dtype=u8)
+    w2, s2 = _empty(16, hidden, inter // 2, dtype=u8), _empty(16, hidden, inter // 32, dtype=u8)
+    for tokens in (1, 8, 64, 4096):
+        x, weights = _empty(tokens, hidden), _empty(tokens, top_k, dtype=f32)
+        ids = (torch.arange(tokens * top_k, dtype=torch.int32) % 16).view(tokens, top_k)
+        if tokens <= 8:
+            moe_gemv(x, w13, w2, weights, ids, s13, s2, swiglu_limit=10.0)
+        fused_experts(x, w13, w2, weights, ids, s13, s2, swiglu_limit=10.0)
+    dequantize(w13, s13, torch.bfloat16)  # prefill batches: every expert to bf16, then the bf16 grouped GEMM
+    out = _empty(1, 8 * 4096)
+    gemv(out, _empty(8 * 1024, 4096, dtype=FP8), _empty(64, 32, dtype=f32), (128, 128), groups=8)
+    gemv(out, _empty(8 * 1024, 4096), groups=8)
 
 
 def launch_spec_step() -> None:

@@ -102,7 +102,8 @@ def add_mtp_block(path: Path, seed: int = 0) -> None:
 
 def quantize_v4_checkpoint(model: DeepseekV4ForCausalLM, path: Path, block: tuple[int, int]) -> None:
     """Rewrite the saved checkpoint as V4 ships it: FP8 e4m3 blocks with power-of-two (E8M0) scales
-    `<module>.scale` for the attention's dense projections and the shared expert, MXFP4 routed experts
+    `<module>.scale` for the attention's dense projections (the indexer's wq_b too) and the shared expert,
+    MXFP4 routed experts
     (e2m1 codes, E8M0 scale per 32); then give the HF model the same values, dequantized."""
     from safetensors.torch import load_file, save_file
 
@@ -111,7 +112,7 @@ def quantize_v4_checkpoint(model: DeepseekV4ForCausalLM, path: Path, block: tupl
     hf_state = dict(model.named_parameters())
     out = {}
     for name, t in tensors.items():
-        dense = any(f".attn.{p}.weight" in name for p in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"))
+        dense = any(f".attn.{p}.weight" in name for p in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "indexer.wq_b"))
         shared = ".shared_experts.w" in name
         routed = ".ffn.experts." in name
         if dense or shared:
@@ -152,6 +153,8 @@ def _set_hf(model, state, name: str, value: torch.Tensor) -> None:
     elif parts[3] == "shared_experts":
         proj = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}[parts[4]]
         getattr(layer.mlp.shared_experts, proj).weight.data.copy_(value)
+    elif parts[3] == "indexer":  # attn.indexer.wq_b.weight
+        layer.self_attn.compressor.indexer.q_b_proj.weight.data.copy_(value)
     else:
         proj = {"wq_a": "q_a_proj", "wq_b": "q_b_proj", "wkv": "kv_proj", "wo_a": "o_a_proj", "wo_b": "o_b_proj"}[parts[3]]
         getattr(layer.self_attn, proj).weight.data.copy_(value)

@@ -134,13 +134,18 @@ def test_v4_bench_writes_layers_floors_and_the_peer(tmp_path):
     assert set(result["speedup"]["decode"]) == {"1", "2"}
 
 
-def test_v4_slice_floors_count_window_entries_and_indexer_keys():
-    """V4 Flash's first four layers: ~27 B parameters, 256 experts of 3 x 4096 x 2048; one stream at 8k
-    context reads its active weights plus 128 window rows, 512 CSA entries, 2k indexer keys, 64 HCA entries."""
+@pytest.mark.parametrize("weights", ["checkpoint", "bf16"])
+def test_v4_slice_floors_count_window_entries_and_indexer_keys(weights):
+    """V4 Flash's first four layers: ~27 B parameters, 256 experts of 3 x 4096 x 2048 (as shipped: MXFP4,
+    17 bytes per 32 values with their E8M0 scales; or bf16); one stream at 8k context reads its active
+    weights plus 128 window rows, 512 CSA entries, 2k indexer keys, 64 HCA entries."""
     from engine.bench.v4 import V4Costs
     from engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 
-    cfg = ModelConfig.from_hf(preset_config("v4-slice"))
+    hf = preset_config("v4-slice")
+    if weights == "bf16":
+        hf = {k: v for k, v in hf.items() if k not in ("quantization_config", "expert_dtype")}
+    cfg = ModelConfig.from_hf(hf)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -148,10 +153,15 @@ def test_v4_slice_floors_count_window_entries_and_indexer_keys():
             model = DeepseekV4ForCausalLM(cfg, max_position=16384)
     finally:
         torch.set_default_dtype(default)
-    assert abs(sum(p.numel() for p in model.parameters()) / 1e9 - 27.4) < 0.5
+    values = sum(p.numel() * (2 if p.dtype == torch.int8 else 1) for n, p in model.named_parameters()
+                 if not n.endswith("_scale_inv"))  # two e2m1 codes a byte
+    assert abs(values / 1e9 - 27.4) < 0.5
     costs = V4Costs(model, cfg, 2)
     per_expert = costs.layers[0]["expert_bytes"]
-    assert per_expert == 3 * 4096 * 2048 * 2
+    assert per_expert == (3 * 4096 * 2048 * 17 // 32 if weights == "checkpoint" else 3 * 4096 * 2048 * 2)
+    assert costs.layers[0]["expert_numel"] == 3 * 4096 * 2048
+    wq_b = model.layers[0].attn.wq_b
+    assert (wq_b.weight.dtype == torch.float8_e4m3fn) == (weights == "checkpoint")
     window, _ = costs.decode_layer(0, batch=1, context=8192)
     csa, _ = costs.decode_layer(2, batch=1, context=8192)
     hca, _ = costs.decode_layer(3, batch=1, context=8192)

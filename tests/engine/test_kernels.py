@@ -734,6 +734,92 @@ def test_moe_gemv_fp8_is_the_grouped_kernels_math():
     assert rel_err(out, want) < F32_TOL
 
 
+# -- MXFP4 experts (DeepSeek-V4's routed experts) ------------------------------------------------------
+def _mxfp4_experts(w: torch.Tensor):
+    """float [E, rows, cols] -> (int8 codes [E, rows, cols / 2], E8M0 scales [E, rows, cols / 32]) on DEV, and
+    the dequantized float32 weights (the reference's)."""
+    from engine.kernels.mxfp4 import dequantize_experts
+    from engine.layers.fp8 import quantize_mxfp4
+
+    parts = [quantize_mxfp4(m.cpu().float()) for m in w]
+    codes = torch.stack([c.view(torch.int8) for c, _ in parts]).to(DEV)
+    scales = torch.stack([s for _, s in parts]).to(DEV)
+    return codes, scales, dequantize_experts(codes, scales)
+
+
+def _fp4_case(seed: int, t: int, hidden: int, inter: int, e: int, k: int, dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, hidden, generator=g).to(DEV, dtype)
+    # scales spread over several powers of two, so a wrong group or exponent shows
+    spread = lambda *shape: torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-3, 3, shape[:-1] + (1,),
+                                                                                           generator=g).float())
+    w13, s13, d13 = _mxfp4_experts(0.1 * spread(e, 2 * inter, hidden))
+    w2, s2, d2 = _mxfp4_experts(0.1 * spread(e, hidden, inter))
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int().to(DEV)
+    weights = torch.rand(t, k, generator=g).to(DEV)
+    # the dequantized weights in the activations' dtype (exact: e2m1 times a power of two), as HF runs them
+    want = reference_fused_experts(x, d13.to(DEV, dtype), d2.to(DEV, dtype), weights, ids, swiglu_limit=1.5)
+    return x, (w13, s13), (w2, s2), weights, ids, want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_gemv_mxfp4_is_the_dequantized_math(dtype):
+    """Codes unpacked and scaled in registers: the dequantized experts' SwiGLU (V4's limit), every K-step
+    remainder (hidden 160 = 5 groups of 32, 2 groups a step)."""
+    from engine.kernels.moe_gemv import moe_gemv
+
+    x, (w13, s13), (w2, s2), weights, ids, want = _fp4_case(40, 3, 160, 64, 6, 2, dtype)
+    if dtype == torch.bfloat16:  # the checkpoint's I8 codes and unsigned bytes are the same codes
+        w13, w2, s13, s2 = (t.view(torch.uint8) for t in (w13, w2, s13, s2))
+    config = None if DEV == "cpu" else (8, 2, 4)  # two groups a step: 160 leaves a remainder
+    out = moe_gemv(x, w13, w2, weights, ids, s13, s2, swiglu_limit=1.5, config=config)
+    assert rel_err(out, want) < (F32_TOL if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_experts_mxfp4_decodes_tiles_in_the_kernel(dtype):
+    """The grouped GEMM over MXFP4 experts (prefill): tiles of codes become the even and odd columns' weight
+    halves; several row tiles per expert and a partial last one."""
+    x, (w13, s13), (w2, s2), weights, ids, want = _fp4_case(41, 21, 96, 64, 4, 2, dtype)
+    out = fused_experts(x, w13, w2, weights, ids, s13, s2, swiglu_limit=1.5)
+    assert rel_err(out, want) < (F32_TOL if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dequantize_is_exact(dtype):
+    from engine.kernels.mxfp4 import dequantize
+
+    g = torch.Generator().manual_seed(44)
+    w = torch.randn(3, 5, 96, generator=g) * torch.exp2(torch.randint(-4, 4, (3, 5, 1), generator=g).float())
+    codes, scales, want = _mxfp4_experts(w)
+    out = dequantize(codes, scales, dtype)
+    assert out.dtype == dtype and torch.equal(out.float().cpu(), want.to(dtype).float())
+
+
+def test_mxfp4_experts_check_their_contract():
+    from engine.kernels.moe_gemv import moe_gemv
+
+    x, (w13, s13), (w2, s2), weights, ids, _ = _fp4_case(42, 2, 64, 32, 3, 2, torch.float32)
+    with pytest.raises(ValueError, match="E8M0 scales"):
+        moe_gemv(x, w13, w2, weights, ids, None, s2)
+    with pytest.raises(ValueError, match="must be codes"):
+        fused_experts(x, w13, w2, weights, ids, s13[:, :, :1], s2)
+    with pytest.raises(ValueError, match="shared"):
+        from engine.kernels.moe_gemv import SharedExperts
+
+        moe_gemv(x, w13, w2, weights, ids, s13, s2, shared=SharedExperts(x, x))
+
+
+@gpu
+def test_mxfp4_experts_v4_flash_shapes():
+    """V4 Flash's experts (2 x 2048 x 4096, 4096 x 2048) in bf16 activations, at decode and prefill rows."""
+    from engine.kernels.moe_gemv import moe_gemv
+
+    for t, fn in ((2, moe_gemv), (64, fused_experts)):
+        x, (w13, s13), (w2, s2), weights, ids, want = _fp4_case(43, t, 4096, 2048, 8, 6, torch.bfloat16)
+        assert rel_err(fn(x, w13, w2, weights, ids, s13, s2, swiglu_limit=1.5), want) < 2e-2
+
+
 # -- GEMV (a few rows of x) ------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 36, 200), (3, 64, 512), (2, 17, 100)])
@@ -768,6 +854,28 @@ def test_gemv_deepseek_shapes():
     wq, ws = quantize_fp8_block(torch.randn(2112, 7168, device=DEV, generator=g) * 0.02)
     x = torch.randn(1, 7168, device=DEV, generator=g, dtype=torch.bfloat16)
     assert rel_err(gemv(x, wq, ws, (128, 128)), reference_fp8_linear(x, wq, ws, (128, 128))) < 1e-2
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gemv_groups_is_block_diagonal(fp8):
+    """DeepSeek-V4's wo_a: rows j * N / g.. of the weight multiply x's slice j (one launch for every group)."""
+    from engine.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(33)
+    groups, rows, k, block = 4, 32, 48, (16, 16)
+    w = torch.randn(groups * rows, k, generator=g) * 0.1
+    x = torch.randn(2, groups * k, generator=g).to(DEV)
+    xs = x.view(2, groups, k)
+    if fp8:
+        wq, ws = (t.to(DEV) for t in quantize_fp8_block(w, block))
+        want = torch.cat([reference_fp8_linear(xs[:, j].contiguous(), wq[j * rows: (j + 1) * rows],
+                                               ws[j * 2: (j + 1) * 2], block) for j in range(groups)], 1)
+        out = gemv(x, wq, ws, block, groups=groups)
+    else:
+        w = w.to(DEV)
+        want = torch.einsum("tgk,gnk->tgn", xs, w.view(groups, rows, k)).flatten(1)
+        out = gemv(x, w, groups=groups)
+    assert rel_err(out, want) < F32_TOL
 
 
 def test_gemv_checks_its_contract():
