@@ -7,10 +7,19 @@ Shapes below for V4 Flash: hidden 4096, 64 heads of 512 (the last 64 rotary), q 
 groups of LoRA 1024, 4 residual streams, 256 experts top-6 of width 2048 plus one shared.
 
 Speculative decoding drafts with the checkpoint's MTP block (`mtp.0`, `MultiTokenPredictor`). A
-verification (a sequence's last token and its k drafts, k + 1 rows at consecutive positions) runs as a
-chunk, row by row (`Attention._prefill`, `Compressor._prefill`), never through the decode path, whose
-rows are one token of one sequence each. What its rejected rows leave behind, and why the next steps
-read only what the accepted tokens alone would have written:
+verification (a sequence's last token and its k drafts, k + 1 rows at consecutive positions) runs through
+the decode path, a row per token, in the decode CUDA graphs (`graph_chunk_tokens`: chunks of up to k + 1
+tokens take them; longer chunks run eagerly, row by row, `Attention._prefill`). Within a step every
+layer writes all rows' window rows, then its compressors write the entries the rows close, then the
+attention reads: each row sees the window rows and entries of the rows before it, as causal attention
+does, and the indexer and the dual-pool attention take each row's own counts from its position. What
+is not a row per position is the compressors' open state (one row per block): a sequence's rows are
+folded into it in order (`AttentionMetadata.query_index`: the kernel's program at the sequence's first
+row folds its rows one after another, the PyTorch path runs pass j over every sequence's row j), so row
+j starts from the state row j - 1 left, as a decode step after it would. The MTP draft over the rows and
+the drafts after it replay graphs of their own (`DraftGraphs`), and a greedy step of verifications runs
+verification, acceptance, rollback and drafts in one (`SpecGraphs`). What its rejected rows leave
+behind, and why the next steps read only what the accepted tokens alone would have written:
   - Window rows and compressed / indexer entries: a row per position, and an entry closed at position
     p is visible only to queries at t >= p. In the step itself the rows at or past a rejected position
     are rejected too (their draws are dropped). The next step's first row is the first rejected
@@ -19,12 +28,14 @@ read only what the accepted tokens alone would have written:
     that sees p. The prefix cache registers only full blocks of accepted tokens.
   - The compressors' open state (float32, one row per block, updated in place) is not derivable from
     the entries: the step leaves the state after its last row, rejected drafts folded in, in the row of
-    the last block it reaches. So each compressor also keeps, for each row, the state after each of its
-    first k + 1 tokens (`Compressor.candidates`: folded one token at a time, as a decode step folds
-    them, from the state the block held before the step), and once the accepted counts are known on
-    the device (`keep_accepted`, before the MTP pass) the state after the last accepted token is
-    written to the row of the block holding that token: the state a step ending at that token leaves,
-    which the next step reads (the row of the block holding the token before its first). It is exact:
+    the last block it reaches. So each compressor also keeps the state after each token of a
+    verification (`Compressor.candidates`: through the decode path, each row's state as it folds it,
+    into buffers that outlive the step so a graph's replay writes them; eagerly, each chunk's first
+    k + 1 tokens folded one at a time from the state its block held before the step), and once the
+    accepted counts are known on the device (`keep_accepted`, before the MTP pass, or inside the fused
+    graph) the state after the last accepted token is written to the row of the block holding that
+    token: the state a step ending at that token leaves, which the next step reads (the row of the block
+    holding the token before its first). It is exact:
     a function of the accepted tokens only, the same fold plain decoding runs. Rows of blocks past it
     (reached by rejected rows only) are rewritten by the next step that reaches them before anyone
     reads them (a step writes the state row of every block it reaches); a full block's row, the state at

@@ -20,8 +20,8 @@ NEW = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
 
-def spec(k: int) -> dict:
-    return {"method": "mtp", "num_speculative_tokens": k}
+def spec(k: int, **extra) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def oracle_drafts(llm: LLM, continuations: dict[tuple, list[int]]) -> list[int]:
             tokens = prompt + continuations[tuple(prompt)]
             at = range(p + 2, p + 2 + num_drafts)
             out[i] = [(tokens[q] + (q % 5 == 0)) % VOCAB if q < len(tokens) else 0 for q in at]
-        return torch.tensor(out, dtype=drafts.dtype)
+        return torch.tensor(out, dtype=drafts.dtype, device=drafts.device)
 
     runner._draft = drafting
     counts = []
@@ -312,3 +312,33 @@ def test_without_the_scan_in_order_the_graphed_tokens_go_wrong(monkeypatch, v4mt
     ids, continuations = batch
     outs = llm.generate(ids, GREEDY)
     assert verified and any(o.token_ids != continuations[tuple(p)][:NEW] for p, o in zip(ids, outs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_verifications_replay_the_graphs(v4mtp, batch):
+    """Float32 on the card, the V4 decode kernels and real CUDA graphs: verifications replay the decode graphs
+    (the compressor kernel folding each sequence's rows in order), the MTP draft and the fused greedy step
+    their own; greedy tokens are plain decoding's with k = 1 and 3, drafted by the checkpoint's MTP block and
+    by HF's tokens with every fifth wrong (drafts accepted none, some or all; those drafts replace the graphs'
+    own, so that run drafts eagerly after each replayed verification)."""
+    _, path = v4mtp
+    ids, continuations = batch
+    common = dict(dtype="float32", device="cuda", show_progress=False, block_size=8, max_model_len=128, max_num_seqs=4)
+    plain = [o.token_ids for o in LLM(str(path), **common).generate(ids, GREEDY)]
+    for k in (1, 3):
+        llm = LLM(str(path), speculative_config=spec(k, disable_by_batch_size=1024), **common)
+        runner = llm.engine.runner
+        assert runner.draft_graphs.graphs and runner.spec_graphs.graphs
+        verified, fused = [], []
+        replay, fused_replay = runner._replay, runner.spec_graphs.replay
+        runner._replay = lambda plan, *args: (plan.num_prefills and verified.append(plan.num_tokens)) or replay(plan, *args)
+        runner.spec_graphs.replay = lambda plan, *args: fused.append(len(plan.slots)) or fused_replay(plan, *args)
+        assert [o.token_ids for o in llm.generate(ids, GREEDY)] == plain
+        assert fused and llm.engine.speculator.num_draft_tokens > 0
+        runner.draft_graphs = runner.spec_graphs = None
+        del verified[:]
+        counts = oracle_drafts(llm, continuations)
+        assert [o.token_ids for o in llm.generate(ids, GREEDY)] == plain
+        assert len(verified) >= 5 and max(verified) == 3 * (k + 1)
+        assert {0, k} <= set(counts), counts
