@@ -297,14 +297,19 @@ def test_fused_speculative_steps_roll_the_state_back_in_the_graph(monkeypatch, v
 
 
 @emulated_graphs
-def test_without_the_scan_in_order_the_graphed_tokens_go_wrong(monkeypatch, v4mtp, batch):
-    """The compressors' decode step with every row starting from the state its block held before the step (a
-    verification's rows not folded one after another): the tokens leave HF's."""
-    from engine.models.deepseek_v4 import Compressor
+@pytest.mark.parametrize("broken", ["fold", "rollback"])
+def test_without_the_fold_in_order_or_the_rollback_the_graphed_tokens_go_wrong(monkeypatch, v4mtp, batch, broken):
+    """Verifications through the graphs with the compressors' decode step starting every row from the state its
+    block held before the step (a sequence's rows not folded one after another), or with the state left
+    after the rejected drafts: the tokens leave HF's."""
+    from engine.models.deepseek_v4 import Compressor, DeepseekV4ForCausalLM
 
-    decode = Compressor._decode
-    monkeypatch.setattr(Compressor, "_decode", lambda self, *args, **kwargs: decode(
-        self, *args[:8], None, 1, kwargs.get("kept", args[10] if len(args) > 10 else None)))
+    if broken == "fold":
+        decode = Compressor._decode
+        monkeypatch.setattr(Compressor, "_decode", lambda self, *args, **kwargs: decode(
+            self, *args[:8], None, 1, kwargs.get("kept", args[10] if len(args) > 10 else None)))
+    else:
+        monkeypatch.setattr(DeepseekV4ForCausalLM, "keep_accepted", lambda self, tokens: None)
     _, path = v4mtp
     llm = engine(path, 3, max_num_seqs=3, max_model_len=128)
     verified = graphed(monkeypatch, llm)
