@@ -9,9 +9,9 @@
    over the time after the first), tokens gained per verification step, and how many requests'
    tokens equal the plain run's (in bf16 a verification's rows and a decode row can round apart).
 2. Random-weight shapes (`--presets`): the target's step over k + 1 consecutive rows of one sequence
-   (a verification, replayed from the decode graphs) against a one-row decode step at `--context`
-   tokens, and the MTP draft after it (its CUDA graph) -> the single-stream speedup each number of
-   tokens gained per step would buy: gained * t(decode) / (t(verify) + t(draft)).
+   (a verification, replayed from the decode graphs; and run eagerly, as a chunk) against a one-row
+   decode step at `--context` tokens, and the MTP draft after it (its CUDA graph) -> the single-stream
+   speedup each number of tokens gained per step would buy: gained * t(decode) / (t(verify) + t(draft)).
 """
 
 import argparse
@@ -142,11 +142,12 @@ def real_model(args: argparse.Namespace) -> list[dict]:
 
 
 def verify_costs(preset: str, ks: list[int], context: int) -> dict:
-    """Step times of one sequence at `context`: 1 row, k + 1 rows (a verification), the MTP draft of k."""
+    """Step times of one sequence at `context`: 1 row, k + 1 rows (a verification, replayed and eager), the
+    MTP draft of k."""
     hf = preset_config(preset)
     hf["num_nextn_predict_layers"] = 1
     model_config = ModelConfig.from_hf(hf)
-    bs = 64
+    bs = max(64, *hf.get("compress_ratios", []))  # V4: a page holds whole windows of every compressed layer
     blocks = -(-(context + 2 * max(ks) + 8) // bs)
     config = EngineConfig(model=preset, dtype="bfloat16", max_num_seqs=8, block_size=bs, num_kv_blocks=blocks + 1,
                           show_progress=False, speculative_config={"num_speculative_tokens": max(ks)},
@@ -156,13 +157,15 @@ def verify_costs(preset: str, ks: list[int], context: int) -> dict:
     dev = runner.device
     runner.tables.apply([(0, 0, list(range(blocks)))])
 
-    def step(n: int) -> float:
-        plan = StepPlan([0], [context], [n], 1 if n > 1 else 0, [7] * n, list(range(n)), use_graph=True)
+    def step(n: int, graph: bool = True) -> float:
+        plan = StepPlan([0], [context], [n], 1 if n > 1 else 0, [7] * n, list(range(n)), use_graph=graph)
         return time_fn(lambda: runner.run(plan), dev, repeats=20, warmup=3)
 
-    out = {"preset": preset, "context": context, "decode_s": step(1), "verify_s": {}, "draft_s": {}}
+    out = {"preset": preset, "context": context, "decode_s": step(1), "verify_s": {}, "verify_eager_s": {},
+           "draft_s": {}}
     for k in ks:
         n = k + 1
+        out["verify_eager_s"][k] = step(n, graph=False)
         out["verify_s"][k] = step(n)
         graphs = DraftGraphs(runner)
         graphs.k = k
@@ -175,7 +178,8 @@ def verify_costs(preset: str, ks: list[int], context: int) -> dict:
         t = out["verify_s"][k] + out["draft_s"][k]
         out.setdefault("speedup_if_gained", {})[k] = {g: g * out["decode_s"] / t for g in range(1, k + 2)}
         print(json.dumps({"preset": preset, "k": k, "decode_ms": out["decode_s"] * 1e3,
-                          "verify_ms": out["verify_s"][k] * 1e3, "draft_ms": out["draft_s"][k] * 1e3}), flush=True)
+                          "verify_ms": out["verify_s"][k] * 1e3, "verify_eager_ms": out["verify_eager_s"][k] * 1e3,
+                          "draft_ms": out["draft_s"][k] * 1e3}), flush=True)
     del runner
     torch.cuda.empty_cache()
     return out

@@ -176,8 +176,10 @@ class ModelRunner:
             self.model.place_engram_tables(config.engram_tables)
         self.model.eval()
         if self.num_speculative_tokens and hasattr(self.model, "keep_verification_states"):
-            # V4: a verification's compressor states, one per row, so rejected drafts can be undone
-            self.model.keep_verification_states(1 + self.num_speculative_tokens)
+            # V4: a verification's compressor states, one per row, so rejected drafts can be undone (for the
+            # decode steps' rows too: up to the decode graphs' rows)
+            self.model.keep_verification_states(1 + self.num_speculative_tokens,
+                                                DecodeGraphs.num_rows(config.max_num_seqs, self.num_speculative_tokens))
         if self.backend == "triton":
             enable_kernels(self.model)
         self.kv_specs = self._kv_cache_specs(config.kv_cache_dtype)
@@ -273,8 +275,9 @@ class ModelRunner:
                     self.block_size, num_blocks * self.block_size, num_blocks * self.block_bytes / 2**30, self.dtype)
         if self.use_cuda_graphs:
             self.graphs = DecodeGraphs(self)
-            # verifications replay the decode graphs only where they take prefill-style rows (not V4's)
-            verifies_in_graphs = getattr(self.model, "graph_prefill_rows", True)
+            # verifications replay the decode graphs where the model takes their rows as decode rows
+            limit = getattr(self.model, "graph_chunk_tokens", None)
+            verifies_in_graphs = limit is None or limit > self.num_speculative_tokens
             self.draft_graphs = DraftGraphs(self) if self.num_speculative_tokens and verifies_in_graphs else None
             if self.num_speculative_tokens and verifies_in_graphs and self.par.tp_size == 1:
                 self.spec_graphs = SpecGraphs(self)
@@ -338,9 +341,10 @@ class ModelRunner:
     # -- a step --------------------------------------------------------------------------------------
     def takes_graph(self, plan: StepPlan) -> bool:
         """Rank 0 decides, the plan carries it: a step of at most the largest graph's rows, unless it
-        scores a prompt (every position's logits)."""
-        if not getattr(self.model, "graph_prefill_rows", True) and plan.num_prefills:
-            return False  # the model's graphs take decode rows only
+        scores a prompt (every position's logits), and of chunks no longer than the model's graphs take."""
+        limit = getattr(self.model, "graph_chunk_tokens", None)  # None: chunks of any length
+        if limit is not None and any(n > limit for n in plan.query_lens[: plan.num_prefills]):
+            return False
         if plan.images:
             return False  # the graphs embed token ids only
         return self.graphs is not None and plan.num_tokens <= self.graphs.max_batch and not plan.collect_logits
@@ -447,8 +451,10 @@ class ModelRunner:
         drafts accepted by the step's verifications (`draft.verifications`)."""
         plan, positions, tables, meta, hidden = self.last_step
         self.last_step = None
-        if draft.verifications:
-            self.model.keep_accepted(index_to_device(tuple(draft.verifications), self.device), verified)
+        if draft.verifications:  # each verification's last accepted token among the step's
+            starts = [0, *itertools.accumulate(plan.query_lens)]
+            self.model.keep_accepted(index_to_device(tuple(starts[r] for r in draft.verifications), self.device)
+                                     + verified)
         rows = draft_tables = None
         if draft.num_drafts and draft.rows:
             packed = index_to_device((*draft.rows, *draft.slots), self.device)  # one copy for both
@@ -460,7 +466,7 @@ class ModelRunner:
             n = plan.num_tokens
             # (the graph steps its positions on after the step: the rows' own are one less)
             positions, tables = self.graphs.positions[:n] - 1, self.graphs.block_tables[:n]
-            meta, _ = decode_rows_metadata(positions, tables, self.block_size)
+            meta, _ = decode_rows_metadata(positions, tables, self.block_size, self.graphs.rows_of(n))
         if rows is not None and accepted is not None:
             rows = rows + accepted
         return self._draft(next_ids, positions, meta, hidden, rows, draft_tables, draft.num_drafts)
@@ -509,11 +515,12 @@ def resolve_offsets(plan: StepPlan, offsets: torch.Tensor) -> StepPlan:
                                shifted=False)
 
 
-def decode_rows_metadata(positions: torch.Tensor, tables: torch.Tensor, block_size: int
-                         ) -> tuple[AttentionMetadata, torch.Tensor]:
+def decode_rows_metadata(positions: torch.Tensor, tables: torch.Tensor, block_size: int,
+                         query_index: torch.Tensor | None = None) -> tuple[AttentionMetadata, torch.Tensor]:
     """Each row a one-token decode at its position over its block table ([R] int64, [R, width] int32),
     derived on the device, so a CUDA graph can capture it -> (metadata, positions). The host lists are
-    read only by the reference path, which runs on a CPU, where taking them costs nothing."""
+    read only by the reference path, which runs on a CPU, where taking them costs nothing. query_index
+    [R]: each row's index among its sequence's consecutive rows (`AttentionMetadata.query_index`)."""
     from engine.kernels.spec_step import decode_rows, reference_decode_rows
 
     rows = tables.shape[0]
@@ -532,6 +539,7 @@ def decode_rows_metadata(positions: torch.Tensor, tables: torch.Tensor, block_si
         query_start_loc_cpu=list(range(rows + 1)),
         query_lens_cpu=[1] * rows,
         context_lens_cpu=(positions + 1).tolist() if on_host else [0] * rows,
+        query_index=query_index,
     ), positions
 
 
@@ -587,7 +595,8 @@ class DraftGraphs:
         rows, drafting = key
         decode = self.runner.graphs
         # the decode graph steps its positions on after the step: the rows' own are one less
-        meta, pos = decode_rows_metadata(decode.positions[:rows] - 1, decode.block_tables[:rows], self.runner.block_size)
+        meta, pos = decode_rows_metadata(decode.positions[:rows] - 1, decode.block_tables[:rows], self.runner.block_size,
+                                         decode.rows_of(rows))
         if not drafting:  # the MTP pass over the rows only (its cache gets their positions)
             return self.runner._draft(self.next_ids[:rows], pos, meta, decode.outputs[rows][0], None, None, 0)
         return self.runner._draft(self.next_ids[:rows], pos, meta, decode.outputs[rows][0],
@@ -720,6 +729,8 @@ class SpecGraphs:
         accept = spec_step.accept if on_device else spec_step.reference_accept
         advance = spec_step.advance if on_device else spec_step.reference_advance
         _, last = accept(tokens, ids, k, counts)  # accepted drafts, and each sequence's last accepted row
+        if hasattr(runner.model, "keep_accepted"):  # V4: the compressors' state after the last accepted token
+            runner.model.keep_accepted(last)
         runner._draft(tokens, pos, meta, hidden, last, decode.block_tables.index_select(0, self.firsts[:num_seqs]), k,
                       out=drafts)
         # the next step's rows (bonus token, drafts), as `LLMEngine._launch_after_drafts` would gather them,
@@ -806,6 +817,8 @@ class SpecGraphs:
                 decode.input_ids[n:end].zero_()
                 decode.positions[n:end].zero_()
                 decode.block_tables[n:end].fill_(decode.scratch_block)
+                if decode.query_index is not None:
+                    decode.query_index[n:end].zero_()
             if plan.fused_sampling is not None:
                 self._load_sampling(plan, end)
         elif plan.table_deltas:
@@ -847,12 +860,15 @@ class DecodeGraphs:
 
     SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
+    @classmethod
+    def num_rows(cls, max_num_seqs: int, num_speculative_tokens: int) -> int:
+        """The rows the buffers hold: the padded size of the largest batch, so every padded() row count fits;
+        a verification takes 1 + k rows a request."""
+        return cls.padded(min(max_num_seqs * (1 + num_speculative_tokens), cls.SIZES[-1]))
+
     def __init__(self, runner: ModelRunner):
         self.runner = runner
-        # buffers hold the padded size of the largest batch, so every padded() row count fits
-        # a verification takes 1 + k rows a request
-        rows = runner.config.max_num_seqs * (1 + runner.num_speculative_tokens)
-        self.max_batch = self.padded(min(rows, self.SIZES[-1]))
+        self.max_batch = self.num_rows(runner.config.max_num_seqs, runner.num_speculative_tokens)
         self.width = runner.tables.width  # block-table columns
         self.scratch_block = runner.kv_pool.scratch_block
         dev, n = runner.device, self.max_batch
@@ -862,12 +878,17 @@ class DecodeGraphs:
         self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)  # 0: greedy
         self.seeds = torch.arange(n, dtype=torch.long, device=dev)
         self.step = torch.zeros(1, dtype=torch.long, device=dev)
+        # each row's index among its sequence's rows, where the model folds a sequence's rows in order
+        # (V4's compressors; `AttentionMetadata.query_index`); others read a row's position alone
+        limit = getattr(runner.model, "graph_chunk_tokens", None)
+        self.query_index = torch.zeros(n, dtype=torch.long, device=dev) if limit is not None and limit > 1 else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.pool = None
 
-    def padded(self, batch: int) -> int:
-        return next(s for s in self.SIZES if s >= batch)
+    @classmethod
+    def padded(cls, batch: int) -> int:
+        return next(s for s in cls.SIZES if s >= batch)
 
     def load(self, plan: StepPlan, inputs: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> None:
         """Copy a plan's rows into the static buffers (a prefill chunk's tokens as rows of their own, at
@@ -882,7 +903,12 @@ class DecodeGraphs:
         slots = [s for s, count in zip(plan.slots, plan.query_lens) for _ in range(count)]
         slots += [tables.scratch_slot] * (padded - n)
         self.input_ids[:n].copy_(to_device(plan.input_ids, torch.long, dev) if inputs is None else inputs)
-        self.positions[:n].copy_(to_device(plan.positions(), torch.long, dev))
+        if self.query_index is None:
+            self.positions[:n].copy_(to_device(plan.positions(), torch.long, dev))
+        else:  # one copy for both
+            both = to_device([plan.positions(), [j for q in plan.query_lens for j in range(q)]], torch.long, dev)
+            self.positions[:n].copy_(both[0])
+            self.query_index[:n].copy_(both[1])
         if offsets is not None:
             self.positions[:n].add_(offsets)
         self.load_tables(plan, slots)
@@ -890,6 +916,8 @@ class DecodeGraphs:
             self.input_ids[n:padded].zero_()
             self.positions[n:padded].zero_()
             self.temperature[n:padded].zero_()
+            if self.query_index is not None:
+                self.query_index[n:padded].zero_()
 
     def load_tables(self, plan: StepPlan, slots: list[int] | None = None) -> None:
         """Each row's block table into the buffer (slots: per padded row, its sequence's slot)."""
@@ -899,9 +927,14 @@ class DecodeGraphs:
             slots += [tables.scratch_slot] * (self.padded(len(slots)) - len(slots))
         tables.rows(slots, out=self.block_tables[: len(slots)])
 
+    def rows_of(self, batch: int) -> torch.Tensor | None:
+        """The first `batch` rows' indices among their sequences' rows (None where the model reads none)."""
+        return None if self.query_index is None else self.query_index[:batch]
+
     def metadata(self, batch: int) -> tuple[AttentionMetadata, torch.Tensor]:
         """Attention metadata of the first `batch` rows, derived on the device -> (metadata, positions)."""
-        return decode_rows_metadata(self.positions[:batch], self.block_tables[:batch], self.runner.block_size)
+        return decode_rows_metadata(self.positions[:batch], self.block_tables[:batch], self.runner.block_size,
+                                    self.rows_of(batch))
 
     def _step(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from engine.kernels.sampling import sample

@@ -10,6 +10,12 @@ state (the block of t - 1), adds the token, writes the state after it (the block
 closes its window writes the entry: RMSNorm(weighted sum / sum) * weight, RoPE on its last `rope`
 channels at the window's first position, in the cache's dtype. Rows that close nothing write no entry.
 
+A verification runs a sequence's last token and its drafts as consecutive rows (`query_index` 0, 1, ...):
+row j must start from the state row j - 1 leaves, so the program at a sequence's first row folds its
+rows one after another (each reads the state row the one before wrote, behind a barrier) and the
+programs of its other rows do nothing. Each row's state after its token can also be kept (`kept`):
+the candidates a rollback after the verification picks from (`Compressor.candidates`).
+
 Bytes a row: the token's c and g (width each), the state read and written (3 * width float32 each),
 the entry (d); nothing worth splitting: at V4 Flash's shapes one row is ~26 KB.
 """
@@ -44,11 +50,12 @@ def _token_into(Held, G, C, Ape, idx, mask, held_mask, DIM: tl.constexpr):
 
 
 @triton.jit
-def _compress_decode_kernel(C, G, Ape, Pos, Tables, State, Cache, NormW, Cos, Sin, stride_cb, stride_gb, stride_tb,
-                            stride_sb, stride_kb, stride_kt, stride_cos, offset, eps, DIM: tl.constexpr,
-                            BLOCK_D: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, ROPE: tl.constexpr,
-                            PAGE: tl.constexpr):
-    b = tl.program_id(0)
+def _fold_row(C, G, Ape, Pos, Tables, State, Cache, NormW, Cos, Sin, KeptStates, KeptBlocks, b, stride_cb, stride_gb,
+              stride_tb, stride_sb, stride_kb, stride_kt, stride_cos, stride_ks, offset, eps, DIM: tl.constexpr,
+              BLOCK_D: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, ROPE: tl.constexpr,
+              PAGE: tl.constexpr, KEEP: tl.constexpr):
+    """Row b's token into the state its block of t - 1 holds: the state after it to the block of t (and,
+    KEEP, to row b of the kept states), the entry it closes to the cache."""
     t = tl.load(Pos + b).to(tl.int32)
     closing = (t + 1) % RATIO == 0
     width: tl.constexpr = 2 * DIM if OVERLAP else DIM
@@ -76,16 +83,23 @@ def _compress_decode_kernel(C, G, Ape, Pos, Tables, State, Cache, NormW, Cos, Si
     tl.debug_barrier()
     out = State + here * stride_sb + offset
     if OVERLAP:  # closing: (nxt, empty); open: (cur, nxt)
-        tl.store(out + offs, tl.where(closing, nm, m), mask=mask)
-        tl.store(out + DIM + offs, tl.where(closing, ns, s), mask=mask)
-        tl.store(out + 2 * DIM + offs, tl.where(closing, nw, w), mask=mask)
-        tl.store(out + 3 * DIM + offs, tl.where(closing, float("-inf"), nm), mask=mask)
-        tl.store(out + 4 * DIM + offs, tl.where(closing, 0.0, ns), mask=mask)
-        tl.store(out + 5 * DIM + offs, tl.where(closing, 0.0, nw), mask=mask)
+        _store_state(out, tl.where(closing, nm, m), tl.where(closing, ns, s), tl.where(closing, nw, w), offs, mask, DIM)
+        _store_state(out + 3 * DIM, tl.where(closing, float("-inf"), nm), tl.where(closing, 0.0, ns),
+                     tl.where(closing, 0.0, nw), offs, mask, DIM)
+        if KEEP:
+            kept = KeptStates + b * stride_ks
+            _store_state(kept, tl.where(closing, nm, m), tl.where(closing, ns, s), tl.where(closing, nw, w), offs,
+                         mask, DIM)
+            _store_state(kept + 3 * DIM, tl.where(closing, float("-inf"), nm), tl.where(closing, 0.0, ns),
+                         tl.where(closing, 0.0, nw), offs, mask, DIM)
     else:  # closing: empty; open: cur
-        tl.store(out + offs, tl.where(closing, float("-inf"), m), mask=mask)
-        tl.store(out + DIM + offs, tl.where(closing, 0.0, s), mask=mask)
-        tl.store(out + 2 * DIM + offs, tl.where(closing, 0.0, w), mask=mask)
+        _store_state(out, tl.where(closing, float("-inf"), m), tl.where(closing, 0.0, s), tl.where(closing, 0.0, w),
+                     offs, mask, DIM)
+        if KEEP:
+            _store_state(KeptStates + b * stride_ks, tl.where(closing, float("-inf"), m), tl.where(closing, 0.0, s),
+                         tl.where(closing, 0.0, w), offs, mask, DIM)
+    if KEEP:
+        tl.store(KeptBlocks + b, here)
     if closing:
         x = w / s
         x_p = w_p / s_p
@@ -100,14 +114,51 @@ def _compress_decode_kernel(C, G, Ape, Pos, Tables, State, Cache, NormW, Cos, Si
         tl.store(row + offs, entry.to(Cache.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _store_state(Out, m, s, w, offs, mask, DIM: tl.constexpr):
+    tl.store(Out + offs, m, mask=mask)
+    tl.store(Out + DIM + offs, s, mask=mask)
+    tl.store(Out + 2 * DIM + offs, w, mask=mask)
+
+
+@triton.jit(do_not_specialize=["batch"])
+def _compress_decode_kernel(C, G, Ape, Pos, QueryIndex, Tables, State, Cache, NormW, Cos, Sin, KeptStates, KeptBlocks,
+                            batch, stride_cb, stride_gb, stride_tb, stride_sb, stride_kb, stride_kt, stride_cos,
+                            stride_ks, offset, eps, DIM: tl.constexpr, BLOCK_D: tl.constexpr, RATIO: tl.constexpr,
+                            OVERLAP: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr,
+                            KEEP: tl.constexpr):
+    # a program per row; with ROWS > 1 the one at a sequence's first row (query index 0) folds its next
+    # ROWS - 1 rows too, in order, and the others do nothing
+    b = tl.program_id(0)
+    lead = True
+    if ROWS > 1:
+        lead = tl.load(QueryIndex + b) == 0
+    for r in tl.static_range(ROWS):
+        row = b + r
+        active = lead
+        if r > 0:
+            active = lead & (row < batch)
+            active = active & (tl.load(QueryIndex + row, mask=row < batch, other=0) == r)
+        if active:
+            _fold_row(C, G, Ape, Pos, Tables, State, Cache, NormW, Cos, Sin, KeptStates, KeptBlocks, row, stride_cb,
+                      stride_gb, stride_tb, stride_sb, stride_kb, stride_kt, stride_cos, stride_ks, offset, eps, DIM,
+                      BLOCK_D, RATIO, OVERLAP, ROPE, PAGE, KEEP)
+        if ROWS > 1:
+            tl.debug_barrier()  # the next row reads the state row this one wrote
+
+
 def compress_decode(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
                     block_tables: torch.Tensor, state: torch.Tensor, offset: int, cache: torch.Tensor,
                     norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, ratio: int,
-                    overlap: bool) -> None:
+                    overlap: bool, query_index: torch.Tensor | None = None, max_rows: int = 1,
+                    kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """c, g [B, width] (wkv(x), wgate(x) of a token a row; width 2d with overlap, else d); ape [ratio, width]
     float32; positions [B]; block_tables [B, width_t] int32; state [blocks, 1, row] float32 (this
     compressor's accumulators at state[:, 0, offset : offset + 3 * width]); cache [blocks, page / ratio, d];
-    norm_weight [d] float32; cos, sin [max_position, rope / 2] float32. Updates state and cache in place."""
+    norm_weight [d] float32; cos, sin [max_position, rope / 2] float32. Updates state and cache in place.
+    query_index [B]: each row's index among its sequence's consecutive rows (at most max_rows of them),
+    folded in that order (None: a sequence a row); kept: (states [>= B, 3 * width] float32, blocks [>= B]
+    int64) that get each row's state after its token and the block it belongs to."""
     check(c.dim() == 2 and g.shape == c.shape and c.stride(-1) == 1 and g.stride(-1) == 1,
           "c and g must be [B, width], contiguous in their last dimension")
     batch, width = c.shape
@@ -126,19 +177,43 @@ def compress_decode(c: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, positio
     check(block_tables.dtype == torch.int32 and block_tables.shape[0] == batch and block_tables.stride(-1) == 1,
           "block_tables must be int32 [B, width], contiguous in its last dimension")
     check(positions.shape == (batch,) and not positions.is_floating_point(), "positions must be integer [B]")
+    rows = max_rows if query_index is not None else 1
+    if query_index is not None:
+        check(query_index.shape == (batch,) and not query_index.is_floating_point() and rows >= 1,
+              "query_index must be integer [B], with max_rows >= 1")
+    if kept is not None:
+        states, blocks = kept
+        check(states.dtype == torch.float32 and states.dim() == 2 and states.shape[0] >= batch
+              and states.shape[1] == 3 * width and states.stride(1) == 1 and blocks.dtype == torch.int64
+              and blocks.shape[0] >= batch, "kept must be (float32 [>= B, 3 * width], int64 [>= B])")
     if batch == 0:
         return
-    _compress_decode_kernel[(batch,)](c, g, ape, positions, block_tables, state, cache, norm_weight, cos, sin,
+    states, blocks = kept if kept is not None else (state, positions)  # unread without KEEP
+    _compress_decode_kernel[(batch,)](c, g, ape, positions, query_index if query_index is not None else positions,
+                                      block_tables, state, cache, norm_weight, cos, sin, states, blocks, batch,
                                       c.stride(0), g.stride(0), block_tables.stride(0), state.stride(0),
-                                      cache.stride(0), cache.stride(1), cos.stride(0), offset, eps, DIM=d,
-                                      BLOCK_D=pow2(d), RATIO=ratio, OVERLAP=overlap, ROPE=rope,
-                                      PAGE=cache.shape[1] * ratio, num_warps=4)
+                                      cache.stride(0), cache.stride(1), cos.stride(0), states.stride(0), offset, eps,
+                                      DIM=d, BLOCK_D=pow2(d), RATIO=ratio, OVERLAP=overlap, ROPE=rope,
+                                      PAGE=cache.shape[1] * ratio, ROWS=rows, KEEP=kept is not None, num_warps=4)
 
 
 def reference_compress_decode(c, g, ape, positions, block_tables, state, offset, cache, norm_weight, eps, cos, sin,
-                              ratio, overlap) -> None:
+                              ratio, overlap, query_index=None, max_rows=1, kept=None) -> None:
     """The model's PyTorch path (`decode_pool`, the norm, RoPE at the window's first position), float32;
-    only closing rows write an entry."""
+    only closing rows write an entry. With query_index, every sequence's row j after all rows j - 1."""
+    if query_index is None:
+        query_index = torch.zeros_like(positions)
+    for j in range(max_rows):
+        rows = (query_index == j).nonzero()[:, 0]
+        after, here = _reference_rows(c[rows], g[rows], ape, positions[rows], block_tables[rows], state, offset, cache,
+                                      norm_weight, eps, cos, sin, ratio, overlap)
+        if kept is not None:
+            kept[0][rows], kept[1][rows] = after, here
+
+
+def _reference_rows(c, g, ape, positions, block_tables, state, offset, cache, norm_weight, eps, cos, sin, ratio,
+                    overlap) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence a row -> (each row's state after its token, the block it is written to)."""
     from engine.layers.compressed_attention import WindowPooler
 
     d = cache.shape[2]
@@ -156,6 +231,8 @@ def reference_compress_decode(c, g, ape, positions, block_tables, state, offset,
     rope = y[:, d - 2 * cos.shape[1]:]
     x1, x2 = rope[:, 0::2], rope[:, 1::2]
     y = torch.cat([y[:, : d - rope.shape[1]], torch.stack((x1 * co - x2 * si, x2 * co + x1 * si), -1).flatten(1)], 1)
-    state[tables.gather(1, (t // bs)[:, None])[:, 0], 0, offset: offset + width] = after
+    here = tables.gather(1, (t // bs)[:, None])[:, 0]
+    state[here, 0, offset: offset + width] = after
     slots = table_entry_slots(tables, (t // ratio)[:, None], ratio, bs)[:, 0]
     cache.view(-1, d)[slots[closing]] = y[closing].to(cache.dtype)
+    return after, here

@@ -36,6 +36,9 @@ class AttentionMetadata:
     # the same two on the host where it knows them (None: a step launched ahead, its input drawn on the device)
     input_ids_cpu: list[int] | None = None
     lookback_cpu: list[int] | None = None  # [B * n], flat
+    # decode rows only (a row a token): [B] each token's index among its sequence's tokens of the step
+    # (0: its first), where several tokens of one sequence run as consecutive rows; None: a token each
+    query_index: torch.Tensor | None = None
 
     @property
     def num_decodes(self) -> int:

@@ -7,10 +7,19 @@ Shapes below for V4 Flash: hidden 4096, 64 heads of 512 (the last 64 rotary), q 
 groups of LoRA 1024, 4 residual streams, 256 experts top-6 of width 2048 plus one shared.
 
 Speculative decoding drafts with the checkpoint's MTP block (`mtp.0`, `MultiTokenPredictor`). A
-verification (a sequence's last token and its k drafts, k + 1 rows at consecutive positions) runs as a
-chunk, row by row (`Attention._prefill`, `Compressor._prefill`), never through the decode path, whose
-rows are one token of one sequence each. What its rejected rows leave behind, and why the next steps
-read only what the accepted tokens alone would have written:
+verification (a sequence's last token and its k drafts, k + 1 rows at consecutive positions) runs through
+the decode path, a row per token, in the decode CUDA graphs (`graph_chunk_tokens`: chunks of up to k + 1
+tokens take them; longer chunks run eagerly, row by row, `Attention._prefill`). Within a step every
+layer writes all rows' window rows, then its compressors write the entries the rows close, then the
+attention reads: each row sees the window rows and entries of the rows before it, as causal attention
+does, and the indexer and the dual-pool attention take each row's own counts from its position. What
+is not a row per position is the compressors' open state (one row per block): a sequence's rows are
+folded into it in order (`AttentionMetadata.query_index`: the kernel's program at the sequence's first
+row folds its rows one after another, the PyTorch path runs pass j over every sequence's row j), so row
+j starts from the state row j - 1 left, as a decode step after it would. The MTP draft over the rows and
+the drafts after it replay graphs of their own (`DraftGraphs`), and a greedy step of verifications runs
+verification, acceptance, rollback and drafts in one (`SpecGraphs`). What its rejected rows leave
+behind, and why the next steps read only what the accepted tokens alone would have written:
   - Window rows and compressed / indexer entries: a row per position, and an entry closed at position
     p is visible only to queries at t >= p. In the step itself the rows at or past a rejected position
     are rejected too (their draws are dropped). The next step's first row is the first rejected
@@ -19,12 +28,14 @@ read only what the accepted tokens alone would have written:
     that sees p. The prefix cache registers only full blocks of accepted tokens.
   - The compressors' open state (float32, one row per block, updated in place) is not derivable from
     the entries: the step leaves the state after its last row, rejected drafts folded in, in the row of
-    the last block it reaches. So each compressor also keeps, for each row, the state after each of its
-    first k + 1 tokens (`Compressor.candidates`: folded one token at a time, as a decode step folds
-    them, from the state the block held before the step), and once the accepted counts are known on
-    the device (`keep_accepted`, before the MTP pass) the state after the last accepted token is
-    written to the row of the block holding that token: the state a step ending at that token leaves,
-    which the next step reads (the row of the block holding the token before its first). It is exact:
+    the last block it reaches. So each compressor also keeps the state after each token of a
+    verification (`Compressor.candidates`: through the decode path, each row's state as it folds it,
+    into buffers that outlive the step so a graph's replay writes them; eagerly, each chunk's first
+    k + 1 tokens folded one at a time from the state its block held before the step), and once the
+    accepted counts are known on the device (`keep_accepted`, before the MTP pass, or inside the fused
+    graph) the state after the last accepted token is written to the row of the block holding that
+    token: the state a step ending at that token leaves, which the next step reads (the row of the block
+    holding the token before its first). It is exact:
     a function of the accepted tokens only, the same fold plain decoding runs. Rows of blocks past it
     (reached by rejected rows only) are rewritten by the next step that reaches them before anyone
     reads them (a step writes the state row of every block it reaches); a full block's row, the state at
@@ -150,16 +161,20 @@ class Compressor(nn.Module):
 
     # rows of at most this many tokens (a verification: its last token and the drafts) keep the state
     # after each of their first tokens in `candidates`, for `Attention.keep_accepted`; 0: none (no
-    # speculative decoding). Set by the model runner.
+    # speculative decoding). Set by `keep_states`.
     kept_rows = 0
 
     def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float, rotary: Rope):
         super().__init__()
         width = 2 * dim if overlap else dim
         self.dim, self.ratio = dim, ratio
-        # the last eager step's states after each of every row's first kept_rows tokens [R, kept_rows,
-        # state_width] and the block each belongs to [R, kept_rows]; None once committed
-        self.candidates: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the last step's states after its tokens [N, state_width], the block each belongs to [N], and where
+        # each of the step's tokens finds its own among them [T] (None: N is the step's tokens); None once
+        # committed
+        self.candidates: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        # decode steps keep each row's state here ([rows, state_width] float32, [rows] int64): buffers that
+        # outlive the step, so a CUDA graph's replay writes where `candidates` points
+        self.kept: tuple[torch.Tensor, torch.Tensor] | None = None
         self.wkv = Linear(hidden, width)
         self.wgate = Linear(hidden, width)
         self.ape = _fp32(ratio, width)
@@ -171,22 +186,38 @@ class Compressor(nn.Module):
     def state_width(self) -> int:
         return self.pooler.state_width
 
+    def keep_states(self, num_rows: int, max_decode_rows: int) -> None:
+        """Keep the state after each of a row's first num_rows tokens (eager chunks) and after each decode
+        row of steps of up to max_decode_rows rows."""
+        self.kept_rows = num_rows
+        dev = self.ape.device
+        self.kept = (torch.empty(max_decode_rows, self.state_width, dtype=torch.float32, device=dev),
+                     torch.zeros(max_decode_rows, dtype=torch.long, device=dev)) if num_rows else None
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor,
                 state: torch.Tensor, offset: int, decode: bool, kernel: bool = False) -> None:
         """Write the entries this step closes into `cache` and each touched block's open state into
         state[:, 0, offset : offset + state_width]; decode: a token per row, from device tensors only
-        (kernel: in one Triton launch after the two projections)."""
-        if decode and kernel:
-            from engine.kernels.compressor import compress_decode
+        (kernel: in one Triton launch after the two projections), a sequence's rows (`meta.query_index`)
+        folded in order."""
+        if decode:
+            n = x.shape[0]
+            kept = (self.kept[0][:n], self.kept[1][:n]) if self.kept is not None and n <= self.kept[0].shape[0] else None
+            # (a step past the buffers is one of plain decodes: nothing of it is ever rolled back)
+            self.candidates = (*kept, None) if kept is not None else None
+            rows = max(1, self.kept_rows)
+            if kernel:
+                from engine.kernels.compressor import compress_decode
 
-            compress_decode(self.wkv(x), self.wgate(x), self.ape, positions, meta.block_tables, state, offset, cache,
-                            self.norm.weight, self.norm.eps, self.rotary.cos_cache, self.rotary.sin_cache, self.ratio,
-                            self.pooler.overlap)
-            return
+                compress_decode(self.wkv(x), self.wgate(x), self.ape, positions, meta.block_tables, state, offset,
+                                cache, self.norm.weight, self.norm.eps, self.rotary.cos_cache, self.rotary.sin_cache,
+                                self.ratio, self.pooler.overlap, meta.query_index, rows, kept)
+                return
         c = self.wkv(x).float()
         g = self.wgate(x).float() + self.ape[positions % self.ratio]
         if decode:
-            self._decode(c, g, positions, meta.block_tables.long(), meta.block_size, cache, state, offset)
+            self._decode(c, g, positions, meta.block_tables.long(), meta.block_size, cache, state, offset,
+                         meta.query_index, rows, kept)
         else:
             # before _prefill writes the state each row starts from; steps of longer chunks only verify nothing
             if self.kept_rows and min(meta.query_lens_cpu) <= self.kept_rows:
@@ -196,10 +227,11 @@ class Compressor(nn.Module):
             self._prefill(c, g, meta, cache, state, offset)
 
     def _candidates(self, c: torch.Tensor, g: torch.Tensor, t: torch.Tensor, meta: AttentionMetadata,
-                    state: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    state: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's state after each of its first kept_rows tokens, folded in one token at a time as a
-        decode step does (`decode_pool`), from the state its block holds before the step -> (states [R,
-        kept_rows, state_width], their blocks [R, kept_rows]). Past a row's end the last state repeats."""
+        decode step does (`decode_pool`), from the state its block holds before the step -> (states [R *
+        kept_rows, state_width], their blocks [R * kept_rows], each token's index among them [T]). Past a
+        row's end the last state repeats."""
         index, valid = kept_tokens(meta, self.kept_rows, c.device)  # [R, kept_rows]
         width, bs = self.state_width, meta.block_size
         tables = meta.block_tables.long()
@@ -212,7 +244,11 @@ class Compressor(nn.Module):
             _, _, after = decode_pool(self.pooler, c[index[:, j]], g[index[:, j]], pos[:, j], held)
             held = torch.where(valid[:, j, None], after, held)
             states.append(held)
-        return torch.stack(states, 1), tables.gather(1, pos // bs)
+        # a token past its row's kept ones is never a verification's: any index does; past a row's end
+        # `index` repeats its last token, whose states are all alike
+        at = torch.zeros(t.shape[0], dtype=torch.long, device=c.device)
+        at.scatter_(0, index.flatten(), torch.arange(index.numel(), device=c.device))
+        return torch.stack(states, 1).flatten(0, 1), tables.gather(1, pos // bs).flatten(), at
 
     def _prefill(self, c: torch.Tensor, g: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor,
                  state: torch.Tensor, offset: int) -> None:
@@ -232,20 +268,32 @@ class Compressor(nn.Module):
                 state[row.table[block], 0, offset: offset + width] = row_state
 
     def _decode(self, c: torch.Tensor, g: torch.Tensor, t: torch.Tensor, tables: torch.Tensor, block_size: int,
-                cache: torch.Tensor, state: torch.Tensor, offset: int) -> None:
-        """An entry closed by a row's token is written, the other rows' go to the scratch block's rows."""
+                cache: torch.Tensor, state: torch.Tensor, offset: int, query_index: torch.Tensor | None = None,
+                max_rows: int = 1, kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """An entry closed by a row's token is written, the other rows' go to the scratch block's rows. With
+        query_index (each row's index among its sequence's consecutive rows, < max_rows), pass j folds
+        every sequence's row j from the state its row j - 1 wrote in pass j - 1; the rows of other passes
+        write to the scratch block. kept: gets each row's state after its token and its block."""
         width, m = self.state_width, self.ratio
-        before = tables.gather(1, ((t - 1).clamp(min=0) // block_size)[:, None])
-        held = torch.where((t > 0)[:, None], state[before[:, 0], 0, offset: offset + width],
-                           empty_state(width, self.dim, c.device))
-        cur, closing, after = decode_pool(self.pooler, c, g, t, held)
-        entries = self.rotary(self.norm(pooled(cur)), t // m * m)
+        scratch_block = cache.shape[0] - 1
+        scratch = scratch_block * cache.shape[1]  # the scratch block's first row
         flat = cache.view(-1, self.dim)
-        scratch = (cache.shape[0] - 1) * cache.shape[1]  # the scratch block's first row
-        slots = torch.where(closing, table_entry_slots(tables, (t // m)[:, None], m, block_size)[:, 0], scratch)
-        flat.index_copy_(0, slots, entries.to(flat.dtype))
+        before = tables.gather(1, ((t - 1).clamp(min=0) // block_size)[:, None])[:, 0]
         here = tables.gather(1, (t // block_size)[:, None])[:, 0]
-        state[here, 0, offset: offset + width] = after
+        entry_at = table_entry_slots(tables, (t // m)[:, None], m, block_size)[:, 0]
+        if kept is not None:
+            kept[1].copy_(here)
+        for j in range(max_rows if query_index is not None else 1):
+            now = None if query_index is None else query_index == j
+            held = torch.where((t > 0)[:, None], state[before, 0, offset: offset + width],
+                               empty_state(width, self.dim, c.device))
+            cur, closing, after = decode_pool(self.pooler, c, g, t, held)
+            entries = self.rotary(self.norm(pooled(cur)), t // m * m)
+            writes = closing if now is None else closing & now
+            flat.index_copy_(0, torch.where(writes, entry_at, scratch), entries.to(flat.dtype))
+            state[here if now is None else torch.where(now, here, scratch_block), 0, offset: offset + width] = after
+            if kept is not None:
+                kept[0].copy_(after if now is None else torch.where(now[:, None], after, kept[0]))
 
 
 class Indexer(nn.Module):
@@ -320,17 +368,18 @@ class Attention(nn.Module):
             specs.append(KVCacheSpec("compressor_state", self.layer, state, torch.float32, has_block_state=True))
         return specs
 
-    def keep_accepted(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
-        """After a verification: rows [V] of the step (each a sequence's last token and its drafts) kept
-        counts [V] of their drafts; each compressor's state row of the block that holds the last accepted
-        token becomes the state after that token (the step left the state after its last row there)."""
+    def keep_accepted(self, tokens: torch.Tensor) -> None:
+        """After a verification: tokens [V] (indices among the step's tokens) each verification's last
+        accepted one; each compressor's state row of the block that holds it becomes the state after it
+        (the step left the state after its last row there)."""
         parts = [(self.compressor, 0)]
         if self.indexer is not None:
             parts.append((self.indexer.compressor, self.compressor.state_width))
         for compressor, offset in parts:
-            states, blocks = compressor.candidates
+            states, blocks, index = compressor.candidates
             compressor.candidates = None
-            self.state_cache[blocks[rows, counts], 0, offset: offset + compressor.state_width] = states[rows, counts]
+            at = tokens if index is None else index[tokens]
+            self.state_cache[blocks[at], 0, offset: offset + compressor.state_width] = states[at]
 
     def bind(self, pool: KVPool) -> None:
         self.window_cache = pool.cache(self.layer, "window")
@@ -593,9 +642,10 @@ class DeepseekV4Base(nn.Module):
     expert_pattern = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight(_scale_inv)?$")
     expert_params = {"w1": ("w13", "w1"), "w3": ("w13", "w3"), "w2": ("w2", "w2")}
     stacked_params: dict = {}
-    # decode steps run as CUDA graphs (Attention.use_kernels: no host lists); steps with prefill chunks
-    # run eagerly, row by row: a chunk's tokens feed its compressors in order, never as rows of a graph
-    graph_prefill_rows = False
+    # decode steps run as CUDA graphs (Attention.use_kernels: no host lists); chunks of up to this many
+    # tokens too, as consecutive decode rows whose compressor states are folded in order (verifications,
+    # once `keep_verification_states` sizes the buffers for them); longer chunks run eagerly, row by row
+    graph_chunk_tokens = 0
     fp8_kernels = False  # FP8 / FP4 weights are dequantized at load (V4.1; V4 keeps them)
 
     def __init__(self, cfg: DeepseekV4Config, max_position: int, par: ParallelContext, block: type[nn.Module]):
@@ -727,18 +777,20 @@ class DeepseekV4ForCausalLM(DeepseekV4Base):
         """The MTP layer's streams -> its hc_head and norm, then the shared head: logits [T, vocab] float32."""
         return self.head(self.mtp[0].collapse_head(hidden)).float()
 
-    def keep_verification_states(self, num_rows: int) -> None:
+    def keep_verification_states(self, num_rows: int, max_decode_rows: int) -> None:
         """Steps keep their compressors' state after each of a row's first num_rows tokens (1 + the drafts a
-        verification checks), for `keep_accepted`."""
+        verification checks), and decode steps of up to max_decode_rows rows after each row, for
+        `keep_accepted`; verifications may then run as decode rows (`graph_chunk_tokens`)."""
+        self.graph_chunk_tokens = num_rows
         for attn in self.attention_layers():
             for compressor in (attn.compressor, attn.indexer.compressor if attn.indexer is not None else None):
                 if compressor is not None:
-                    compressor.kept_rows = num_rows
+                    compressor.keep_states(num_rows, max_decode_rows)
 
-    def keep_accepted(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
-        """After the step just run verified drafts at rows [V] (its rows' indices), counts [V] of them
-        accepted: every compressor's open state goes back to the one after the last accepted token
+    def keep_accepted(self, tokens: torch.Tensor) -> None:
+        """After the step just run verified drafts: tokens [V] (indices among the step's tokens) the last
+        accepted token of each verification. Every compressor's open state goes back to the one after it
         (window rows and entries at rejected positions are rewritten before anything reads them)."""
         for attn in self.attention_layers():
             if attn.compressor is not None:
-                attn.keep_accepted(rows, counts)
+                attn.keep_accepted(tokens)

@@ -249,9 +249,13 @@ def launch_v4_decode() -> None:
         # the compressors: CSA's (overlapping, d 512), its indexer's (d 128), HCA's (d 512)
         for d, ratio, overlap in ((512, 4, True), (128, 4, True), (512, 128, False)):
             width = 2 * d if overlap else d
-            compress_decode(_empty(batch, width), _empty(batch, width), _empty(ratio, width, dtype=f32), pos, tables,
-                            _empty(64, 1, 8192, dtype=f32), 0, _empty(64, page // ratio, d), _empty(d, dtype=f32),
-                            1e-6, _empty(4096, 32, dtype=f32), _empty(4096, 32, dtype=f32), ratio, overlap)
+            args = (_empty(batch, width), _empty(batch, width), _empty(ratio, width, dtype=f32), pos, tables,
+                    _empty(64, 1, 8192, dtype=f32), 0, _empty(64, page // ratio, d), _empty(d, dtype=f32), 1e-6,
+                    _empty(4096, 32, dtype=f32), _empty(4096, 32, dtype=f32), ratio, overlap)
+            compress_decode(*args)
+            # verifications of 3 drafts as decode rows, each row's state kept
+            compress_decode(*args, torch.zeros(batch, dtype=i64), 4,
+                            (_empty(batch, 3 * width, dtype=f32), torch.zeros(batch, dtype=i64)))
 
 
 def compile_all(arch: int = 90) -> list[dict]:

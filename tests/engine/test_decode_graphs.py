@@ -14,11 +14,12 @@ from engine.step_plan import StepPlan
 SCRATCH = 99
 
 
-def graphs(num_speculative_tokens: int = 0) -> DecodeGraphs:
+def graphs(num_speculative_tokens: int = 0, model: SimpleNamespace | None = None) -> DecodeGraphs:
     tables = BlockTables(8, 8, SCRATCH, torch.device("cpu"))
     runner = SimpleNamespace(config=SimpleNamespace(max_num_seqs=8), max_model_len=128, block_size=16,
                              kv_pool=SimpleNamespace(scratch_block=SCRATCH), tables=tables,
-                             device=torch.device("cpu"), num_speculative_tokens=num_speculative_tokens)
+                             device=torch.device("cpu"), num_speculative_tokens=num_speculative_tokens,
+                             model=model or SimpleNamespace())
     return DecodeGraphs(runner)
 
 
@@ -74,6 +75,21 @@ def test_a_prefill_chunk_loads_as_rows_at_consecutive_positions_of_its_table():
     assert g.input_ids[:6].tolist() == [19, 100, 101, 102, 103, 6]
     assert g.block_tables[:6].tolist() == [expected_row([1, 2], g.width)] * 5 + [expected_row([5], g.width)]
     assert g.padded(6) == 8 and g.positions[6:8].tolist() == [0, 0]
+
+
+def test_rows_of_a_sequence_load_their_index_where_the_model_folds_them_in_order():
+    """V4 (chunks of up to k + 1 tokens as rows, its compressors folding a sequence's rows in order): each
+    row's index among its sequence's rows goes into the graphs' buffer, padding rows 0; V3 keeps none."""
+    assert graphs().query_index is None and graphs().rows_of(4) is None
+    g = graphs(2, SimpleNamespace(graph_chunk_tokens=3))
+    g.runner.tables.apply([(0, 0, [1, 2]), (1, 0, [5]), (2, 0, [6])])
+    plan = StepPlan([0, 1, 2], [14, 3, 7], [3, 3, 1], 2, [1, 2, 3, 4, 5, 6, 7], list(range(7)))
+    g.query_index.fill_(5)
+    g.load(plan)
+    assert g.positions[:7].tolist() == [14, 15, 16, 3, 4, 5, 7]
+    assert g.rows_of(8).tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
+    meta, _ = g.metadata(8)
+    assert meta.query_index.tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
 
 
 def test_table_deltas_append_and_a_fresh_slot_forgets_the_last_table():

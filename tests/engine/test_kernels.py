@@ -1122,6 +1122,59 @@ def test_compress_decode_is_the_models_compressor_step(ratio, overlap, dtype):
     assert rel_err(got_cache.cpu()[written], want_cache[written]) < tol
 
 
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (2, False)])
+def test_compress_decode_folds_a_sequences_rows_in_order(ratio, overlap):
+    """Verifications as consecutive rows of one sequence (query_index 0, 1, ...), closing windows and crossing
+    a page, beside one-row sequences: each row starts from the state the row before it left, as the reference
+    folds them pass after pass, and every row's state after its token is kept with its block. Folding each
+    row from the state its block held before the step gives other states."""
+    from engine.kernels.compressor import compress_decode, reference_compress_decode
+    from engine.layers.compressed_attention import WindowPooler
+
+    g = torch.Generator().manual_seed(80 + ratio)
+    d, page, offset, rope_half = 16, 8, 3, 4
+    width = 2 * d if overlap else d
+    state_width = WindowPooler(d, ratio, overlap).state_width
+    # sequences: positions 5..8 (four rows), 0 (one), 13..15 (three), 22 (one)
+    seqs = [(5, 4), (0, 1), (13, 3), (22, 1)]
+    positions = torch.tensor([p + j for p, n in seqs for j in range(n)])
+    query_index = torch.tensor([j for _, n in seqs for j in range(n)])
+    blocks = 4 * len(seqs) + 1
+    per_seq = torch.randperm(blocks - 1, generator=g)[: 4 * len(seqs)].view(len(seqs), 4).int()
+    tables = torch.cat([per_seq[i : i + 1].expand(n, -1) for i, (_, n) in enumerate(seqs)]).contiguous()
+    state = torch.randn(blocks, 1, offset + state_width + 2, generator=g)
+    state.view(blocks, -1)[:, offset: offset + state_width].view(blocks, -1, 3, d)[:, :, 0] *= 3  # the maxima
+    cache = torch.randn(blocks, page // ratio, d, generator=g)
+    b = positions.shape[0]
+    c, gate = torch.randn(b, width, generator=g), torch.randn(b, width, generator=g)
+    args = dict(c=c, g=gate, ape=torch.randn(ratio, width, generator=g), positions=positions, block_tables=tables,
+                offset=offset, norm_weight=1 + 0.2 * torch.randn(d, generator=g), eps=1e-6,
+                cos=torch.randn(64, rope_half, generator=g), sin=torch.randn(64, rope_half, generator=g), ratio=ratio,
+                overlap=overlap)
+    want_state, want_cache = state.clone(), cache.clone()
+    want_kept = (torch.zeros(b + 2, state_width), torch.zeros(b + 2, dtype=torch.long))
+    reference_compress_decode(**args, state=want_state, cache=want_cache, query_index=query_index, max_rows=4,
+                              kept=want_kept)
+    got_state, got_cache = state.to(DEV), cache.to(DEV)
+    got_kept = (torch.zeros(b + 2, state_width, device=DEV), torch.zeros(b + 2, dtype=torch.long, device=DEV))
+    compress_decode(**{k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in args.items()}, state=got_state,
+                    cache=got_cache, query_index=query_index.to(DEV), max_rows=4, kept=got_kept)
+    written = per_seq.flatten().long()
+    fin = want_state[written].isfinite()
+    assert torch.equal(got_state.cpu()[written].isinf(), ~fin)
+    assert rel_err(got_state.cpu()[written][fin], want_state[written][fin]) < F32_TOL
+    assert rel_err(got_cache.cpu()[written], want_cache[written]) < F32_TOL
+    assert torch.equal(got_kept[1].cpu(), want_kept[1])
+    kept_fin = want_kept[0].isfinite()
+    assert torch.equal(got_kept[0].cpu().isfinite(), kept_fin)
+    assert rel_err(got_kept[0].cpu()[kept_fin], want_kept[0][kept_fin]) < F32_TOL
+    # the last row of each sequence left its state in its block; every row apart would not
+    alone_state, alone_cache = state.clone(), cache.clone()
+    reference_compress_decode(**args, state=alone_state, cache=alone_cache)
+    assert not torch.allclose(alone_state[written].nan_to_num(), want_state[written].nan_to_num())
+    assert not torch.allclose(alone_cache[written], want_cache[written])
+
+
 def test_compress_decode_checks_its_contract():
     from engine.kernels.compressor import compress_decode
 

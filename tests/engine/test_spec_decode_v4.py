@@ -14,14 +14,14 @@ import torch
 from engine import LLM, SamplingParams
 from tests.engine.hf_oracle import hf_greedy, hf_logits, prompts, save_hf_checkpoint
 from tests.engine.hf_oracle_v4 import VOCAB, add_mtp_block, build_v4_model
-from tests.engine.test_spec_decode import record_launches, step_to_the_end
+from tests.engine.test_spec_decode import EagerGraph, emulated_graphs, record_launches, step_to_the_end
 
 NEW = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
 
-def spec(k: int) -> dict:
-    return {"method": "mtp", "num_speculative_tokens": k}
+def spec(k: int, **extra) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def oracle_drafts(llm: LLM, continuations: dict[tuple, list[int]]) -> list[int]:
             tokens = prompt + continuations[tuple(prompt)]
             at = range(p + 2, p + 2 + num_drafts)
             out[i] = [(tokens[q] + (q % 5 == 0)) % VOCAB if q < len(tokens) else 0 for q in at]
-        return torch.tensor(out, dtype=drafts.dtype)
+        return torch.tensor(out, dtype=drafts.dtype, device=drafts.device)
 
     runner._draft = drafting
     counts = []
@@ -147,7 +147,7 @@ def test_without_the_state_rollback_the_tokens_go_wrong(v4mtp, batch, monkeypatc
     tokens leave HF's."""
     from engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 
-    monkeypatch.setattr(DeepseekV4ForCausalLM, "keep_accepted", lambda self, rows, counts: None)
+    monkeypatch.setattr(DeepseekV4ForCausalLM, "keep_accepted", lambda self, tokens: None)
     _, path = v4mtp
     llm = engine(path, 3)
     oracle_drafts(llm, batch[1])
@@ -224,3 +224,126 @@ def test_sampled_requests_run_to_the_end_and_seeds_repeat(v4mtp, batch):
     assert [len(t) for t in first] == [12, 12] and all(0 <= t < VOCAB for ts in first for t in ts)
     assert [o.token_ids for o in llm.generate(ids, params)] == first
     assert llm.engine.speculator.num_draft_tokens > 0 and llm.engine.kv_cache_usage == 0.0
+
+
+# -- verifications as rows of the decode CUDA graphs ---------------------------------------------------
+def graphed(monkeypatch, llm: LLM, fused: bool = False) -> list[int]:
+    """The decode and draft graphs (and with `fused` the fused speculative ones) on a CPU, each graph's function
+    run where its replay would be, over the attention's device-only decode path -> a list that gets the
+    tokens of every replayed step with verifications in it."""
+    import engine.kernels.sampling
+    from engine.model_runner import DecodeGraphs, DraftGraphs, SpecGraphs
+
+    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, **kwargs: logits.argmax(-1))
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, batch: self.graphs.__setitem__(
+        batch, EagerGraph(lambda: self.outputs.__setitem__(batch, self._step(batch)))))
+    runner = llm.engine.runner
+    for attn in runner.model.attention_layers():
+        attn.use_kernels = True
+    runner.graphs = DecodeGraphs(runner)
+    runner.graphs.capture_all()
+    drafts = runner.draft_graphs = DraftGraphs(runner)
+    k = runner.num_speculative_tokens
+    for key in {drafts.key(s * (k + 1), s) for s in (1, 2, 3)} | {drafts.key(s, s) for s in (1, 2, 3)}:
+        drafts.graphs[key] = EagerGraph(lambda key=key: drafts.outputs.__setitem__(key, drafts._draft(key)))
+    if fused:
+        def capture(self, n):
+            self.outputs[n] = self._step(n)
+            self.graphs[n] = EagerGraph(lambda: self.outputs[n].copy_(self._step(n)))
+
+        monkeypatch.setattr(SpecGraphs, "_capture", capture)
+        runner.spec_graphs = SpecGraphs(runner)
+        runner.spec_graphs.capture_all()
+    verified, replay = [], runner._replay
+
+    def replaying(plan, *args):
+        if plan.num_prefills:
+            verified.append(plan.num_tokens)
+        return replay(plan, *args)
+
+    runner._replay = replaying
+    return verified
+
+
+@emulated_graphs
+@pytest.mark.parametrize("k,mode", [(1, "off"), (3, "off"), (3, "on")])
+def test_verifications_replay_the_decode_graphs(monkeypatch, v4mtp, batch, k, mode):
+    """A verification's k + 1 rows run as decode rows of the graphs (each sequence's rows folded into its
+    compressors in order, each row's state kept for the rollback), the draft from its own graph after it:
+    greedy tokens are HF's through windows of every kind, drafts accepted none, some or all."""
+    _, path = v4mtp
+    llm = engine(path, k, max_num_seqs=3, max_model_len=128, async_scheduling=mode)
+    verified = graphed(monkeypatch, llm)
+    counts = oracle_drafts(llm, batch[1])
+    check_greedy(llm, batch)
+    assert len(verified) >= 5 and max(verified) == 3 * (k + 1)
+    assert {0, k} <= set(counts) and (k == 1 or 1 in counts or 2 in counts)
+
+
+@emulated_graphs
+def test_fused_speculative_steps_roll_the_state_back_in_the_graph(monkeypatch, v4mtp, batch):
+    """The fused greedy step (verify, accept, put the compressors' state back, draft: one replay) on V4."""
+    from engine.model_runner import SpecGraphs
+
+    _, path = v4mtp
+    llm = engine(path, 3, max_num_seqs=3, max_model_len=128)
+    graphed(monkeypatch, llm, fused=True)
+    replays, replay = [], SpecGraphs.replay
+    monkeypatch.setattr(SpecGraphs, "replay", lambda self, plan, *args: replays.append(len(plan.slots))
+                        or replay(self, plan, *args))
+    check_greedy(llm, (batch[0][:2], batch[1]), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert len(replays) > 3
+    assert llm.engine.speculator.num_draft_tokens > 0
+
+
+@emulated_graphs
+@pytest.mark.parametrize("broken", ["fold", "rollback"])
+def test_without_the_fold_in_order_or_the_rollback_the_graphed_tokens_go_wrong(monkeypatch, v4mtp, batch, broken):
+    """Verifications through the graphs with the compressors' decode step starting every row from the state its
+    block held before the step (a sequence's rows not folded one after another), or with the state left
+    after the rejected drafts: the tokens leave HF's."""
+    from engine.models.deepseek_v4 import Compressor, DeepseekV4ForCausalLM
+
+    if broken == "fold":
+        decode = Compressor._decode
+        monkeypatch.setattr(Compressor, "_decode", lambda self, *args, **kwargs: decode(
+            self, *args[:8], None, 1, kwargs.get("kept", args[10] if len(args) > 10 else None)))
+    else:
+        monkeypatch.setattr(DeepseekV4ForCausalLM, "keep_accepted", lambda self, tokens: None)
+    _, path = v4mtp
+    llm = engine(path, 3, max_num_seqs=3, max_model_len=128)
+    verified = graphed(monkeypatch, llm)
+    oracle_drafts(llm, batch[1])
+    ids, continuations = batch
+    outs = llm.generate(ids, GREEDY)
+    assert verified and any(o.token_ids != continuations[tuple(p)][:NEW] for p, o in zip(ids, outs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_verifications_replay_the_graphs(v4mtp, batch):
+    """Float32 on the card, the V4 decode kernels and real CUDA graphs: verifications replay the decode graphs
+    (the compressor kernel folding each sequence's rows in order), the MTP draft and the fused greedy step
+    their own; greedy tokens are plain decoding's with k = 1 and 3, drafted by the checkpoint's MTP block and
+    by HF's tokens with every fifth wrong (drafts accepted none, some or all; those drafts replace the graphs'
+    own, so that run drafts eagerly after each replayed verification)."""
+    _, path = v4mtp
+    ids, continuations = batch
+    common = dict(dtype="float32", device="cuda", show_progress=False, block_size=8, max_model_len=128, max_num_seqs=4)
+    plain = [o.token_ids for o in LLM(str(path), **common).generate(ids, GREEDY)]
+    for k in (1, 3):
+        llm = LLM(str(path), speculative_config=spec(k, disable_by_batch_size=1024), **common)
+        runner = llm.engine.runner
+        assert runner.draft_graphs.graphs and runner.spec_graphs.graphs
+        verified, fused = [], []
+        replay, fused_replay = runner._replay, runner.spec_graphs.replay
+        runner._replay = lambda plan, *args: (plan.num_prefills and verified.append(plan.num_tokens)) or replay(plan, *args)
+        runner.spec_graphs.replay = lambda plan, *args: fused.append(len(plan.slots)) or fused_replay(plan, *args)
+        assert [o.token_ids for o in llm.generate(ids, GREEDY)] == plain
+        assert fused and llm.engine.speculator.num_draft_tokens > 0
+        runner.draft_graphs = runner.spec_graphs = None
+        del verified[:]
+        counts = oracle_drafts(llm, continuations)
+        assert [o.token_ids for o in llm.generate(ids, GREEDY)] == plain
+        assert len(verified) >= 5 and max(verified) == 3 * (k + 1)
+        assert {0, k} <= set(counts), counts
