@@ -234,7 +234,8 @@ def graphed(monkeypatch, llm: LLM, fused: bool = False) -> list[int]:
     import engine.kernels.sampling
     from engine.model_runner import DecodeGraphs, DraftGraphs, SpecGraphs
 
-    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, **kwargs: logits.argmax(-1))
+    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, out=None: (
+        logits.argmax(-1) if out is None else out.copy_(logits.argmax(-1))))
     monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, batch: self.graphs.__setitem__(
         batch, EagerGraph(lambda: self.outputs.__setitem__(batch, self._step(batch)))))
     runner = llm.engine.runner
@@ -247,9 +248,9 @@ def graphed(monkeypatch, llm: LLM, fused: bool = False) -> list[int]:
     for key in {drafts.key(s * (k + 1), s) for s in (1, 2, 3)} | {drafts.key(s, s) for s in (1, 2, 3)}:
         drafts.graphs[key] = EagerGraph(lambda key=key: drafts.outputs.__setitem__(key, drafts._draft(key)))
     if fused:
-        def capture(self, n):
-            self.outputs[n] = self._step(n)
-            self.graphs[n] = EagerGraph(lambda: self.outputs[n].copy_(self._step(n)))
+        def capture(self, n, draw):
+            self.outputs[n, draw] = self._step(n, draw)
+            self.graphs[n, draw] = EagerGraph(lambda: self.outputs[n, draw].copy_(self._step(n, draw)))
 
         monkeypatch.setattr(SpecGraphs, "_capture", capture)
         runner.spec_graphs = SpecGraphs(runner)
