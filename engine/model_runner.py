@@ -432,6 +432,8 @@ class ModelRunner:
         hidden, logits, _ = self.graphs.replay(plan.num_tokens)
         if self.num_speculative_tokens:  # the graph's rows, in its buffers: the draft reads them there
             self.last_step = (plan, None, None, None, hidden)
+            if hasattr(self.model, "replayed"):  # V4: where the replay kept its compressors' states
+                self.model.replayed(plan.num_tokens)
         rows = plan.sample_indices
         if not rows:
             return StepResult(None)

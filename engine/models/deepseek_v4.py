@@ -194,6 +194,14 @@ class Compressor(nn.Module):
         self.kept = (torch.empty(max_decode_rows, self.state_width, dtype=torch.float32, device=dev),
                      torch.zeros(max_decode_rows, dtype=torch.long, device=dev)) if num_rows else None
 
+    def decode_rows_kept(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step of n rows keeps each row's state in the first n rows of `kept`; `candidates` points
+        there. Called by the step's forward, and after a CUDA graph's replay of it (which runs no Python)."""
+        kept = (self.kept[0][:n], self.kept[1][:n]) if self.kept is not None and n <= self.kept[0].shape[0] else None
+        # (a step past the buffers is one of plain decodes: nothing of it is ever rolled back)
+        self.candidates = (*kept, None) if kept is not None else None
+        return kept
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor,
                 state: torch.Tensor, offset: int, decode: bool, kernel: bool = False) -> None:
         """Write the entries this step closes into `cache` and each touched block's open state into
@@ -201,10 +209,7 @@ class Compressor(nn.Module):
         (kernel: in one Triton launch after the two projections), a sequence's rows (`meta.query_index`)
         folded in order."""
         if decode:
-            n = x.shape[0]
-            kept = (self.kept[0][:n], self.kept[1][:n]) if self.kept is not None and n <= self.kept[0].shape[0] else None
-            # (a step past the buffers is one of plain decodes: nothing of it is ever rolled back)
-            self.candidates = (*kept, None) if kept is not None else None
+            kept = self.decode_rows_kept(x.shape[0])
             rows = max(1, self.kept_rows)
             if kernel:
                 from engine.kernels.compressor import compress_decode
@@ -786,6 +791,14 @@ class DeepseekV4ForCausalLM(DeepseekV4Base):
             for compressor in (attn.compressor, attn.indexer.compressor if attn.indexer is not None else None):
                 if compressor is not None:
                     compressor.keep_states(num_rows, max_decode_rows)
+
+    def replayed(self, num_rows: int) -> None:
+        """A decode graph of num_rows rows was replayed: its compressors' kept states are where its capture
+        put them (`candidates` was last set by whichever step ran in Python)."""
+        for attn in self.attention_layers():
+            for compressor in (attn.compressor, attn.indexer.compressor if attn.indexer is not None else None):
+                if compressor is not None:
+                    compressor.decode_rows_kept(num_rows)
 
     def keep_accepted(self, tokens: torch.Tensor) -> None:
         """After the step just run verified drafts: tokens [V] (indices among the step's tokens) the last

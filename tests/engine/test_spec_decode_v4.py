@@ -236,9 +236,20 @@ def graphed(monkeypatch, llm: LLM, fused: bool = False) -> list[int]:
 
     monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, out=None: (
         logits.argmax(-1) if out is None else out.copy_(logits.argmax(-1))))
-    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, batch: self.graphs.__setitem__(
-        batch, EagerGraph(lambda: self.outputs.__setitem__(batch, self._step(batch)))))
     runner = llm.engine.runner
+    compressors = [c for attn in runner.model.attention_layers()
+                   for c in (attn.compressor, attn.indexer.compressor if attn.indexer is not None else None) if c]
+
+    def step(graphs, batch):
+        # a CUDA graph's replay runs no Python: what the step's forward sets on the host (the compressors'
+        # `candidates`) is not set by a replay
+        before = [c.candidates for c in compressors]
+        graphs.outputs[batch] = graphs._step(batch)
+        for c, was in zip(compressors, before):
+            c.candidates = was
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, batch: self.graphs.__setitem__(
+        batch, EagerGraph(lambda: step(self, batch))))
     for attn in runner.model.attention_layers():
         attn.use_kernels = True
     runner.graphs = DecodeGraphs(runner)
