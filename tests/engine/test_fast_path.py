@@ -74,17 +74,20 @@ def assert_same_where_clear(ref: LLM, fast: LLM, batch: list[list[int]], dtype: 
     return by_fast
 
 
-def assert_tokens_where_clear(ref: LLM, fast: LLM, batch: list[list[int]], margin: float) -> None:
+def assert_tokens_where_clear(ref: LLM, fast: LLM, batch: list[list[int]], margin: float, truth: LLM | None = None) -> None:
+    """Greedy tokens part only where the reference's choice was not clear: where they part, the reference's
+    token is not above the fast path's by more than `margin` in the teacher-forced logits of `truth`
+    (default: the reference itself, where that is its top-2 margin)."""
     ref_outs, fast_outs = ref.generate(batch, GREEDY), fast.generate(batch, GREEDY)
     for ids, r, f in zip(batch, ref_outs, fast_outs):
         if r.token_ids == f.token_ids:
             continue
         # they part at step j: the reference must have been torn there (teacher-forced logits)
         j = next(i for i, (a, b) in enumerate(zip(r.token_ids, f.token_ids)) if a != b)
-        logits = ref.score([ids + r.token_ids[:j]])[0][-1]
-        top2 = logits.topk(2).values
-        print(f"paths part at step {j}: reference top-2 margin {(top2[0] - top2[1]).item():.3g}")
-        assert (top2[0] - top2[1]).item() < margin, f"fast path chose {f.token_ids[j]} over a clear {r.token_ids[j]}"
+        logits = (truth or ref).score([ids + r.token_ids[:j]])[0][-1]
+        lead = (logits[r.token_ids[j]] - logits[f.token_ids[j]]).item()
+        print(f"paths part at step {j}: the reference's token leads the fast path's by {lead:.3g}")
+        assert lead < margin, f"fast path chose {f.token_ids[j]} over a clear {r.token_ids[j]}"
 
 
 def assert_bf16_as_good(ref: LLM, fast: LLM, batch: list[list[int]]) -> list[torch.Tensor]:
@@ -99,7 +102,9 @@ def assert_bf16_as_good(ref: LLM, fast: LLM, batch: list[list[int]]) -> list[tor
     What bf16 moved is measured over the prompt AND the positions the greedy tokens come from (the
     truth's own continuation, teacher-forced): one rounding that flips a near-tied expert there moves a
     logit by up to ~1 (HF transformers in bf16 does it too: seed 22's second prompt at step 3 picks a
-    token float32 ranks sixth), and a bound taken from the prompt alone would call that a wrong kernel."""
+    token float32 ranks sixth), and a bound taken from the prompt alone would call that a wrong kernel.
+    Where the paths part, the float32 truth judges: the fast path's token may not trail the reference
+    path's by more than that bound."""
     truth = LLM(str(ref.engine.model_path), dtype="float32", attention_backend="torch", enable_prefix_caching=False)
     continued = [ids + out.token_ids for ids, out in zip(batch, truth.generate(batch, GREEDY))]
     want, by_ref, by_fast = truth.score(continued), ref.score(continued), fast.score(continued)
@@ -112,7 +117,9 @@ def assert_bf16_as_good(ref: LLM, fast: LLM, batch: list[list[int]]) -> list[tor
     print(f"bf16 vs float32 truth: reference path {err_ref:.3g}, fast path {err_fast:.3g}; "
           f"max |logit move| {noise:.3g}")
     assert err_fast <= max(1.5 * err_ref, 0.2), f"fast path error {err_fast:.3g} vs reference path {err_ref:.3g}"
-    assert_tokens_where_clear(ref, fast, batch, max(2 * noise, 0.1))
+    # where the paths part, each is judged by the float32 truth: the fast path may take the truth's choice
+    # where bf16 flipped the reference path's (seed 22 at step 3 on an H200)
+    assert_tokens_where_clear(ref, fast, batch, max(2 * noise, 0.1), truth)
     return prompt(by_fast)
 
 
