@@ -388,6 +388,9 @@ class LLMEngine:
         plan.fused_verify = self._fuses(batch, plan, drafts_of, unresolved)
         if plan.fused_verify:
             plan.fused_sampling = FusedSampling.of([seq for seq, _ in batch.items])
+        elif self._draws_in_graph(batch, drafts_of):
+            plan.draw_in_graph = True
+            plan.fused_sampling = FusedSampling.of([seq for seq, _ in batch.items])
         result = self.executor.execute(plan, inputs, offsets)
         if result.spec is not None:
             return self._launched_fused(batch, result.spec)
@@ -418,7 +421,9 @@ class LLMEngine:
         drafts_before = ([seq.draft_token_ids[:j] for seq, rows in groups for j in range(rows)]
                          if drafts_of and inputs is None else None)
         draws = None
-        if groups:  # with drafts, the copy to the host waits for the accepted counts and drafts to join it
+        if groups and result.tokens is not None:  # drawn in a graph (`StepPlan.draw_in_graph`)
+            draws = Draws(result.tokens, row_seqs, None, send=self.speculator is None)
+        elif groups:  # with drafts, the copy to the host waits for the accepted counts and drafts to join it
             draws = self.sampler.sample(logits, row_seqs, inputs, drafts_before, ahead, offsets,
                                         send=self.speculator is None)
         for seq, _ in groups:
@@ -428,6 +433,19 @@ class LLMEngine:
             spec = self.speculator.launch(plan, items, groups, draws.tokens if draws else None,
                                           len(self.scheduler.running), self.runner.device, inputs, unresolved, draws)
         return LaunchedStep(batch, groups, draws, timer, spec)
+
+    def _draws_in_graph(self, batch: ScheduledBatch, drafts_of: dict[int, int]) -> bool:
+        """Whether a step's draws may be made in a graph after the decode graph (`StepPlan.draw_in_graph`):
+        every row a decode that draws one token for a request that needs nothing of the host (no
+        logprobs, penalties, grammar or prompt scoring); greedy or sampled (temperature, top-k, top-p)."""
+        if self.runner.draw_graphs is None or batch.prefills or drafts_of:
+            return False
+        for seq, n in batch.items:
+            p = seq.params
+            if (n != 1 or seq.num_computed_tokens + 1 != seq.num_drawn_tokens or p.logprobs is not None
+                    or p.has_penalties or seq.guide is not None or seq.collect_logits):
+                return False
+        return True
 
     def _fuses(self, batch: ScheduledBatch, plan, drafts_of: dict[int, int], unresolved: dict[int, int] | None) -> bool:
         """Whether a step may verify, accept and draft in one replay (`StepPlan.fused_verify`): every row a

@@ -23,7 +23,7 @@ from engine.models import model_class
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.deepseek_vit import ImageEmbeds
 from engine.parallel import SINGLE, ParallelContext
-from engine.step_plan import DraftPlan, FusedVerify, StepPlan, StepResult
+from engine.step_plan import DraftPlan, FusedSampling, FusedVerify, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +190,7 @@ class ModelRunner:
         self.tables: BlockTables | None = None
         self.graphs: DecodeGraphs | None = None
         self.draft_graphs: DraftGraphs | None = None
+        self.draw_graphs: DrawGraphs | None = None  # plain decode steps' draws, after the decode graph
         self.spec_graphs: SpecGraphs | None = None
         self.warmed_up = False
         # the last step's rows for the MTP draft after it: (plan, positions [T], block tables [T, width], its
@@ -275,6 +276,7 @@ class ModelRunner:
                     self.block_size, num_blocks * self.block_size, num_blocks * self.block_bytes / 2**30, self.dtype)
         if self.use_cuda_graphs:
             self.graphs = DecodeGraphs(self)
+            self.draw_graphs = DrawGraphs(self)
             # verifications replay the decode graphs where the model takes their rows as decode rows
             limit = getattr(self.model, "graph_chunk_tokens", None)
             verifies_in_graphs = limit is None or limit > self.num_speculative_tokens
@@ -288,6 +290,7 @@ class ModelRunner:
                 if not self.warmed_up:
                     self.warm_up()
                 self.graphs.capture_all()
+                self.draw_graphs.capture_all()
                 if self.draft_graphs is not None:
                     self.draft_graphs.capture_all()
                 if self.spec_graphs is not None:
@@ -435,6 +438,9 @@ class ModelRunner:
             if hasattr(self.model, "replayed"):  # V4: where the replay kept its compressors' states
                 self.model.replayed(plan.num_tokens)
         rows = plan.sample_indices
+        if plan.draw_in_graph and self.draw_graphs is not None and self.draw_graphs.takes(plan):
+            # (a copy: the next replay rewrites the graph's buffer while these may still be on their way)
+            return StepResult(None, tokens=self.draw_graphs.replay(plan).clone())
         if not rows:
             return StepResult(None)
         if len(rows) == plan.num_tokens:  # every row samples (a decode step)
@@ -649,6 +655,123 @@ class DraftGraphs:
         return self.outputs[key][:s].clone() if s else None
 
 
+class GraphSampling:
+    """How rows draw inside a CUDA graph, as `sampler.draw_on_device` draws outside it (the same operations,
+    so a seeded request draws the same tokens in and out of a graph): logits / temperature, top-k / top-p
+    (`sampler.filter_rows`, a sort over the vocabulary), Gumbel-max with the noise keyed by (seed, output
+    position); greedy rows (and padding) take the argmax. Three kinds of graph by how the rows draw: all
+    greedy, some sampled, some also filtered (the sort is too costly to pay in every greedy step). Each
+    row's parameters sit in device buffers loaded with its rows (`StepPlan.fused_sampling`, `load`)."""
+
+    GREEDY, SAMPLED, FILTERED = DRAWS = range(3)
+
+    def __init__(self, runner: ModelRunner, max_rows: int, rows_per_seq: int):
+        n, dev = max_rows, runner.device
+        self.rows_per_seq = rows_per_seq
+        self.vocab = runner.model_config.vocab_size
+        # per row: [temperature or 1 (greedy), 1 or 0 (greedy: the sampling kernel's argmax), top-p or inf]
+        # and [seed, prompt length, top-k or the vocabulary size]
+        self.drawing = torch.tensor([[1.0], [0.0], [float("inf")]], device=dev).repeat(1, n)  # greedy rows
+        self.keying = torch.tensor([[0], [0], [self.vocab]], device=dev).repeat(1, n)
+        self.step0 = torch.zeros(1, dtype=torch.long, device=dev)  # the noise is keyed by position alone
+
+    def draw(self, plan: StepPlan) -> int:
+        fs = plan.fused_sampling
+        if fs is None:
+            return self.GREEDY
+        if any(0 < k < self.vocab for k in fs.top_k) or any(p < 1.0 for p in fs.top_p):
+            return self.FILTERED
+        return self.SAMPLED
+
+    def sample(self, logits: torch.Tensor, drawn_at: torch.Tensor, draw: int, tokens: torch.Tensor) -> None:
+        """logits [n, V] -> tokens [n]; drawn_at [n]: each row's draw's position (its cache position + 1)."""
+        from engine.kernels.sampling import sample
+        from engine.sampler import filter_rows, noise_keys
+
+        if draw == self.GREEDY:
+            greedy_tokens(logits, tokens)
+            return
+        n = logits.shape[0]
+        divisor, unit, top_p = self.drawing[:, :n]
+        seeds, prompt, top_k = self.keying[:, :n]
+        scaled = logits / divisor[:, None]
+        if draw == self.FILTERED:
+            scaled = filter_rows(scaled, top_k, top_p)
+        # the token drawn at position q is output token q - prompt length
+        sample(scaled, unit, noise_keys(seeds, drawn_at - prompt), self.step0, out=tokens)
+
+    def load(self, fs: FusedSampling, end: int) -> None:
+        """The sequences' parameters into the buffers, `rows_per_seq` rows each (rows up to `end` past them
+        greedy), two copies."""
+        from engine.sampler import _signed
+
+        rows = self.rows_per_seq
+
+        def per_row(values: list, pad) -> list:
+            return [v for v in values for _ in range(rows)] + [pad] * (end - len(values) * rows)
+
+        temps = fs.temperature
+        self.drawing[:, :end].copy_(to_device(
+            [per_row([t if t > 0 else 1.0 for t in temps], 1.0), per_row([1.0 if t > 0 else 0.0 for t in temps], 0.0),
+             per_row([p if p < 1.0 else float("inf") for p in fs.top_p], float("inf"))], torch.float32, self.drawing.device))
+        self.keying[:, :end].copy_(to_device(
+            [per_row([_signed(s) for s in fs.seeds], 0), per_row(fs.num_prompt_tokens, 0),
+             per_row([k if 0 < k < self.vocab else self.vocab for k in fs.top_k], self.vocab)],
+            torch.long, self.keying.device))
+
+
+class DrawGraphs:
+    """A plain decode step's draws as a CUDA graph of their own, replayed right after the decode graph,
+    over its logits: one replay instead of ~25 eager launches and ~10 small copies a step (the scaling,
+    the filters, the noise keys, the sampling kernel; on deepseek-tiny at one stream the host's cost of
+    those was most of a sampled step's). For steps whose every row draws one token and needs nothing
+    of the host (no logprobs, penalties or grammar: `StepPlan.draw_in_graph`); one graph per decode
+    graph's size and kind of draw (`GraphSampling`)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        decode = runner.graphs
+        self.sizes = [s for s in DecodeGraphs.SIZES if s <= decode.padded(min(runner.config.max_num_seqs, decode.max_batch))]
+        self.sampling = GraphSampling(runner, decode.max_batch, 1)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.pool = None
+
+    def takes(self, plan: StepPlan) -> bool:
+        return ((self.runner.graphs.padded(plan.num_tokens), self.sampling.draw(plan)) in self.graphs
+                and plan.num_prefills == 0 and len(plan.sample_indices) == plan.num_tokens)
+
+    def _step(self, size: int, draw: int) -> torch.Tensor:
+        decode = self.runner.graphs
+        logits = decode.outputs[size][1]
+        tokens = torch.empty(size, dtype=torch.long, device=logits.device)
+        # the decode graph has moved its rows on: a row's position is now where its draw goes
+        self.sampling.sample(logits, decode.positions[:size], draw, tokens)
+        return tokens
+
+    def _capture(self, size: int, draw: int) -> None:
+        graph, self.outputs[size, draw] = capture_graph(lambda: self._step(size, draw), self.pool, lambda: None)
+        self.pool = graph.pool()
+        self.graphs[size, draw] = graph
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        for size in sorted(self.sizes, reverse=True):
+            for draw in GraphSampling.DRAWS:
+                self._capture(size, draw)
+        logger.info("captured %d CUDA graphs for decode steps' draws", len(self.graphs))
+
+    def replay(self, plan: StepPlan) -> torch.Tensor:
+        """After the decode graph's replay of the plan's rows: their draws [T] (a view of the graph's buffer,
+        which its next replay rewrites)."""
+        size = self.runner.graphs.padded(plan.num_tokens)
+        draw = self.sampling.draw(plan)
+        if plan.fused_sampling is not None:
+            self.sampling.load(plan.fused_sampling, size)
+        self.graphs[size, draw].replay()
+        return self.outputs[size, draw][: plan.num_tokens]
+
+
 class SpecGraphs:
     """A whole speculative step as one CUDA graph per padded count of sequences S, each verifying k
     drafts (k + 1 rows): the target over the rows the decode graphs' buffers hold, the draw at every row,
@@ -666,8 +789,6 @@ class SpecGraphs:
     or guided rows, fewer drafts) take the decode and draft graphs. One rank only: the draft's inputs
     never leave the graph, so the other ranks' collectives would have nothing to broadcast."""
 
-    GREEDY, SAMPLED, FILTERED = range(3)
-
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.k = runner.num_speculative_tokens
@@ -676,13 +797,7 @@ class SpecGraphs:
         self.sizes = [s for s in DecodeGraphs.SIZES if s * self.rows <= decode.max_batch]
         # each sequence's first row: its block table, and its last accepted row is first + count
         self.firsts = torch.arange(0, decode.max_batch, self.rows, device=runner.device)
-        # per row: [temperature or 1 (greedy), 1 or 0 (greedy: the sampling kernel's argmax), top-p or inf]
-        # and [seed, prompt length, top-k or the vocabulary size]
-        n, dev = decode.max_batch, runner.device
-        self.vocab = runner.model_config.vocab_size
-        self.drawing = torch.tensor([[1.0], [0.0], [float("inf")]], device=dev).repeat(1, n)  # greedy rows
-        self.keying = torch.tensor([[0], [0], [self.vocab]], device=dev).repeat(1, n)
-        self.step0 = torch.zeros(1, dtype=torch.long, device=dev)  # the noise is keyed by position alone
+        self.sampling = GraphSampling(runner, decode.max_batch, self.rows)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # [S * (k + 1) + S + S * k + 2 * S * (k + 1)] int64: tokens, counts, drafts, next rows, their offsets
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -695,17 +810,9 @@ class SpecGraphs:
     def padded(self, num_seqs: int) -> int | None:
         return next((s for s in self.sizes if s >= num_seqs), None)
 
-    def draw(self, plan: StepPlan) -> int:
-        fs = plan.fused_sampling
-        if fs is None:
-            return self.GREEDY
-        if any(0 < k < self.vocab for k in fs.top_k) or any(p < 1.0 for p in fs.top_p):
-            return self.FILTERED
-        return self.SAMPLED
-
     def takes(self, plan: StepPlan) -> bool:
         """Whether a plan the engine marked `fused_verify` fits a graph: k + 1 rows per sequence."""
-        return ((self.padded(len(plan.slots)), self.draw(plan)) in self.graphs
+        return ((self.padded(len(plan.slots)), self.sampling.draw(plan)) in self.graphs
                 and plan.num_prefills == len(plan.slots) and all(n == self.rows for n in plan.query_lens))
 
     def _step(self, num_seqs: int, draw: int) -> torch.Tensor:
@@ -723,10 +830,8 @@ class SpecGraphs:
         drafts = out[n + num_seqs : n + num_seqs * (1 + k)].view(num_seqs, k)
         following, offsets = out[n + num_seqs * (1 + k) :].split(n)
         logits = runner.model.compute_logits(hidden)
-        if draw == self.GREEDY:
-            greedy_tokens(logits, tokens)
-        else:
-            self._sample(logits, pos, draw, tokens)
+        # the token drawn at cache position p is output token p + 1 - prompt length
+        self.sampling.sample(logits, pos + 1, draw, tokens)
         on_device = ids.is_cuda  # one launch each there; the same in PyTorch on a CPU
         accept = spec_step.accept if on_device else spec_step.reference_accept
         advance = spec_step.advance if on_device else spec_step.reference_advance
@@ -741,40 +846,6 @@ class SpecGraphs:
         # padding sequences (the scratch block's table) stay at position 0
         advance(tokens, counts, drafts, decode.block_tables[:n], decode.scratch_block, ids, pos, following, offsets)
         return out
-
-    def _sample(self, logits: torch.Tensor, positions: torch.Tensor, draw: int, tokens: torch.Tensor) -> None:
-        """Each row's draw as `sampler.draw_on_device` makes it (the same operations, so a seeded request
-        draws the same tokens in and out of the graph): logits / temperature, top-k / top-p, Gumbel-max
-        with the noise keyed by (seed, output position); greedy rows (and padding) take the argmax."""
-        from engine.kernels.sampling import sample
-        from engine.sampler import filter_rows, noise_keys
-
-        n = logits.shape[0]
-        divisor, unit, top_p = self.drawing[:, :n]
-        seeds, prompt, top_k = self.keying[:, :n]
-        scaled = logits / divisor[:, None]
-        if draw == self.FILTERED:
-            scaled = filter_rows(scaled, top_k, top_p)
-        # the token drawn at cache position p is output token p + 1 - prompt length
-        sample(scaled, unit, noise_keys(seeds, positions + 1 - prompt), self.step0, out=tokens)
-
-    def _load_sampling(self, plan: StepPlan, end: int) -> None:
-        """The sampled rows' parameters into the buffers (padding rows greedy), two copies."""
-        from engine.sampler import _signed
-
-        fs, rows = plan.fused_sampling, self.rows
-
-        def per_row(values: list, pad) -> list:
-            return [v for v in values for _ in range(rows)] + [pad] * (end - len(values) * rows)
-
-        temps = fs.temperature
-        self.drawing[:, :end].copy_(to_device(
-            [per_row([t if t > 0 else 1.0 for t in temps], 1.0), per_row([1.0 if t > 0 else 0.0 for t in temps], 0.0),
-             per_row([p if p < 1.0 else float("inf") for p in fs.top_p], float("inf"))], torch.float32, self.drawing.device))
-        self.keying[:, :end].copy_(to_device(
-            [per_row([_signed(s) for s in fs.seeds], 0), per_row(fs.num_prompt_tokens, 0),
-             per_row([k if 0 < k < self.vocab else self.vocab for k in fs.top_k], self.vocab)],
-            torch.long, self.keying.device))
 
     def _capture(self, num_seqs: int, draw: int) -> None:
         decode = self.runner.graphs
@@ -798,7 +869,7 @@ class SpecGraphs:
             decode.input_ids[:rows].zero_()
             decode.positions[:rows].zero_()
             decode.block_tables[:rows].fill_(decode.scratch_block)
-            for draw in (self.GREEDY, self.SAMPLED, self.FILTERED):
+            for draw in GraphSampling.DRAWS:
                 self._capture(size, draw)
         logger.info("captured %d CUDA graphs for fused speculative steps of %d drafts", len(self.graphs), self.k)
 
@@ -810,7 +881,7 @@ class SpecGraphs:
         `offsets`), and their sampling parameters: only new blocks of their tables are loaded."""
         decode = self.runner.graphs
         num_seqs, slots = len(plan.slots), tuple(plan.slots)
-        key = (self.padded(num_seqs), self.draw(plan))
+        key = (self.padded(num_seqs), self.sampling.draw(plan))
         end = key[0] * self.rows
         if self.resident != slots:
             n = plan.num_tokens
@@ -822,7 +893,7 @@ class SpecGraphs:
                 if decode.query_index is not None:
                     decode.query_index[n:end].zero_()
             if plan.fused_sampling is not None:
-                self._load_sampling(plan, end)
+                self.sampling.load(plan.fused_sampling, end)
         elif plan.table_deltas:
             decode.load_tables(plan)
         self.resident = slots

@@ -56,7 +56,12 @@ class StepPlan:
     # runner may verify, accept and draft in one replay (`model_runner.SpecGraphs`) instead of handing
     # logits back
     fused_verify: bool = False
-    # a fused verification whose rows sample (None: all greedy): what they draw with, per sequence
+    # every row a decode that draws one token and needs nothing of the host (no logprobs, penalties or
+    # grammar): the runner may draw them in a graph after the decode graph (`model_runner.DrawGraphs`)
+    # and hand the tokens back (`StepResult.tokens`)
+    draw_in_graph: bool = False
+    # a fused verification's or an in-graph draw's rows that sample (None: all greedy): what they draw
+    # with, per sequence
     fused_sampling: "FusedSampling | None" = None
 
     @property
@@ -72,8 +77,8 @@ class StepPlan:
 
 @dataclass
 class FusedSampling:
-    """Per sequence of a fused verification (`StepPlan.fused_sampling`), what its rows draw with inside
-    the graph, as `engine.sampler.draw_on_device` draws outside it: logits / temperature, top-k and
+    """Per sequence of a fused verification or an in-graph draw (`StepPlan.fused_sampling`), what its
+    rows draw with inside the graph, as `engine.sampler.draw_on_device` draws outside it: logits / temperature, top-k and
     top-p, Gumbel noise keyed by (seed, output position)."""
 
     temperature: list[float]  # 0: greedy (argmax)
@@ -116,6 +121,7 @@ class StepResult:
     logits: torch.Tensor | None  # [len(sample_indices), vocab] float32
     all_logits: torch.Tensor | None = None  # [num_tokens, vocab] float32 when the plan collects them
     spec: "FusedVerify | None" = None  # a fused verification's outputs (`StepPlan.fused_verify`)
+    tokens: torch.Tensor | None = None  # [R] int64: the rows' draws, made in a graph (`StepPlan.draw_in_graph`)
 
 
 @dataclass

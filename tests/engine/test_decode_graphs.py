@@ -6,6 +6,7 @@ buffers are plain tensors, so this runs on CPU; the graphs themselves need a GPU
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from engine.model_runner import BlockTables, DecodeGraphs
@@ -100,3 +101,104 @@ def test_table_deltas_append_and_a_fresh_slot_forgets_the_last_table():
     tables.apply([(0, 0, [9])])  # slot 0 taken by another sequence
     assert tables.rows([0]).tolist() == [[9] + [SCRATCH] * 5]
     assert tables.rows([tables.scratch_slot]).tolist() == [[SCRATCH] * 6]
+
+
+# -- plain decode steps' draws in a graph of their own (DrawGraphs) ------------------------------------
+class EagerGraph:
+    """A captured CUDA graph's stand-in on a CPU: replaying it runs what the capture recorded."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+def keyed_sample(logits, temperature, keys, step, out=None):
+    """The sampling kernel's contract in PyTorch for the CPU: argmax where temperature is 0, else
+    Gumbel-max with noise that is a function of the row's key alone (as the kernel's is)."""
+    rows = []
+    for row, t, key in zip(logits, temperature.tolist(), keys.tolist()):
+        if t <= 0:
+            rows.append(row.argmax())
+            continue
+        u = torch.rand(row.shape, generator=torch.Generator().manual_seed(key & (2**63 - 1)))
+        rows.append((row / t - torch.log(-torch.log(u.clamp(min=1e-20)))).argmax())
+    tokens = torch.stack(rows) if rows else torch.empty(0, dtype=torch.long)
+    return tokens if out is None else out.copy_(tokens)
+
+
+def test_decode_steps_draw_in_a_graph_what_the_eager_draws_give(monkeypatch):
+    """Greedy, sampled, top-p and top-k requests in one batch (async scheduling on): with the decode and
+    draw graphs (each graph's function run where its replay would be, as on a GPU the replay writes the
+    same output buffer) every request gets exactly the tokens the eager draws (`draw_on_device`) give,
+    seeds keyed by output position; a request with logprobs keeps the eager draws for its steps."""
+    import engine.kernels.sampling
+    from engine import LLM, SamplingParams
+    from engine.model_runner import DrawGraphs
+
+    monkeypatch.setattr(engine.kernels.sampling, "sample", keyed_sample)
+    llm = LLM("deepseek-tiny", dtype="float32", max_num_seqs=4, async_scheduling="on")
+    llm.engine.sampler.on_device = True  # the draws a GPU makes outside a graph
+    tok = llm.tokenizer
+    prompts = [tok.encode(q) for q in ("The capital of France", "One, two, three,", "A short poem:", "def main():")]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=6, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.2, top_k=20, seed=7, max_tokens=10, ignore_eos=True)]
+    eager = [o.token_ids for o in llm.generate(prompts, params)]
+    assert len({tuple(t) for t in eager}) == 4
+
+    runner = llm.engine.runner
+    def decode_capture(self, batch):  # as a graph does: outputs at capture, rewritten by each replay
+        state = [t.clone() for t in (self.input_ids, self.positions, self.step)]
+        self.outputs[batch] = self._step(batch)
+        for t, saved in zip((self.input_ids, self.positions, self.step), state):
+            t.copy_(saved)
+        self.graphs[batch] = EagerGraph(lambda: [o.copy_(n) for o, n in zip(self.outputs[batch], self._step(batch))])
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", decode_capture)
+
+    def capture(self, size, draw):
+        self.outputs[size, draw] = self._step(size, draw)
+        self.graphs[size, draw] = EagerGraph(lambda: self.outputs[size, draw].copy_(self._step(size, draw)))
+
+    monkeypatch.setattr(DrawGraphs, "_capture", capture)
+    runner.graphs = DecodeGraphs(runner)
+    runner.graphs.capture_all()
+    runner.draw_graphs = DrawGraphs(runner)
+    runner.draw_graphs.capture_all()
+    replays, replay = [], DrawGraphs.replay
+    monkeypatch.setattr(DrawGraphs, "replay", lambda self, plan: replays.append(
+        (plan.num_tokens, self.sampling.draw(plan))) or replay(self, plan))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == eager
+    # every decode step of the four drew in the graph that filters (top-p, top-k rows among them)
+    assert (4, 2) in replays and len(replays) >= 8
+    del replays[:]
+    assert [o.token_ids for o in llm.generate(prompts[:2], params[:2])] == eager[:2]
+    assert replays and all(r == (2, 1) for r in replays)  # a greedy and a sampled row: no filter
+    del replays[:]
+    with_logprobs = SamplingParams(temperature=0.9, seed=5, max_tokens=10, ignore_eos=True, logprobs=2)
+    out = llm.generate(prompts[1:2], with_logprobs)[0]
+    assert out.token_ids == eager[1] and not replays and len(out.logprobs) == 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_draws_in_the_graph_are_the_eager_draws():
+    """Real CUDA graphs and the sampling kernel: the same decode graphs with the draws in a graph and with
+    them made eagerly after it (`draw_on_device`) give every seeded request the same tokens."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM("deepseek-tiny", dtype="float32", max_num_seqs=4)
+    tok = llm.tokenizer
+    prompts = [tok.encode(q) for q in ("The capital of France", "One, two, three,", "A short poem:", "def main():")]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=6, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.2, top_k=20, seed=7, max_tokens=24, ignore_eos=True)]
+    runner = llm.engine.runner
+    assert runner.draw_graphs is not None and runner.draw_graphs.graphs
+    replays, replay = [], runner.draw_graphs.replay
+    runner.draw_graphs.replay = lambda plan: replays.append(plan.num_tokens) or replay(plan)
+    in_graph = [o.token_ids for o in llm.generate(prompts, params)]
+    assert replays and len({tuple(t) for t in in_graph}) == 4
+    runner.draw_graphs = None
+    assert [o.token_ids for o in llm.generate(prompts, params)] == in_graph

@@ -430,7 +430,7 @@ def test_fused_steps_draw_sampled_rows_in_the_graph(monkeypatch, tiny_prompts, p
     calls = []
 
     def recorded(logits, temperature, keys, step, out=None):
-        if step is fused.step0:  # the fused step's draw, not a decode graph's
+        if step is fused.sampling.step0:  # the fused step's draw, not a decode graph's
             calls.append((logits.clone(), temperature.clone(), keys.clone()))
         tokens = logits.argmax(-1)
         return tokens if out is None else out.copy_(tokens)
