@@ -43,7 +43,14 @@ def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
 def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """`noise_key` over int64 tensors [R] (seeds as their 64-bit patterns), on their device: the key of a
     position the host does not know yet (a row launched before the accepted drafts ahead of it were
-    read). int64 products wrap modulo 2**64, so the bits are the host's."""
+    read). int64 products wrap modulo 2**64, so the bits are the host's. One Triton launch where the
+    kernels run (`kernels.sampling.noise_keys`)."""
+    from engine.kernels import runs_here
+
+    if runs_here(seeds):
+        from engine.kernels.sampling import noise_keys as keys_kernel
+
+        return keys_kernel(seeds, positions)
     z = seeds * _signed(0x9E3779B97F4A7C15) + positions + 1
     z = (z ^ _shift_right(z, 30)) * _signed(0xBF58476D1CE4E5B9)
     z = (z ^ _shift_right(z, 27)) * _signed(0x94D049BB133111EB)

@@ -94,3 +94,37 @@ def greedy(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         _greedy_kernel[(batch,)](logits, out, logits.stride(0), out.stride(0), vocab,
                                  BLOCK_V=128 if interpreted(logits) else 4096, num_warps=8)
     return out
+
+
+# splitmix64's constants as the int64 patterns that hold them (products wrap modulo 2**64 either way)
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+@triton.jit
+def _shr(z, bits: tl.constexpr):
+    """Logical right shift of int64 bit patterns."""
+    return (z.to(tl.uint64, bitcast=True) >> bits).to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def _noise_keys_kernel(Seeds, Positions, Out, n, golden, mix1, mix2, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    z = tl.load(Seeds + offs, mask=mask, other=0) * golden + tl.load(Positions + offs, mask=mask, other=0) + 1
+    z = (z ^ _shr(z, 30)) * mix1
+    z = (z ^ _shr(z, 27)) * mix2
+    tl.store(Out + offs, _shr(z ^ _shr(z, 31), 1), mask=mask)
+
+
+def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`engine.sampler.noise_key` of int64 [R] seeds (their 64-bit patterns) and output positions, in one
+    launch (the same arithmetic as PyTorch ops is ~14 launches: most of a graphed draw's cost)."""
+    check(seeds.shape == positions.shape and seeds.dim() == 1 and seeds.dtype == positions.dtype == torch.int64,
+          "seeds and positions must be int64 [R]")
+    out = torch.empty_like(seeds)
+    n = seeds.numel()
+    if n:
+        block = 128
+        _noise_keys_kernel[(triton.cdiv(n, block),)](seeds.contiguous(), positions.contiguous(), out, n,
+                                                     _GOLDEN, _MIX1, _MIX2, BLOCK=block, num_warps=1)
+    return out

@@ -117,7 +117,7 @@ def launch_all() -> None:
     from engine.kernels.moe_gemv import SharedExperts, moe_gemv
     from engine.kernels.moe_routing import route
     from engine.kernels.rms_norm import rms_norm
-    from engine.kernels.sampling import greedy, sample
+    from engine.kernels.sampling import greedy, noise_keys, sample
     from engine.layers.fp8_latent import FP8LatentLayout
 
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
@@ -174,6 +174,7 @@ def launch_all() -> None:
                                   _empty(tokens, heads, vdim), cu, cu, tokens, 0.1)
         sample(_empty(8, vocab, dtype=f32), _empty(8, dtype=f32), torch.zeros(8, dtype=i64), torch.zeros(1, dtype=i64))
         greedy(_empty(4, vocab, dtype=f32), _empty(4, 3, dtype=i64)[:, 0])
+    noise_keys(torch.zeros(8, dtype=i64), torch.zeros(8, dtype=i64))
     launch_spec_step()
     launch_v4_decode()
     launch_v4_weights()

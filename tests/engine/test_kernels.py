@@ -595,6 +595,21 @@ def test_sample_draws_from_softmax():
     assert (counts / 400 - logits.softmax(-1).cpu()[0]).abs().max() < 0.08
 
 
+def test_noise_keys_kernel_is_the_hosts_splitmix():
+    """The one-launch key derivation gives `noise_key`'s 63-bit keys bit for bit: seeds over all 64 bits
+    (the int64 patterns of unsigned ones), wrapping products, logical shifts."""
+    import random
+
+    from engine.kernels.sampling import noise_keys
+    from engine.sampler import _signed, noise_key
+
+    rng = random.Random(3)
+    seeds = [rng.getrandbits(64) for _ in range(200)] + [0, 1, 2**63, 2**64 - 1]
+    positions = [rng.randrange(1 << 40) for _ in seeds]
+    got = noise_keys(torch.tensor([_signed(s) for s in seeds], device=DEV), torch.tensor(positions, device=DEV))
+    assert got.tolist() == [noise_key(s, p) for s, p in zip(seeds, positions)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_is_argmax_first_index_on_ties_into_a_strided_out(dtype):
     from engine.kernels.sampling import greedy

@@ -13,7 +13,8 @@ KERNELS = {"_rms_norm_kernel", "_latent_write_kernel", "_route_kernel", "_moe_ge
            "_block_gemm_tma_kernel", "_moe_gemm_tma_kernel",
            "_dual_pool_kernel", "_sink_merge_kernel", "_indexer_kernel", "_compress_decode_kernel",
            "_norm_rope_kernel", "_hc_mix_kernel", "_up_fp4_kernel", "_down_fp4_kernel",
-           "_dequant_kernel", "_greedy_kernel", "_decode_rows_kernel", "_accept_kernel", "_advance_kernel"}
+           "_dequant_kernel", "_greedy_kernel", "_decode_rows_kernel", "_accept_kernel", "_advance_kernel",
+           "_noise_keys_kernel"}
 
 
 def test_every_kernel_compiles_for_hopper_within_its_shared_memory():
