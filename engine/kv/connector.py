@@ -95,8 +95,14 @@ def redact_url(url: str) -> str:
 
 
 class KVConnector:
-    def __init__(self, config: KVConfig, block_manager: BlockManager, kv_caches: list[torch.Tensor], model_key: str):
+    def __init__(self, config: KVConfig, block_manager: BlockManager, kv_caches: list[torch.Tensor], model_key: str,
+                 windowed: list[bool] | None = None):
+        """windowed: per cache, whether it is paged by the block manager's window pages (`page_of`) rather
+        than by block. A block travels with its window rows where its page is held (the cut's trailing
+        blocks); a server serves only a prefix whose trailing pages it still holds, a puller writes the
+        window rows of the blocks its cut reads and no others."""
         self.config = config
+        self.windowed = windowed if windowed is not None and any(windowed) else None
         self.bm = block_manager
         self.kv_caches = kv_caches
         self.model_key = model_key
@@ -162,11 +168,13 @@ class KVConnector:
     def _gather(self, hashes: list[bytes], out: torch.Tensor) -> int:
         """Copy the leading blocks held here into out [len(hashes), layers, block_size, dim] (host);
         returns how many are valid: rows copied from a block reused meanwhile are dropped."""
-        held = self.bm.lookup_cached(hashes)
+        held = self.bm.lookup_windowed(hashes) if self.windowed else self.bm.lookup_cached(hashes)
         if not held:
             return 0
         device = self.kv_caches[0].device
-        ids = torch.tensor([b for b, _ in held], device=device)
+        ids = torch.tensor([b for b, *_ in held], device=device)
+        if self.windowed:  # blocks without a page send the scratch page's rows (the cut reads none of them)
+            pages = torch.tensor([p if p >= 0 else self.bm.scratch_page for _, _, p, _ in held], device=device)
         rows = out[: len(held)]
         # one block's rows of every layer, contiguous per block; on a GPU gathered there, then one copy
         staged = rows if device == rows.device else torch.empty(rows.shape, dtype=rows.dtype, device=device)
@@ -174,11 +182,11 @@ class KVConnector:
             for layer, cache in enumerate(self.kv_caches):
                 torch.index_select(cache, 0, ids, out=staged[:, layer])
         else:
-            for (start, end), cache in zip(self.byte_ranges, self.byte_rows):
-                staged[:, start:end] = cache.index_select(0, ids)
+            for i, ((start, end), cache) in enumerate(zip(self.byte_ranges, self.byte_rows)):
+                staged[:, start:end] = cache.index_select(0, pages if self.windowed and self.windowed[i] else ids)
         if staged is not rows:
             rows.copy_(staged)
-        valid = self.bm.still_valid(held)
+        valid = self.bm.still_windowed(held) if self.windowed else self.bm.still_valid(held)
         self.stats.served_blocks += valid
         return valid
 
@@ -250,7 +258,10 @@ class KVConnector:
         if tuple(pulled.data.shape[1:]) != expected:
             self.stats.fallback("shape_mismatch")
             return []
-        ids = self.bm.install(hashes[:k], token_ids[:k])
+        # the pulled blocks whose window rows the cut after them reads (the server held their pages); where
+        # the cut reads further back, into the local blocks, the admission checks those (`match_prefix`)
+        window_from = max(0, k - self.bm.window_tail) if self.windowed else 0
+        ids = self.bm.install(hashes[:k], token_ids[:k], window_from)
         if ids is None:
             self.stats.fallback("no_space")
             return []
@@ -261,8 +272,13 @@ class KVConnector:
             for layer, cache in enumerate(self.kv_caches):
                 cache.index_copy_(0, index, data[:, layer].to(cache.dtype))
         else:
-            for (start, end), cache in zip(self.byte_ranges, self.byte_rows):
-                cache.index_copy_(0, index, data[:, start:end].contiguous())
+            if self.windowed:
+                pages = torch.tensor([self.bm.page_of[b] for b in ids[window_from:]], device=dev)
+            for i, ((start, end), cache) in enumerate(zip(self.byte_ranges, self.byte_rows)):
+                if self.windowed and self.windowed[i]:
+                    cache.index_copy_(0, pages, data[window_from:, start:end].contiguous())
+                else:
+                    cache.index_copy_(0, index, data[:, start:end].contiguous())
         self.bm.announce(hashes[:k])
         return ids
 
