@@ -272,10 +272,16 @@ class ModelRunner:
         window, c, bs = window_of(self.kv_specs), self.config, self.block_size
         if window is None or c.num_window_pages == 0:
             return None
+        tail, lookahead = -(-(window - 1) // bs), -(-max(0, self.num_speculative_tokens - 1) // bs)
         if c.num_window_pages is not None:
+            # one sequence's step: its window's blocks, a chunk of the whole budget from inside a block
+            least = tail + -(-c.max_num_batched_tokens // bs) + 1 + lookahead
+            if c.num_window_pages < least:
+                raise ValueError(f"num_window_pages {c.num_window_pages} cannot hold one sequence's step: a window "
+                                 f"of {window} tokens and a chunk of max_num_batched_tokens "
+                                 f"({c.max_num_batched_tokens}) take up to {least} pages of {bs} tokens")
             return c.num_window_pages
-        per_seq = -(-(window - 1) // bs) + 2 + -(-max(0, self.num_speculative_tokens - 1) // bs)
-        return 2 * (c.max_num_seqs * per_seq + -(-c.max_num_batched_tokens // bs))
+        return 2 * (c.max_num_seqs * (tail + 2 + lookahead) + -(-c.max_num_batched_tokens // bs))
 
     def window_pages_for(self, num_blocks: int) -> int | None:
         """The window pages to allocate beside num_blocks blocks: None (a page per block) where pages of

@@ -29,7 +29,7 @@ def v4(tmp_path_factory):
 
 def engine(path, **args) -> LLMEngine:
     base = dict(model=str(path), dtype="float32", device="cpu", block_size=BS, num_kv_blocks=64, max_num_seqs=1,
-                max_num_batched_tokens=64, num_window_pages=10, show_progress=False)
+                max_num_batched_tokens=56, num_window_pages=10, show_progress=False)
     return LLMEngine(EngineConfig(**{**base, **args}))
 
 
@@ -101,8 +101,9 @@ def test_a_hit_whose_trailing_pages_are_present_reuses_the_whole_prefix(v4):
 
 def test_a_hit_whose_trailing_pages_were_evicted_falls_back_to_the_longest_valid_prefix(v4):
     """Turn 1 (7 cached blocks); a request sharing its first 3 blocks touches the pages of blocks 1 and 2
-    again; an unrelated prompt of 8 blocks then evicts the least recently kept pages (blocks 0, 3-6 of
-    turn 1). Turn 2's hit of 7 blocks lacks the pages before cuts 7 .. 4; cut 3 has blocks 1 and 2."""
+    again; an unrelated prompt of 8 blocks (two chunks) then evicts the least recently kept pages
+    (blocks 0, 3-6 of turn 1). Turn 2's hit of 7 blocks lacks the pages before cuts 7 .. 4; cut 3 has
+    blocks 1 and 2."""
     hf, path = v4
     eng = engine(path)
     bm = eng.block_manager
@@ -126,6 +127,12 @@ def _seq(prompt, out):
     from engine.sequence import Sequence
 
     return Sequence("probe", prompt + out.token_ids, SamplingParams())
+
+
+def test_too_few_window_pages_for_one_step_are_refused(v4):
+    _, path = v4
+    with pytest.raises(ValueError, match="num_window_pages 9 cannot hold one sequence's step"):
+        engine(path, num_window_pages=9)  # 2 window blocks + 7 of a 56-token chunk + 1 where it starts inside one
 
 
 def test_preemption_by_window_pages_matches_hf(v4):
