@@ -354,24 +354,20 @@ class BlockManager:
                 return n
         return len(held)
 
-    def lookup_windowed(self, hashes: list[bytes]) -> list[tuple[int, int, int, int]]:
-        """lookup_cached where the window has pages: (block id, generation, page, page generation) of the
-        leading hashes held here, cut to the longest run whose trailing window pages are present (page -1
-        where a block has none); the caller re-checks both generations after copying (`still_windowed`)."""
+    def lookup_pages(self, held: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """(window page, its generation) of each block of a lookup_cached answer, (-1, -1) where it has none;
+        safe to call from another thread (the caller re-checks them after copying: `pages_unchanged`)."""
         out = []
-        for b, g in self.lookup_cached(hashes):
-            # the engine loop may move the page meanwhile: a page read again after its generation is the same
-            page = self.page_of[b]
-            page_gen = self.page_generation[page] if page is not None else -1
-            out.append((b, g, -1 if page is None or self.page_of[b] != page else page, page_gen))
-        return out[: self.windowed_cut([b for b, *_ in out], lambda i: out[i][2] >= 0)]
+        for block_id, _ in held:
+            page = self.page_of[block_id]
+            gen = self.page_generation[page] if page is not None else -1
+            # the engine loop may move the page meanwhile: one read again after its generation is the same
+            out.append((page, gen) if page is not None and self.page_of[block_id] == page else (-1, -1))
+        return out
 
-    def still_windowed(self, held: list[tuple[int, int, int, int]]) -> int:
-        """How many leading blocks of a lookup_windowed answer may be served now: none reused, and the
-        trailing window pages of the cut unchanged."""
-        n = self.still_valid([(b, g) for b, g, _, _ in held])
-        return self.windowed_cut([b for b, *_ in held[:n]],
-                                 lambda i: held[i][2] >= 0 and self.page_generation[held[i][2]] == held[i][3])
+    def pages_unchanged(self, pages: list[tuple[int, int]]) -> list[bool]:
+        """Which of lookup_pages' pages still hold what they held then (never moved since)."""
+        return [page >= 0 and self.page_generation[page] == gen for page, gen in pages]
 
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's references; unreferenced blocks become free (cached ones last, and

@@ -98,9 +98,11 @@ class KVConnector:
     def __init__(self, config: KVConfig, block_manager: BlockManager, kv_caches: list[torch.Tensor], model_key: str,
                  windowed: list[bool] | None = None):
         """windowed: per cache, whether it is paged by the block manager's window pages (`page_of`) rather
-        than by block. A block travels with its window rows where its page is held (the cut's trailing
-        blocks); a server serves only a prefix whose trailing pages it still holds, a puller writes the
-        window rows of the blocks its cut reads and no others."""
+        than by block. Then a block travels with its window section and one byte more, whether that
+        section holds the block's window rows (its page was held throughout the copy); the puller keeps
+        the longest run of the blocks it got whose trailing blocks came with them, and writes the window
+        rows of those trailing blocks only. A server serves frames and stripes of a pull alike, without
+        knowing where the puller's cut will fall."""
         self.config = config
         self.windowed = windowed if windowed is not None and any(windowed) else None
         self.bm = block_manager
@@ -111,7 +113,8 @@ class KVConnector:
         self.stats = KVStats()
         self.transfer_rate = RateEstimate(prior=1e9)  # bytes/s
         self.prefill_rate = RateEstimate(prior=5e3)  # tokens/s
-        self.block_bytes = sum(c[0].numel() * c.element_size() for c in kv_caches)
+        # + one byte a block where the window has pages: whether its window section is its rows
+        self.block_bytes = sum(c[0].numel() * c.element_size() for c in kv_caches) + (1 if self.windowed else 0)
         # V3: one latent cache per layer, alike: a block is [layers, block_size, dim] on the wire. Caches of
         # several kinds (V4's window, entries, indexer keys, float32 state) travel as each block's bytes,
         # cache after cache, over TCP (the RDMA reads address alike per-layer rows)
@@ -168,13 +171,14 @@ class KVConnector:
     def _gather(self, hashes: list[bytes], out: torch.Tensor) -> int:
         """Copy the leading blocks held here into out [len(hashes), layers, block_size, dim] (host);
         returns how many are valid: rows copied from a block reused meanwhile are dropped."""
-        held = self.bm.lookup_windowed(hashes) if self.windowed else self.bm.lookup_cached(hashes)
+        held = self.bm.lookup_cached(hashes)
         if not held:
             return 0
         device = self.kv_caches[0].device
-        ids = torch.tensor([b for b, *_ in held], device=device)
-        if self.windowed:  # blocks without a page send the scratch page's rows (the cut reads none of them)
-            pages = torch.tensor([p if p >= 0 else self.bm.scratch_page for _, _, p, _ in held], device=device)
+        ids = torch.tensor([b for b, _ in held], device=device)
+        if self.windowed:  # blocks without a page send the scratch page's rows, marked as not theirs
+            held_pages = self.bm.lookup_pages(held)
+            pages = torch.tensor([p if p >= 0 else self.bm.scratch_page for p, _ in held_pages], device=device)
         rows = out[: len(held)]
         # one block's rows of every layer, contiguous per block; on a GPU gathered there, then one copy
         staged = rows if device == rows.device else torch.empty(rows.shape, dtype=rows.dtype, device=device)
@@ -186,7 +190,9 @@ class KVConnector:
                 staged[:, start:end] = cache.index_select(0, pages if self.windowed and self.windowed[i] else ids)
         if staged is not rows:
             rows.copy_(staged)
-        valid = self.bm.still_windowed(held) if self.windowed else self.bm.still_valid(held)
+        valid = self.bm.still_valid(held)
+        if self.windowed:
+            rows[:, -1] = torch.tensor(self.bm.pages_unchanged(held_pages), dtype=torch.uint8)
         self.stats.served_blocks += valid
         return valid
 
@@ -258,16 +264,23 @@ class KVConnector:
         if tuple(pulled.data.shape[1:]) != expected:
             self.stats.fallback("shape_mismatch")
             return []
-        # the pulled blocks whose window rows the cut after them reads (the server held their pages); where
-        # the cut reads further back, into the local blocks, the admission checks those (`match_prefix`)
-        window_from = max(0, k - self.bm.window_tail) if self.windowed else 0
+        window_from = 0
+        if self.windowed:
+            # the longest run whose trailing blocks came with their window rows; where its cut reads further
+            # back, into the local blocks, admission checks those (`match_prefix`)
+            with_rows = pulled.data[:k, -1].tolist()
+            k = self.bm.windowed_cut(list(range(k)), lambda i: with_rows[i] == 1)
+            if k == 0:
+                self.stats.fallback("window_evicted")
+                return []
+            window_from = max(0, k - self.bm.window_tail)
         ids = self.bm.install(hashes[:k], token_ids[:k], window_from)
         if ids is None:
             self.stats.fallback("no_space")
             return []
         dev = self.kv_caches[0].device
         index = torch.tensor(ids, device=dev)
-        data = pulled.data.to(dev, non_blocking=True)
+        data = pulled.data[:k].to(dev, non_blocking=True)
         if self.uniform:
             for layer, cache in enumerate(self.kv_caches):
                 cache.index_copy_(0, index, data[:, layer].to(cache.dtype))

@@ -176,5 +176,18 @@ def test_a_pull_from_a_sender_that_evicted_old_window_pages_matches_hf(v4, redis
         got = [b.block_manager.hash_to_block[h] for h in b.block_manager.prefix_hashes(_seq(turn1, first))[:13]]
         assert [b.block_manager.page_of[i] is not None for i in got] == [False] * (13 - TAIL) + [True] * TAIL
     finally:
-        a.shutdown()
         b.shutdown()
+    # a's later prompts take the pages of turn 1's last blocks: a still serves the 13 blocks, their window
+    # sections marked as not theirs, and the puller keeps none of them (no cut has its window rows)
+    c = engine(path, replica_id="c", **kv)
+    try:
+        run(a, "other", prompts(40, [120], VOCAB)[0], max_tokens=1)
+        assert not any(bm.page_of[b] is not None for b in blocks)
+        turn3 = turn1 + first.token_ids + prompts(41, [5], VOCAB)[0]
+        third = run(c, "t3", turn3, logprobs=5)
+        assert third.num_remote_cached_tokens == 0 and c.kv.stats.fallbacks.get("window_evicted") == 1
+        assert third.token_ids == hf_greedy(hf, turn3, 8)
+        check_logprobs(hf, turn3, third)
+    finally:
+        a.shutdown()
+        c.shutdown()
