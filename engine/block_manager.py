@@ -222,8 +222,9 @@ class BlockManager:
         self.window_refs[block_id] -= 1
         if self.window_refs[block_id] or self.page_of[block_id] is None:
             return
-        if self.enable_prefix_caching and self.blocks[block_id].hash is not None:
-            self.kept_pages[block_id] = None  # most recently kept last
+        h = self.blocks[block_id].hash
+        if self.enable_prefix_caching and h is not None and self.hash_to_block.get(h) == block_id:
+            self.kept_pages[block_id] = None  # a hit may read it (most recently kept last)
         else:
             self.free_pages.append(self._drop_page(block_id))
 
