@@ -152,7 +152,8 @@ def test_preemption_by_window_pages_matches_hf(v4):
 def test_a_pull_from_a_sender_that_evicted_old_window_pages_matches_hf(v4, redis_server):
     """Replica a ran a 100-token turn with 10 window pages: the pages of its first blocks are gone, those
     of its last blocks kept. Replica b pulls all 13 blocks (every block's entries, indexer keys and
-    state; the window rows of the last two) and continues exactly as HF."""
+    state), then the window rows of the last two, and continues exactly as HF. Once a's later prompts
+    took those two pages, a pull from a finds no window rows to go with the blocks: it recomputes."""
     hf, path = v4
     from tests.engine.test_kv_reuse import wait_published
 
@@ -170,6 +171,9 @@ def test_a_pull_from_a_sender_that_evicted_old_window_pages_matches_hf(v4, redis
         turn2 = turn1 + first.token_ids + prompts(39, [9], VOCAB)[0]
         second = run(b, "t2", turn2, logprobs=5)
         assert second.num_remote_cached_tokens == 13 * BS and b.kv.stats.pulls == 1
+        # the other kinds of 13 blocks, the window rows (and the byte that vouches for them) of 2
+        assert b.kv.stats.transfer_bytes == 13 * b.kv.block_bytes + TAIL * b.kv.window_bytes
+        assert b.kv.stats.transfer_bytes < 13 * (b.kv.block_bytes + b.kv.window_bytes - 1)  # every window row
         assert second.token_ids == hf_greedy(hf, turn2, 8)
         check_logprobs(hf, turn2, second)
         # the puller took the window rows of the cut's last two blocks only
