@@ -676,8 +676,9 @@ class DeepseekV4Base(nn.Module):
         return [layer.attn for layer in self.layers]
 
     def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
-        """Per layer: the window (every token, K = V), and in compressed layers the entries, the indexer's
-        keys and the compressors' open state (float32, a row per block)."""
+        """Per layer: the window (a row per token, K = V; read for the last sliding_window tokens only, so
+        the pool may keep it in pages of its own), and in compressed layers the entries, the indexer's keys
+        and the compressors' open state (float32, a row per block)."""
         return [spec for attn in self.attention_layers() for spec in attn.kv_cache_specs(dtype)]
 
     def bind_kv_caches(self, pool: KVPool) -> None:
