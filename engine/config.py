@@ -548,6 +548,10 @@ class EngineConfig:
     # gpu_memory_utilization of the card (what weights, activations and others leave), else 1 GiB
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
+    # pages of a sliding-window cache kind (V4), which the blocks do not carry: None: sized from
+    # max_num_seqs and max_num_batched_tokens (`ModelRunner.window_pages_needed`); 0: none of its own
+    # (a window page per block, every token's row kept)
+    num_window_pages: int | None = None
     gpu_memory_utilization: float = 0.9
     # parallelism: one process per rank (tensor_parallel_size ranks over nnodes nodes, rank 0 plans)
     tensor_parallel_size: int = 1
@@ -604,6 +608,8 @@ class EngineConfig:
             raise ValueError(f"kv_transport must be auto, tcp or rdma, got {self.kv_transport!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.num_window_pages is not None and self.num_window_pages < 0:
+            raise ValueError(f"num_window_pages must be >= 0, got {self.num_window_pages}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:

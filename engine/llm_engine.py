@@ -25,6 +25,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, model_fingerprint, required_block_size, resolve_model_path
 from engine.copies import index_to_device, to_device
 from engine.executor import create_executor
+from engine.kv_pool import window_of
 from engine.model_runner import ModelRunner
 from engine.models.deepseek_vit import VisionConfig
 from engine.multimodal import ImageInput, check_spans
@@ -113,8 +114,12 @@ class LLMEngine:
             self.max_model_len = capacity
         self.model_key = model_fingerprint(path, str(self.runner.dtype), config.block_size,
                                            len(getattr(self.runner.model, "mtp", ())), config.kv_cache_dtype)
+        pool = self.runner.kv_pool
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          salt=self.model_key)
+                                          salt=self.model_key, window=window_of(pool.specs),
+                                          num_window_pages=pool.num_window_pages)
+        if pool.has_window_pages:  # the blocks' window pages reach the workers with each plan
+            self.planner.window_deltas = self.block_manager.take_window_deltas
         k = config.num_speculative_tokens
         self.speculator = Speculator(config.speculative_config, self.executor, self.max_model_len) if k else None
         # the MTP draft writes its cache up to k - 1 positions past a step's last row
@@ -220,7 +225,10 @@ class LLMEngine:
                              transfer_streams=c.kv_transfer_streams,
                              min_prefix_tokens=c.kv_min_prefix_tokens, pull_policy=c.kv_pull_policy,
                              secret=c.kv_secret)
-        connector = KVConnector(kv_config, self.block_manager, self.runner.kv_pool.caches, self.model_key)
+        pool = self.runner.kv_pool
+        connector = KVConnector(kv_config, self.block_manager, pool.caches, self.model_key,
+                                windowed=[pool.is_window(i) for i in range(len(pool.caches))]
+                                if pool.has_window_pages else None)
         connector.start()
         return connector
 

@@ -15,7 +15,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.copies import HostSpan, index_to_device, to_device
-from engine.kv_pool import KVPool, block_bytes
+from engine.kv_pool import KVPool, block_bytes, window_of
 from engine.layers.attention import AttentionMetadata
 from engine.layers.fp8 import quantize_fp8_block, quantize_mxfp4
 from engine.loader import load_weights
@@ -224,15 +224,17 @@ class ModelRunner:
         loaded and less the activation peak of the largest step (measured by running the warm-up over a
         one-block pool, as vLLM's profiling step does); else (CPU) 1 GiB. The last two are capped at
         what max_num_seqs sequences of max_model_len tokens can use: a small model on a large card
-        would otherwise get millions of blocks, each a bookkeeping entry on the host."""
+        would otherwise get millions of blocks, each a bookkeeping entry on the host. Where the window
+        kinds have pages of their own (`window_pages_needed`), those are taken first and the blocks, which
+        no longer carry the window, share the rest."""
         c = self.config
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if c.kv_cache_memory is not None:
-            return max(1, int(c.kv_cache_memory // self.block_bytes))
+            return max(1, self._blocks_in(c.kv_cache_memory))
         by_need = c.max_num_seqs * -(-self.max_model_len // self.block_size)
         if self.device.type != "cuda":
-            return max(1, min(int(DEFAULT_CPU_KV_MEMORY // self.block_bytes), by_need))
+            return max(1, min(self._blocks_in(DEFAULT_CPU_KV_MEMORY), by_need))
         self._allocate(1)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -249,7 +251,7 @@ class ModelRunner:
         sampler = 4 * c.max_num_seqs * self.model_config.vocab_size * 4
         reserve = 0.01 * total + sampler
         budget = total * c.gpu_memory_utilization - (total - free) - activations - reserve
-        blocks = int(budget // self.block_bytes)
+        blocks = self._blocks_in(budget)
         logger.info("KV memory: %.1f GiB of %.1f GiB (gpu_memory_utilization %.2f; in use %.1f GiB, activation "
                     "peak %.2f GiB)", max(budget, 0) / 2**30, total / 2**30, c.gpu_memory_utilization,
                     (total - free) / 2**30, activations / 2**30)
@@ -262,18 +264,67 @@ class ModelRunner:
                         "tokens, and no more are taken", blocks, by_need, c.max_num_seqs, self.max_model_len)
         return min(blocks, by_need)
 
-    def _allocate(self, num_blocks: int) -> None:
-        self.kv_pool = KVPool(self.kv_specs, num_blocks, self.block_size, self.device)
+    def window_pages_needed(self) -> int | None:
+        """Pages for the window kinds apart from the blocks (None: the model has none, or
+        `num_window_pages` 0): `num_window_pages` if set, else what the running sequences hold between
+        steps (each its window's blocks before its next query, the block it writes, one more where a
+        step crosses into the next, and the draft's lookahead) plus one step's chunks, and as many again
+        for the prefix cache (the pages before a cut that a later prompt's hit needs)."""
+        window, c, bs = window_of(self.kv_specs), self.config, self.block_size
+        if window is None or c.num_window_pages == 0:
+            return None
+        tail, lookahead = -(-(window - 1) // bs), -(-max(0, self.num_speculative_tokens - 1) // bs)
+        if c.num_window_pages is not None:
+            # one sequence's step: its window's blocks, a chunk of the whole budget from inside a block
+            least = tail + -(-c.max_num_batched_tokens // bs) + 1 + lookahead
+            if c.num_window_pages < least:
+                raise ValueError(f"num_window_pages {c.num_window_pages} cannot hold one sequence's step: a window "
+                                 f"of {window} tokens and a chunk of max_num_batched_tokens "
+                                 f"({c.max_num_batched_tokens}) take up to {least} pages of {bs} tokens")
+            return c.num_window_pages
+        return 2 * (c.max_num_seqs * (tail + 2 + lookahead) + -(-c.max_num_batched_tokens // bs))
+
+    def window_pages_for(self, num_blocks: int) -> int | None:
+        """The window pages to allocate beside num_blocks blocks: None (a page per block) where pages of
+        their own would be as many as the blocks."""
+        pages = self.window_pages_needed()
+        return pages if pages is not None and pages < num_blocks else None
+
+    def _blocks_in(self, budget: float) -> int:
+        """Blocks that fit `budget` bytes with the window pages `window_pages_needed` (or a page per block
+        where the split saves nothing)."""
+        pages = self.window_pages_needed()
+        if pages is not None:
+            rest = block_bytes(self.kv_specs, self.block_size, windowed=False)
+            blocks = int((budget - pages * block_bytes(self.kv_specs, self.block_size, windowed=True)) // rest)
+            if blocks > pages:
+                return blocks
+        return int(budget // self.block_bytes)
+
+    def _allocate(self, num_blocks: int, num_window_pages: int | None = None) -> None:
+        self.kv_pool = KVPool(self.kv_specs, num_blocks, self.block_size, self.device, num_window_pages)
         self.model.bind_kv_caches(self.kv_pool)
         width = -(-self.max_model_len // self.block_size)
         self.tables = BlockTables(self.config.max_num_seqs, width, self.kv_pool.scratch_block, self.device)
 
-    def init_cache(self, num_blocks: int) -> None:
-        """Allocate the KV pool (the same block count on every rank), then, on a GPU, warm the kernels up
-        and capture the decode graphs."""
-        self._allocate(num_blocks)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB per rank (%s)", num_blocks,
-                    self.block_size, num_blocks * self.block_size, num_blocks * self.block_bytes / 2**30, self.dtype)
+    def init_cache(self, num_blocks: int, num_window_pages: int | None = None) -> None:
+        """Allocate the KV pool (the same block and page counts on every rank), then, on a GPU, warm the
+        kernels up and capture the decode graphs. num_window_pages: the window kinds' own pages (None: a
+        page per block)."""
+        self._allocate(num_blocks, num_window_pages)
+        pool = self.kv_pool
+        if pool.has_window_pages:
+            rest = block_bytes(self.kv_specs, self.block_size, windowed=False)
+            gib = (num_blocks * rest + num_window_pages * pool.window_page_bytes) / 2**30
+            logger.info("KV cache: %d blocks of %d tokens = %d tokens (%d bytes a token without the window), and %d "
+                        "window pages (%d bytes a token of the last %d), %.2f GiB per rank (%s): %d tokens a GiB",
+                        num_blocks, self.block_size, num_blocks * self.block_size, rest // self.block_size,
+                        num_window_pages, pool.window_page_bytes // self.block_size, window_of(self.kv_specs), gib,
+                        self.dtype, num_blocks * self.block_size / gib)
+        else:
+            logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB per rank (%s): %d tokens a GiB",
+                        num_blocks, self.block_size, num_blocks * self.block_size, num_blocks * self.block_bytes / 2**30,
+                        self.dtype, 2**30 // (self.block_bytes // self.block_size))
         if self.use_cuda_graphs:
             self.graphs = DecodeGraphs(self)
             self.draw_graphs = DrawGraphs(self)

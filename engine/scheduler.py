@@ -59,7 +59,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
 
-        # 1. running sequences keep going; when blocks run out, the newest are preempted (recomputed later)
+        # 1. running sequences keep going; when blocks (or window pages) run out, the newest are preempted
+        # (recomputed later). First each gives back the window pages behind its next query's window
+        for seq in self.running:
+            self.bm.slide(seq)
         queue = list(self.running)
         kept: list[Sequence] = []
         while queue:
@@ -130,6 +133,8 @@ class Scheduler:
             return False
         budget = self.max_num_batched_tokens - len(self.running)  # each running sequence decodes one
         need = self.bm.blocks_needed(min(self.waiting[0].num_tokens, budget))
+        if self.bm.window and need > self.bm.num_available_pages:
+            return False
         return budget > 0 and need <= self.bm.num_free_blocks
 
     def schedule_ahead(self, seqs: list[Sequence], num_drafts: list[int] | None = None,
@@ -142,9 +147,13 @@ class Scheduler:
         synchronous schedule, with every token known, then preempts."""
         num_drafts = num_drafts or [0] * len(seqs)
         unresolved = unresolved or [0] * len(seqs)
+        for seq in seqs:
+            self.bm.slide(seq)
         reach = [self._reach(s, u + 1 + d) for s, d, u in zip(seqs, num_drafts, unresolved)]
         need = sum(max(0, self.bm.blocks_needed(r) - len(s.block_table)) for s, r in zip(seqs, reach))
         if need > self.bm.num_free_blocks or len(seqs) + sum(num_drafts) > self.max_num_batched_tokens:
+            return None
+        if self.bm.window and need > self.bm.num_available_pages:
             return None
         batch = ScheduledBatch()
         for seq, r, d in zip(seqs, reach, num_drafts):

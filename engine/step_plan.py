@@ -7,6 +7,7 @@ since the last plan. No `Sequence` crosses it, so every rank can run it and the 
 does not grow with context length (a decode step sends a table entry once per block_size tokens).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,8 @@ class StepPlan:
     # (slot, first column, block ids): entries written before the step; column 0 also resets the row
     table_deltas: list[tuple[int, int, list[int]]] = field(default_factory=list)
     replicate_blocks: list[int] = field(default_factory=list)  # rank 0's blocks to copy to every rank first
+    # (block, page) changes of the block -> window page map (`KVPool.window_page`), applied before the step
+    window_pages: list[tuple[int, int]] = field(default_factory=list)
     collect_logits: bool = False  # every token's logits too (scoring a prompt)
     use_graph: bool = False  # set by rank 0's worker: replay a CUDA graph
     images: list[PlanImage] = field(default_factory=list)  # image tokens of this step (always run eagerly)
@@ -156,6 +159,8 @@ class PlanBuilder:
         self._replicate: list[int] = []
         self.images_sent: dict[int, set[str]] = {}  # id(seq) -> keys of images whose patches the workers hold
         self._drop_images: list[str] = []
+        # the block manager's window page changes since the last plan (`BlockManager.take_window_deltas`)
+        self.window_deltas: Callable[[], list[tuple[int, int]]] | None = None
 
     def replicate(self, block_ids: list[int]) -> None:
         """Blocks written on rank 0 only (pulled from a peer): the next plan copies them to every rank."""
@@ -193,8 +198,9 @@ class PlanBuilder:
                 images += self._images(seq, start, n, end - n)
         replicate, self._replicate = self._replicate, []
         drop, self._drop_images = self._drop_images, []
+        window = self.window_deltas() if self.window_deltas is not None else []
         return StepPlan(slots, computed, lens, batch.num_chunks, None if inputs_on_device else ids, sample,
-                        deltas, replicate, collect_logits=any(seq.collect_logits for seq, _ in items),
+                        deltas, replicate, window, collect_logits=any(seq.collect_logits for seq, _ in items),
                         images=images, drop_images=drop, lookback=back if self.lookback else None, shifted=shifted)
 
     def _images(self, seq: Sequence, start: int, n: int, index: int) -> list[PlanImage]:

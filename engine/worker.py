@@ -40,7 +40,7 @@ class Worker:
             fewest = torch.tensor([num_blocks], dtype=torch.long)
             dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=self.control_group)
             num_blocks = int(fewest)
-        self.runner.init_cache(num_blocks)
+        self.runner.init_cache(num_blocks, self.runner.window_pages_for(num_blocks))
         return num_blocks
 
     @torch.inference_mode()
@@ -50,6 +50,7 @@ class Worker:
         rank 0, the positions' offsets of a shifted plan."""
         runner = self.runner
         runner.tables.apply(plan.table_deltas)
+        runner.kv_pool.map_window(plan.window_pages)
         if self.par.tp_size > 1:
             if plan.replicate_blocks:
                 self._replicate(plan.replicate_blocks)
@@ -91,12 +92,14 @@ class Worker:
     def _replicate(self, block_ids: list[int]) -> None:
         """Rank 0's rows of these blocks (pulled from a peer) into every rank's pool: MLA's latent cache is
         held whole by every rank."""
+        pool = self.runner.kv_pool
         index = torch.tensor(block_ids, dtype=torch.long, device=self.runner.device)
-        for cache in self.runner.kv_pool.caches:
-            rows = cache.index_select(0, index)
+        pages = pool.window_page[index].long()  # the plan's window deltas are applied: every rank maps alike
+        for i, cache in enumerate(pool.caches):
+            rows = cache.index_select(0, pages if pool.is_window(i) else index)
             dist.broadcast(rows, src=0, group=self.par.group)
             if self.par.tp_rank != 0:
-                cache.index_copy_(0, index, rows)
+                cache.index_copy_(0, pages if pool.is_window(i) else index, rows)
 
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:

@@ -9,7 +9,9 @@ denominator, with no value.
 
 `dual_pool_decode` reads only the rows a query sees, by its own counts on the device (never
 max_model_len's padding): row i of its key list is window position t + 1 - n_win + i for i < n_win,
-else entry picks[i - n_win] (or i - n_win without picks). The grid is (head blocks, slices, rows) as
+else entry picks[i - n_win] (or i - n_win without picks). The window lives in pages of its own, fewer
+than the blocks (engine.kv_pool): a window row's block, from the table, names its page through
+`window_pages[block]` (one more int load per row; the entries are paged by the blocks themselves). The grid is (head blocks, slices, rows) as
 in `mla_decode`: at one stream the key list (128 + 512 rows at most at V4 Flash's shapes, 640 KB)
 is split over slices so that more than four programs read it, each slice keeps an online softmax,
 and a merge kernel adds the sink and combines them. No host reads: a CUDA graph replays it.
@@ -50,12 +52,12 @@ def _attend_rows(q, keys, mask_n, m_i, l_i, acc, scale_log2, UPCAST: tl.constexp
 # the table's width, the slice count and the pick count follow the batch and max_model_len: no
 # compiled variant of their own
 @triton.jit(do_not_specialize=["stride_tb", "stride_pb", "num_splits", "num_picks"])
-def _dual_pool_kernel(Q, Window, Entries, Tables, Pos, Picks, Sinks, MidO, MidLse, Out,
+def _dual_pool_kernel(Q, Window, Entries, Tables, WinPages, Pos, Picks, Sinks, MidO, MidLse, Out,
                       stride_qb, stride_qh, stride_wb, stride_wt, stride_eb, stride_et, stride_tb, stride_pb,
                       stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, num_picks,
                       scale_log2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
                       BLOCK_N: tl.constexpr, PAGE: tl.constexpr, WINDOW: tl.constexpr, RATIO: tl.constexpr,
-                      PICKED: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr):
+                      PICKED: tl.constexpr, DIRECT: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr):
     hb, s, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = tl.load(Pos + b).to(tl.int32)
     n_win = tl.minimum(t + 1, WINDOW)
@@ -87,8 +89,10 @@ def _dual_pool_kernel(Q, Window, Entries, Tables, Pos, Picks, Sinks, MidO, MidLs
         i = n0 + offs_n
         mask_n = i < win_end
         pos = first + i
-        page = tl.load(Tables + b * stride_tb + pos // PAGE, mask=mask_n, other=0).to(tl.int64)
-        row = page * stride_wb + (pos % PAGE) * stride_wt
+        page = tl.load(Tables + b * stride_tb + pos // PAGE, mask=mask_n, other=0)
+        if PAGED:  # the block's window page
+            page = tl.load(WinPages + page, mask=mask_n, other=0)
+        row = page.to(tl.int64) * stride_wb + (pos % PAGE) * stride_wt
         keys = tl.load(Window + row[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         m_i, l_i, acc = _attend_rows(q, keys, mask_n, m_i, l_i, acc, scale_log2, UPCAST)
     if RATIO > 0:
@@ -160,10 +164,11 @@ def _tiles(block_d: int) -> dict:
 def dual_pool_decode(q: torch.Tensor, window_cache: torch.Tensor, entry_cache: torch.Tensor | None,
                      block_tables: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, softmax_scale: float,
                      window: int, ratio: int, picks: torch.Tensor | None = None, num_splits: int | None = None,
-                     tiles: dict | None = None) -> torch.Tensor:
-    """q [B, H, D]; window_cache [blocks, page, D] (a row per token); entry_cache [blocks, page / ratio, D]
-    (a row per `ratio` tokens; None with ratio 0: window only); block_tables [B, width] int32 (both
-    pools page by them); positions [B] (each row's query position t); sinks [H] float32; picks [B, k]
+                     tiles: dict | None = None, window_pages: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D]; window_cache [pages, page, D] (a row per token); entry_cache [blocks, page / ratio, D]
+    (a row per `ratio` tokens; None with ratio 0: window only); block_tables [B, width] int32 (the
+    entries page by them, the window through window_pages [blocks] int32, each block's window page; None:
+    the window pages by the blocks too); positions [B] (each row's query position t); sinks [H] float32; picks [B, k]
     int (CSA: a top-k of -inf-masked scores, in any order: a row with more than k visible entries reads
     its k picks, all visible then; one with k or fewer reads every visible entry without them) or None
     (every visible entry) -> [B, H, D] in q's dtype.
@@ -193,6 +198,8 @@ def dual_pool_decode(q: torch.Tensor, window_cache: torch.Tensor, entry_cache: t
           "block_tables must be int32 [B, width], contiguous in its last dimension")
     check(positions.shape == (batch,) and not positions.is_floating_point(), "positions must be integer [B]")
     check(sinks.shape == (num_heads,) and sinks.dtype == torch.float32, "sinks must be float32 [H]")
+    check(window_pages is None or (window_pages.dtype == torch.int32 and window_pages.dim() == 1
+                                   and window_pages.stride(0) == 1), "window_pages must be int32 [blocks], contiguous")
     if picks is not None:
         check(picks.dim() == 2 and picks.shape[0] == batch and picks.stride(-1) == 1 and not picks.is_floating_point(),
               "picks must be integer [B, k], contiguous in its last dimension")
@@ -210,7 +217,9 @@ def dual_pool_decode(q: torch.Tensor, window_cache: torch.Tensor, entry_cache: t
     mid_lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device)
     picks_arg = picks if picks is not None else positions
     grid = (triton.cdiv(num_heads, block_h), num_splits, batch)
-    _dual_pool_kernel[grid](q, window_cache, entry_cache, block_tables, positions, picks_arg, sinks, mid_o, mid_lse, out,
+    pages_arg = window_pages if window_pages is not None else block_tables
+    _dual_pool_kernel[grid](q, window_cache, entry_cache, block_tables, pages_arg, positions, picks_arg, sinks, mid_o,
+                            mid_lse, out,
                             q.stride(0), q.stride(1), window_cache.stride(0), window_cache.stride(1),
                             entry_cache.stride(0), entry_cache.stride(1), block_tables.stride(0),
                             picks.stride(0) if picks is not None else 0,
@@ -218,7 +227,8 @@ def dual_pool_decode(q: torch.Tensor, window_cache: torch.Tensor, entry_cache: t
                             num_heads, num_splits, picks.shape[1] if picks is not None else 0,
                             softmax_scale * LOG2E, HEAD_DIM=dim, BLOCK_D=pow2(dim), BLOCK_H=block_h,
                             BLOCK_N=cfg["block_n"], PAGE=page, WINDOW=window, RATIO=ratio, PICKED=picks is not None,
-                            DIRECT=direct, UPCAST=interpreted(q), num_warps=cfg["num_warps"],
+                            DIRECT=direct, PAGED=window_pages is not None, UPCAST=interpreted(q),
+                            num_warps=cfg["num_warps"],
                             num_stages=cfg["num_stages"])
     if not direct:
         block_s = pow2(num_splits, 2)
@@ -295,13 +305,14 @@ def _rows(cache: torch.Tensor, table: torch.Tensor, index: torch.Tensor, ratio: 
 
 
 def reference_dual_pool_decode(q, window_cache, entry_cache, block_tables, positions, sinks, softmax_scale, window,
-                               ratio, picks=None):
-    """One row at a time: its window rows and its entries (picks' visible ones, or all), softmax with the
-    sink, float32 -> [B, H, D] in q's dtype."""
+                               ratio, picks=None, window_pages=None):
+    """One row at a time: its window rows (through window_pages where given) and its entries (picks'
+    visible ones, or all), softmax with the sink, float32 -> [B, H, D] in q's dtype."""
     outs = []
     for b, t in enumerate(positions.tolist()):
         first = max(0, t - window + 1)
-        keys = [_rows(window_cache, block_tables[b], torch.arange(first, t + 1, device=q.device), 1)]
+        table = block_tables[b] if window_pages is None else window_pages[block_tables[b].long()]
+        keys = [_rows(window_cache, table, torch.arange(first, t + 1, device=q.device), 1)]
         if ratio:
             n_vis = (t + 1) // ratio
             if picks is None:

@@ -9,6 +9,8 @@ frame's rows into a small staging buffer, checksums them while they are hot in c
 a block reused meanwhile ends the run instead of going out stale. A large pull is striped: the client
 splits the hashes into contiguous ranges, asks for each over its own connection in parallel, receives
 every stripe straight into its place in one reused staging buffer and checks each frame as it lands.
+A server may serve other parts of its blocks under keys of their own in the request's "model" (V4's
+window rows: engine.kv.connector), each with its own layout.
 """
 
 import json
@@ -257,14 +259,19 @@ def _peer(sock: socket.socket) -> str:
 
 
 class KVTransferServer:
-    """Serves this replica's cached blocks to peers; `gather` runs on the server's connection threads."""
+    """Serves this replica's cached blocks to peers; `gather` runs on the server's connection threads.
+    parts: more views of the same blocks, each asked for under a key of its own in place of the model's
+    (key -> its layout and gather): V4's window rows, which a puller takes for a cut's trailing blocks only."""
 
     def __init__(self, host: str, port: int, model_key: str, layout: BlockLayout, gather: Gather, *,
                  frame_bytes: int = FRAME_BYTES, socket_buffer_bytes: int = 0, timeout: float = 30.0,
-                 auth: PeerAuth | None = None, max_connections: int = MAX_CONNECTIONS):
+                 auth: PeerAuth | None = None, max_connections: int = MAX_CONNECTIONS,
+                 parts: dict[str, tuple[BlockLayout, Gather]] | None = None):
         self.model_key = model_key
         self.layout = layout
         self.gather = gather
+        self.frame_bytes = frame_bytes
+        self.parts = {model_key: (layout, gather), **(parts or {})}
         self.blocks_per_frame = max(1, frame_bytes // layout.num_bytes)
         self.socket_buffer_bytes = socket_buffer_bytes
         self.timeout = timeout  # a stalled or silent client is dropped after this long
@@ -288,7 +295,8 @@ class KVTransferServer:
             while _next_request(sock):
                 req = _recv_json(sock, time.monotonic() + HANDSHAKE_SECONDS)
                 _set_recv_timeout(sock, self.timeout)
-                if req.get("model") != self.model_key:
+                part = self.parts.get(req.get("model")) if isinstance(req.get("model"), str) else None
+                if part is None:
                     _send_json(sock, {"error": "model mismatch"})
                     continue
                 wanted = req.get("hashes", [])
@@ -296,21 +304,22 @@ class KVTransferServer:
                     _send_json(sock, {"error": f"a pull names at most {MAX_HASHES} blocks"})
                     return
                 hashes = [bytes.fromhex(h) for h in wanted]
-                _send_json(sock, self.layout.header())
-                self._stream(sock, hashes)
+                _send_json(sock, part[0].header())
+                self._stream(sock, hashes, *part)
         except (OSError, TransferError, ValueError, TypeError) as e:  # the peer left or spoke nonsense
             logger.debug("KV transfer connection ended: %s", e)
         except Exception:  # e.g. the gather ran out of device memory: the peer sees a dead connection
             logger.warning("KV transfer: serving a pull failed", exc_info=True)
 
-    def _stream(self, sock: socket.socket, hashes: list[bytes]) -> None:
-        per_frame, block_bytes = self.blocks_per_frame, self.layout.num_bytes
+    def _stream(self, sock: socket.socket, hashes: list[bytes], layout: BlockLayout, gather: Gather) -> None:
+        block_bytes = layout.num_bytes
+        per_frame = max(1, self.frame_bytes // block_bytes)
         buf = self.pool.take(min(per_frame, max(1, len(hashes))) * block_bytes)
         raw = memoryview(buf.numpy())
         try:
             for first in range(0, len(hashes), per_frame):
                 wanted = hashes[first : first + per_frame]
-                n = self.gather(wanted, self.layout.view(buf, len(wanted)))
+                n = gather(wanted, layout.view(buf, len(wanted)))
                 if n:
                     sums = _checksums(raw[: n * block_bytes], block_bytes)
                     sock.sendall(_LEN.pack(n) + struct.pack(f">{n}Q", *sums))

@@ -52,7 +52,7 @@ from torch import nn
 
 from engine.config import DeepseekV4Config, QuantConfig
 from engine.copies import to_device
-from engine.kv_pool import KVCacheSpec, KVPool
+from engine.kv_pool import KVCacheSpec, KVPool, window_slots
 from engine.layers.attention import AttentionMetadata, write_kv_cache
 from engine.layers.compressed_attention import (
     WindowPooler,
@@ -356,12 +356,14 @@ class Attention(nn.Module):
         self.compressor = (Compressor(cfg.hidden_size, cfg.head_dim, self.ratio, self.kind == "csa", cfg.rms_norm_eps,
                                       rotary) if self.kind != "window" else None)
         self.indexer = Indexer(cfg, rotary) if self.kind == "csa" else None
-        self.window_cache: torch.Tensor | None = None  # bound by the model runner
+        self.window_cache: torch.Tensor | None = None  # bound by the model runner: [pages + 1, block_size, D]
+        self.window_page: torch.Tensor | None = None  # block -> its window page [blocks + 1] int32 (KVPool)
         self.compressed_cache: torch.Tensor | None = None
         self.indexer_cache: torch.Tensor | None = None
         self.state_cache: torch.Tensor | None = None
 
     def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
+        # the window: read for the last `window` tokens only, so kept in pages of its own (KVPool)
         specs = [KVCacheSpec("window", self.layer, self.head_dim, dtype, window=self.window)]
         if self.compressor is not None:
             specs.append(KVCacheSpec("compressed", self.layer, self.head_dim, dtype, compress_ratio=self.ratio))
@@ -388,6 +390,7 @@ class Attention(nn.Module):
 
     def bind(self, pool: KVPool) -> None:
         self.window_cache = pool.cache(self.layer, "window")
+        self.window_page = pool.window_page
         if self.compressor is not None:
             self.compressed_cache = pool.cache(self.layer, "compressed")
             self.state_cache = pool.cache(self.layer, "compressor_state")
@@ -400,7 +403,7 @@ class Attention(nn.Module):
         q = unweighted_rms_norm(self.wq_b(qr).view(num_tokens, self.num_heads, dim), self.eps)
         q = self.rotary(q, positions)
         kv = self.rotary(self.norm(self.wkv(x)), positions)  # [T, head_dim]
-        write_kv_cache(self.window_cache, kv, meta.slot_mapping)
+        write_kv_cache(self.window_cache, kv, window_slots(self.window_page, meta.slot_mapping, meta.block_size))
         decode = self.use_kernels and not meta.num_prefills
         pools = self._pools(x)
         iq = iw = None
@@ -432,7 +435,7 @@ class Attention(nn.Module):
                 p0 = row.num_cached + start - row.start  # the piece's first position
                 p1 = p0 + end - start
                 first = max(0, p0 - self.window + 1)
-                keys = [window[token_slots(row.table, first, p1, bs)]]
+                keys = [window[window_slots(self.window_page, token_slots(row.table, first, p1, bs), bs)]]
                 allowed = [window_mask(t, torch.arange(first, p1, device=dev), self.window)]
                 entries = p1 // self.ratio if self.ratio else 0  # those its last query may see
                 if entries:
@@ -469,7 +472,7 @@ class Attention(nn.Module):
             # order, and a row with no more than k entries reads them all without the picks
             picks = scores.topk(min(self.indexer.top_k, self.max_entries), dim=-1, sorted=False).indices
         return dual_pool_decode(q, self.window_cache, self.compressed_cache, meta.block_tables, t, self.attn_sink,
-                                self.head_dim**-0.5, self.window, self.ratio, picks)
+                                self.head_dim**-0.5, self.window, self.ratio, picks, window_pages=self.window_page)
 
     def _decode_gathered(self, t: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata, iq, iw) -> torch.Tensor:
         """The PyTorch decode path: the window's last `window` rows, and every entry up to max_entries
@@ -477,7 +480,8 @@ class Attention(nn.Module):
         dim, bs, dev = self.head_dim, meta.block_size, q.device
         tables = meta.block_tables.long()
         pos = t[:, None] - self.window + 1 + torch.arange(self.window, device=dev)  # [B, window]
-        keys = [self.window_cache.view(-1, dim)[table_slots(tables, pos.clamp(min=0), bs)]]
+        slots = window_slots(self.window_page, table_slots(tables, pos.clamp(min=0), bs), bs)
+        keys = [self.window_cache.view(-1, dim)[slots]]
         allowed = [pos >= 0]
         if self.compressor is not None:
             w = torch.arange(self.max_entries, device=dev).expand(t.shape[0], -1)
@@ -677,8 +681,9 @@ class DeepseekV4Base(nn.Module):
         return [layer.attn for layer in self.layers]
 
     def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
-        """Per layer: the window (every token, K = V), and in compressed layers the entries, the indexer's
-        keys and the compressors' open state (float32, a row per block)."""
+        """Per layer: the window (a row per token, K = V; read for the last sliding_window tokens only, so
+        the pool may keep it in pages of its own), and in compressed layers the entries, the indexer's keys
+        and the compressors' open state (float32, a row per block)."""
         return [spec for attn in self.attention_layers() for spec in attn.kv_cache_specs(dtype)]
 
     def bind_kv_caches(self, pool: KVPool) -> None:

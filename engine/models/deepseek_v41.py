@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import DeepseekV41Config
-from engine.kv_pool import KVCacheSpec, KVPool
+from engine.kv_pool import KVCacheSpec, KVPool, window_slots
 from engine.layers.attention import AttentionMetadata
 from engine.layers.compressed_attention import (
     NEG_INF,
@@ -193,7 +193,8 @@ class Attention(nn.Module):
         self.window_codec = CacheCodec(WINDOW_FP8, cfg.head_dim, q)
         self.entry_codec = CacheCodec(COMPRESSED_FP4, cfg.head_dim, q)
         self.key_codec = CacheCodec(INDEXER_FP4, cfg.index_head_dim, q)
-        self.window_cache: torch.Tensor | None = None  # bound by the model runner
+        self.window_cache: torch.Tensor | None = None  # bound by the model runner: [pages + 1, block_size, width]
+        self.window_page: torch.Tensor | None = None  # block -> its window page (KVPool), as V4's
         self.compressed_cache: torch.Tensor | None = None  # the KV source's (this layer's if it is one)
         self.indexer_cache: torch.Tensor | None = None
         self.state_cache: torch.Tensor | None = None
@@ -214,6 +215,7 @@ class Attention(nn.Module):
 
     def bind(self, pool: KVPool) -> None:
         self.window_cache = pool.cache(self.layer, "window")
+        self.window_page = pool.window_page
         if self.source is not None:
             self.compressed_cache = pool.cache(self.source, "compressed")
             self.indexer_cache = pool.cache(self.source, "indexer_keys")
@@ -225,7 +227,8 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))
         q = self.rotary(self.wq_b(qr).view(num_tokens, self.num_heads, dim), positions)
         kv = self.rotary(self.kv_norm(self.wkv(x)), positions)
-        self.window_codec.write(self.window_cache, meta.slot_mapping, kv)
+        slots = window_slots(self.window_page, meta.slot_mapping, meta.block_size)
+        self.window_codec.write(self.window_cache, slots, kv)
         if self.is_source:
             self._compress(x, meta)
         iq = iw = None
@@ -272,7 +275,8 @@ class Attention(nn.Module):
                 p0 = row.num_cached + start - row.start
                 p1 = p0 + end - start
                 first = max(0, p0 - self.window + 1)
-                keys = [self.window_codec.read(self.window_cache, token_slots(row.table, first, p1, bs), q.dtype)]
+                slots = window_slots(self.window_page, token_slots(row.table, first, p1, bs), bs)
+                keys = [self.window_codec.read(self.window_cache, slots, q.dtype)]
                 allowed = [window_mask(t, torch.arange(first, p1, device=dev), self.window)]
                 entries = p1 // self.ratio if self.ratio else 0
                 if entries:

@@ -69,6 +69,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     par.add_argument("--kv-cache-memory", type=_bytes,
                      help="KV cache size per rank, e.g. 4GiB (instead of --gpu-memory-utilization; CPU default 1GiB)")
     par.add_argument("--num-gpu-blocks-override", type=_positive_int, help="KV cache blocks per rank (tests)")
+    par.add_argument("--num-window-pages", type=_non_negative_int,
+                     help="pages of a sliding-window cache (V4) apart from the blocks (default: sized from "
+                          "--max-num-seqs and --max-num-batched-tokens; 0: a page per block)")
     http = parser.add_argument_group("server")
     http.add_argument("--host", default="0.0.0.0")
     http.add_argument("--port", type=_port, default=8000)
@@ -194,7 +197,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         "tensor_parallel_size": args.tensor_parallel_size, "enable_expert_parallel": args.enable_expert_parallel,
         "nnodes": args.nnodes, "node_rank": args.node_rank, "dist_init_addr": args.dist_init_addr,
         "gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_memory": args.kv_cache_memory,
-        "num_kv_blocks": args.num_gpu_blocks_override, "speculative_config": args.speculative_config,
+        "num_kv_blocks": args.num_gpu_blocks_override, "num_window_pages": args.num_window_pages, "speculative_config": args.speculative_config,
         "kv_secret": read_kv_secret(args.kv_secret_file) if args.kv_secret_file else None,
         "engram_tables": args.engram_tables,
     }  # fmt: skip

@@ -239,7 +239,9 @@ def launch_v4_decode() -> None:
         tables, pos = torch.zeros(batch, 16, dtype=i32), torch.full((batch,), 1023, dtype=i64)
         for ratio, picks in ((0, None), (4, torch.zeros(batch, 512, dtype=i64)), (128, None)):
             entries = _empty(64, page // ratio, dim) if ratio else None
-            dual_pool_decode(q, _empty(64, page, dim), entries, tables, pos, sinks, dim**-0.5, 128, ratio, picks)
+            # the window through its own pages, as the model reads it
+            dual_pool_decode(q, _empty(16, page, dim), entries, tables, pos, sinks, dim**-0.5, 128, ratio, picks,
+                             window_pages=torch.zeros(64, dtype=i32))
         indexer_decode_scores(_empty(batch, heads, 128), _empty(batch, heads, dtype=f32), _empty(64, page // 4, 128),
                               tables, pos, 4, 1024, 128**-0.5)
         # the norms (hidden 4096, q LoRA 1024, the kv head 512) and the rotations (64 of 512 a head)

@@ -64,3 +64,42 @@ def test_disabled_prefix_caching_never_hits():
     a = seq("a", [1, 2, 3, 4, 5])
     run_prefill(bm, a)
     assert bm.match_prefix(seq("b", [1, 2, 3, 4, 5])) == []
+
+
+def test_window_pages_follow_the_window_and_the_prefix_cache_keeps_them_while_they_last():
+    """A window of 6 tokens over blocks of 4: a query reads its own block and the one before, so a cut at
+    block L needs the pages of blocks L - 2 and L - 1."""
+    bm = BlockManager(num_blocks=16, block_size=4, window=6, num_window_pages=6)
+    assert bm.window_tail == 2
+    a = seq("a", list(range(14)))  # 4 blocks, 3 full
+    run_prefill(bm, a)
+    assert bm.num_held_pages == 4 and all(bm.page_of[b] is not None for b in a.block_table)
+    bm.slide(a)  # its next query at 14 reads from 9: blocks 2 and 3
+    assert bm.num_held_pages == 2 and list(bm.kept_pages) == a.block_table[:2]  # cached: kept, not freed
+    table = list(a.block_table)
+    deltas = dict(bm.take_window_deltas())
+    assert set(deltas) == set(table) and bm.take_window_deltas() == []
+    bm.release(a)  # block 2 cached: kept; block 3 (2 tokens) freed
+    assert bm.num_held_pages == 0 and list(bm.kept_pages) == table[:3]
+    assert bm.take_window_deltas() == [(table[3], bm.scratch_page)]
+    assert bm.match_prefix(seq("b", list(range(14)))) == table[:3]
+    # a sequence that needs 5 pages: 3 free, then the least recently kept (blocks 0 and 1) are evicted
+    c = seq("c", list(range(100, 120)))
+    run_prefill(bm, c)
+    assert [bm.page_of[b] is not None for b in table[:3]] == [False, False, True]
+    # a hit of 3 blocks needs blocks 1 and 2, of 2 blocks 0 and 1, of 1 block block 0: none left
+    assert bm.match_prefix(seq("b", list(range(14)))) == []
+    bm.release(c)
+    assert bm.num_available_pages == 6
+
+
+def test_window_pages_short_stop_growth_and_admission():
+    bm = BlockManager(num_blocks=16, block_size=4, window=6, num_window_pages=3, enable_prefix_caching=False)
+    a = seq("a", list(range(8)))
+    run_prefill(bm, a)  # 2 pages
+    b = seq("b", list(range(50, 58)))
+    assert bm.can_admit(b, 8)[0] is False  # 2 blocks, one page left
+    assert bm.can_admit(b, 4)[0] is True
+    assert not bm.can_grow(a, 16) and bm.can_grow(a, 12)
+    bm.release(a)
+    assert bm.num_available_pages == 3 and not bm.kept_pages  # uncached: freed

@@ -384,3 +384,15 @@ def test_bf16_on_the_gpu_agrees_with_the_goldens_where_clear(checkpoints, golden
                 top2 = logits[step].topk(2).values
                 assert (top2[0] - top2[1]).item() <= max(2 * noise, 0.1), f"prompt {i} step {step}"
                 break
+
+
+def test_window_in_few_pages_of_its_own_matches_the_reference(engines, goldens):
+    """The FP8 window rows in 6 pages of their own (a window of 8 over blocks of 8: the block a query
+    writes and the one before, per sequence), chunks of 8 tokens: pages move between blocks as the
+    sequences compute, and logits and tokens stay the reference's."""
+    case = "release_like_all"
+    llm = engines(case, max_num_batched_tokens=8, num_window_pages=6, max_num_seqs=2)
+    pool = llm.engine.runner.kv_pool
+    assert pool.has_window_pages and pool.cache(0, "window").shape[0] == 7
+    check_case(llm, case, goldens[case])
+    assert llm.engine.block_manager.num_held_pages == 0

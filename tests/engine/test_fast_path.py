@@ -138,6 +138,19 @@ def test_v4_fast_path_matches_reference(tmp_path, dtype):
     assert_same_where_clear(ref, fast, prompts(31, [9, 40], V4_VOCAB), dtype)
 
 
+@gpu  # on a CPU the reference's PyTorch paths over the pages: tests/engine/test_v4_window_pages.py
+def test_v4_fast_path_through_few_window_pages_matches_reference(tmp_path, dtype):
+    """The window in 8 pages of its own for 2 sequences of 5-9 blocks: the decode graphs and kernels read
+    it through the block -> page map the plans rewrite as pages move between blocks."""
+    hf = build_v4_model(seed=32)
+    ref, fast = pair(save_hf_checkpoint(hf, tmp_path / "ckpt"), dtype, block_size=8, max_model_len=256,
+                     num_window_pages=8, max_num_batched_tokens=32)
+    pool = fast.engine.runner.kv_pool
+    assert pool.has_window_pages and pool.cache(0, "window").shape[0] == 9
+    assert_same_where_clear(ref, fast, prompts(32, [40, 70], V4_VOCAB), dtype)
+    assert fast.engine.block_manager.num_held_pages == 0
+
+
 def test_v4_fp8_and_mxfp4_checkpoint_keeps_them_and_matches_reference(tmp_path, dtype):
     """DeepSeek-V4 as it ships: FP8 blocks (attention projections, the indexer's wq_b, the shared expert)
     and MXFP4 routed experts stay quantized on the fast path (FP8 GEMV / GEMM, the grouped wo_a, the FP4

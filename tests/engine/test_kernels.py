@@ -1034,6 +1034,42 @@ def test_dual_pool_decode_is_the_models_gathered_attention():
     assert rel_err(dual_pool_decode(**case, num_splits=2, tiles=dict(block_n=16)), want) < F32_TOL
 
 
+def _paged_window(case: dict, seed: int) -> dict:
+    """The case with its window in pages of its own, as the KV pool keeps it: only the blocks covering each
+    row's window get a page (shuffled, fewer than the blocks), the others the scratch page, filled with
+    values no row may see; window_pages maps block -> page."""
+    g = torch.Generator().manual_seed(seed)
+    cache, tables, window = case["window_cache"], case["block_tables"].long().cpu(), case["window"]
+    page = cache.shape[1]
+    held = sorted({int(tables[b, p // page]) for b, t in enumerate(case["positions"].tolist())
+                   for p in range(max(0, t - window + 1), t + 1)})
+    num_pages = len(held) + 2  # two pages nobody holds
+    order = torch.randperm(num_pages, generator=g)[: len(held)]
+    window_pages = torch.full((cache.shape[0],), num_pages, dtype=torch.int32)
+    window_pages[torch.tensor(held)] = order.int()
+    paged = torch.full((num_pages + 1, page, cache.shape[2]), 1e4, dtype=cache.dtype, device=cache.device)
+    paged[order.to(cache.device)] = cache[torch.tensor(held, device=cache.device)]
+    return {**case, "window_cache": paged, "window_pages": window_pages.to(cache.device)}
+
+
+# the window through its pages: the same output as with every block's rows (window only, HCA, CSA)
+@pytest.mark.parametrize("ratio,num_picks", [(0, None), (4, None), (4, 5)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_dual_pool_decode_reads_the_window_through_its_pages(ratio, num_picks, num_splits):
+    from engine.kernels.compressed_decode import dual_pool_decode, reference_dual_pool_decode
+
+    case, _ = _pools_case([0, 2, 6, 11, 40, 73], heads=3, dim=32, window=8, ratio=ratio, page=4,
+                          dtype=torch.float32, seed=70 + ratio + num_splits, num_picks=num_picks)
+    paged = _paged_window(case, seed=71)
+    assert paged["window_cache"].shape[0] < case["window_cache"].shape[0]
+    want = reference_dual_pool_decode(**case)
+    assert rel_err(reference_dual_pool_decode(**paged), want) < F32_TOL
+    assert rel_err(dual_pool_decode(**paged, num_splits=num_splits, tiles=dict(block_n=16)), want) < F32_TOL
+    # the map is what the kernel reads by: through a map to the scratch page the rows are not the window
+    wrong = {**paged, "window_pages": torch.full_like(paged["window_pages"], paged["window_cache"].shape[0] - 1)}
+    assert rel_err(dual_pool_decode(**wrong, num_splits=num_splits, tiles=dict(block_n=16)), want) > 0.1
+
+
 def test_dual_pool_decode_slices_cover_the_chip():
     from engine.kernels.compressed_decode import MAX_SPLITS, default_num_splits
 
@@ -1074,6 +1110,17 @@ def test_dual_pool_decode_v4_flash_shapes(ratio, num_picks, positions):
 
 
 @gpu
+@pytest.mark.parametrize("ratio,num_picks,positions", [(0, None, [5, 1023]), (4, 512, [100, 1023, 16383])])
+def test_dual_pool_decode_v4_flash_shapes_through_window_pages(ratio, num_picks, positions):
+    from engine.kernels.compressed_decode import dual_pool_decode, reference_dual_pool_decode
+
+    case, _ = _pools_case(positions, heads=64, dim=512, window=128, ratio=ratio, page=128 if ratio == 4 else 256,
+                          dtype=torch.bfloat16, seed=65, num_picks=num_picks)
+    paged = _paged_window(case, seed=66)
+    assert rel_err(dual_pool_decode(**paged), reference_dual_pool_decode(**case)) < 1e-2
+
+
+@gpu
 def test_indexer_decode_scores_v4_flash_shape():
     from engine.kernels.compressed_decode import indexer_decode_scores, reference_indexer_decode_scores
 
@@ -1096,6 +1143,8 @@ def test_dual_pool_decode_checks_its_contract():
         dual_pool_decode(**{**case, "sinks": case["sinks"].double()})
     with pytest.raises(ValueError, match="picks need"):
         dual_pool_decode(**{**case, "ratio": 0, "entry_cache": None, "picks": case["positions"][:, None]})
+    with pytest.raises(ValueError, match="window_pages"):
+        dual_pool_decode(**case, window_pages=torch.zeros(4, dtype=torch.long, device=DEV))
 
 
 # -- DeepSeek-V4's compressor at decode ---------------------------------------------------------------

@@ -169,6 +169,23 @@ def test_chunked_prefill_and_preemption(v4mtp, batch):
     assert tight.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_window_pages_under_drafts_and_their_rollback(v4mtp, batch, mode):
+    """The window in 7 pages of its own for three sequences: each holds its window's block, the block it
+    writes and those its drafts' lookahead reaches; rejected drafts' window rows are rewritten in pages
+    still held, sequences are preempted by pages, and (async) the steps launched ahead slide too."""
+    _, path = v4mtp
+    llm = engine(path, 3, max_num_batched_tokens=16, num_window_pages=7, async_scheduling=mode)
+    assert llm.engine.runner.kv_pool.has_window_pages
+    counts = oracle_drafts(llm, batch[1])
+    launches = record_launches(llm.engine)
+    check_greedy(llm, batch)
+    assert {0, 3} <= set(counts) and any(launches) == (mode == "on")
+    assert llm.engine.scheduler.num_preemptions > 0
+    bm = llm.engine.block_manager
+    assert bm.num_held_pages == 0 and bm.num_available_pages == 7
+
+
 def test_an_abort_in_the_middle_of_a_verified_step(v4mtp, batch):
     """A request aborted after its verification's forward, before its tokens are read: the step's state
     rollback and MTP pass still run over its rows; the others go on as if alone, every block comes back."""
