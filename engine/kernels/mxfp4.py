@@ -200,6 +200,52 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return out
 
 
+@triton.jit
+def _gemv_kernel(X, W, WS, Out, N, K, stride_xm, stride_wn, stride_sn, stride_om, WORDS: tl.constexpr,
+                 GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+    """One program per (row of x, 2 * BLOCK_N outputs): Out[m, n] = sum_k x[m, k] w[n, k], the codes
+    decoded as words (`fp4_gemv_words`, activations in order) or bytes (`fp4_gemv_rows`)."""
+    m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_g = tl.arange(0, GROUPS)
+    x = X + m * stride_xm
+    for half in tl.static_range(2):
+        offs_n = (2 * pid_n + half) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = offs_n.to(tl.int64)
+        s_ptrs = WS + rows[:, None] * stride_sn + offs_g[None, :]
+        if WORDS:
+            offs_w = offs_g[:, None] * 4 + tl.arange(0, 4)[None, :]
+            w_ptrs = W + rows[:, None, None] * stride_wn + offs_w[None, :, :]
+            # the second block is masked off: a program's rows here are one block at a time
+            y, _ = fp4_gemv_words(w_ptrs, s_ptrs, offs_n < N, w_ptrs, s_ptrs, offs_n < 0, x + 8 * offs_w, K, 0,
+                                  GROUPS, BLOCK_N, False, ASM)
+        else:
+            offs_b = offs_g[:, None] * 16 + tl.arange(0, 16)[None, :]
+            w_ptrs = W + rows[:, None, None] * stride_wn + offs_b[None, :, :]
+            y = fp4_gemv_rows(w_ptrs, s_ptrs, x, offs_n < N, K, GROUPS, BLOCK_N)
+        tl.store(Out + m * stride_om + offs_n, y.to(Out.dtype.element_ty), mask=offs_n < N)
+
+
+def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, decode: str = "words",
+         config: tuple[int, int, int] = (8, 16, 4)) -> torch.Tensor:
+    """x [M, K] @ w.T for one MXFP4 matrix w (codes [N, K / 2], E8M0 scale [N, K / 32]) -> [M, N] in x's
+    dtype: the experts' row kernels on a single matrix, for their tests and for timing a decode alone.
+    decode "words", "asm" (GPU only) or "bytes" (scales up to 2^113: b <= 240); config (BLOCK_N, groups
+    of 32 per step, num_warps)."""
+    n, half = codes.shape
+    check(x.dim() == 2 and x.shape[1] == 2 * half and x.stride(-1) == 1, f"x must be [M, {2 * half}], contiguous rows")
+    check_mxfp4("w", codes[None], scale[None] if scale is not None else None, n, 2 * half)
+    check(decode in ("words", "asm", "bytes") and (decode != "asm" or not interpreted(x)),
+          f"decode must be words, bytes or (on a GPU) asm, got {decode!r}")
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    block_n, groups, warps = config
+    words = decode != "bytes"
+    w = as_words(codes) if words else as_bytes(codes)
+    _gemv_kernel[(x.shape[0], triton.cdiv(n, 2 * block_n))](
+        x, w, as_bytes(scale), out, n, 2 * half, x.stride(0), w.stride(0), scale.stride(0), out.stride(0),
+        WORDS=words, GROUPS=groups, BLOCK_N=block_n, EVEN=False, ASM=decode == "asm", num_warps=warps)
+    return out
+
+
 def is_mxfp4(w: torch.Tensor) -> bool:
     """Packed e2m1 codes (the experts' stacks keep them so)."""
     return w.dtype in CODE_DTYPES
