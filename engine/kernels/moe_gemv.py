@@ -41,7 +41,9 @@ CONFIG = {"bf16": (16, 1, 4), "fp8": (8, 4, 4)}
 # same in inline PTX (GPU only)
 FP4_DECODES = ("bytes", "words", "asm")
 FP4_DECODE = "bytes"
-FP4_CONFIG = {"bytes": (8, 8, 4), "words": (8, 4, 4), "asm": (8, 4, 4)}
+# the word decodes: BLOCK_N * groups = 32 * num_warps, one 16-byte chunk of a row per thread (wider, the
+# scales' loads take a layout of their own, moved through shared memory every step)
+FP4_CONFIG = {"bytes": (8, 8, 4), "words": (8, 16, 4), "asm": (8, 16, 4)}
 FP4_INTERPRETED_CONFIG = (64, 2, 4)  # few, wide programs; two groups a step (a K remainder in the tests)
 INTERPRETED_CONFIG = (16, 1, 4)
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # the interpreter pays per program: few, wide ones
