@@ -180,7 +180,7 @@ def wo_a_section(dev: torch.device, g: torch.Generator, bw: float, emit) -> None
 
 
 def _line(r: dict) -> str:
-    head = f"{r['what']:36s} {r.get('variant', ''):16s} T={r['tokens']:5d} {str(r.get('config', '')):12s}"
+    head = f"{r['what']:42s} {r.get('variant', ''):16s} T={r['tokens']:5d} {str(r.get('config', '')):12s}"
     if "seconds" not in r:
         return f"{head} rel err vs f32 {r['rel_err_vs_f32']:.2e}"
     extra = (f"floor {r['floor_s'] * 1e6:7.1f} us  ratio {r['ratio']:.2f}x" if "floor_s" in r
