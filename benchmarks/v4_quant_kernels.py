@@ -216,6 +216,8 @@ def main() -> None:
     if "gemv" in sections:
         best = gemv_section(ex, bw, emit)
         result["best_gemv"] = best
+        print(f"fastest at one token: moe_gemv.FP4_DECODE = {best['decode']!r}, FP4_PLANAR_X = {best['planar_x']}, "
+              f"FP4_CONFIG[{best['decode']!r}] = {best['config']}", flush=True)
     if "threshold" in sections:
         threshold_section(ex, best, emit)
     if "prefill" in sections:

@@ -40,7 +40,11 @@ CONFIG = {"bf16": (16, 1, 4), "fp8": (8, 4, 4)}
 # (`mxfp4.fp4_gemv_rows`), "words" two at a time from 32-bit words (`mxfp4.fp4_gemv_words`), "asm" the
 # same in inline PTX (GPU only)
 FP4_DECODES = ("bytes", "words", "asm")
+# the byte decode stays the default until the word decodes are measured on the card
+# (benchmarks/v4_quant_kernels.py prints the winner); FP4_PLANAR_X: the word decodes' up kernel reads x
+# as float32 planes (one copy launch more, contiguous loads)
 FP4_DECODE = "bytes"
+FP4_PLANAR_X = False
 # the word decodes: BLOCK_N * groups = 32 * num_warps, one 16-byte chunk of a row per thread (wider, the
 # scales' loads take a layout of their own, moved through shared memory every step)
 FP4_CONFIG = {"bytes": (8, 8, 4), "words": (8, 16, 4), "asm": (8, 16, 4)}
@@ -263,21 +267,22 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
              block: tuple[int, int] | None = None, shared: SharedExperts | None = None,
              config: tuple[int, int, int] | None = None, swiglu_limit: float | None = None,
-             fp4_decode: str | None = None, planar_x: bool = False) -> torch.Tensor:
+             fp4_decode: str | None = None, planar_x: bool | None = None) -> torch.Tensor:
     """`fused_moe.fused_experts`'s contract, plus the shared experts' output when `shared` is given;
     meant for T * top_k up to a few dozen pairs. `config`: (BLOCK_N, K groups per step, num_warps); a
     K group is 128 columns for bf16 weights and the scale block's width for FP8 ones. `swiglu_limit` l:
     SiLU(min(gate, l)) * clamp(up, -l, l) (DeepSeek-V4). MXFP4 experts: w13 / w2 the packed codes
     [E, 2I, H / 2] / [E, H, I / 2] (int8 or uint8), w13_scale / w2_scale their E8M0 scales [E, 2I, H / 32]
     / [E, H, I / 32], no block, no shared experts; config (BLOCK_N, groups of 32 per step, num_warps);
-    `fp4_decode` one of FP4_DECODES (None: FP4_DECODE; "asm" needs a GPU), `planar_x` (words and asm)
-    lays x out as 8 planes first (contiguous activation reads in the up kernel, one launch more)."""
+    `fp4_decode` one of FP4_DECODES (None: FP4_DECODE; "asm" needs a GPU), `planar_x` (words and asm;
+    None: FP4_PLANAR_X) lays x out as float32 planes first (contiguous activation reads in the up kernel,
+    one launch more)."""
     check_float("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] contiguous, got {tuple(x.shape)}")
     if is_mxfp4(w13):
         check(shared is None, "MXFP4 experts take no shared experts (V4 keeps them FP8, run apart)")
         return _moe_gemv_fp4(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, config, swiglu_limit,
-                             fp4_decode or FP4_DECODE, planar_x)
+                             fp4_decode or FP4_DECODE, FP4_PLANAR_X if planar_x is None else planar_x)
     num_tokens, hidden = x.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     check(w13.shape == (num_experts, 2 * inter, hidden) and w2.shape == (num_experts, hidden, inter)
