@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The MXFP4 MoE GEMV's decodes on one GPU: every decode and tile against the float32 math of V4 Flash's
-# experts and timed at 1, 2 and 8 tokens, where prefill batches should leave the GEMV (8, 32, 64 tokens),
+# experts and timed at 1, 2 and 8 tokens, where prefill batches should leave the GEMV (8, 32, 64, 128 tokens),
 # then the MXFP4 kernel tests compiled. Results and logs go to OUT_DIR (default benchmarks/results); each
 # stage has a time limit so one slow stage cannot starve the other.
 set -u

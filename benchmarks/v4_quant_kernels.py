@@ -1,8 +1,8 @@
 """DeepSeek-V4 Flash's quantized weights on their kernels, against their bytes floors: the MXFP4 routed
 experts as GEMVs (1, 2 and 8 tokens' top-6) for each decode of the codes (`moe_gemv.FP4_DECODES`, x in
 order or as float32 planes) and several tiles, each checked against the float32 math of the dequantized
-experts; where prefill batches should leave the GEMV (8, 32 and 64 tokens: the GEMV, the MXFP4 grouped
-GEMM that decodes its tiles, and every expert dequantized to bf16 then the bf16 grouped GEMM); the MXFP4
+experts; where prefill batches should leave the GEMV (8, 32, 64 and 128 tokens: the GEMV, the MXFP4
+grouped GEMM that decodes its tiles, and every expert dequantized to bf16 then the bf16 grouped GEMM); the MXFP4
 grouped GEMM at a prefill's rows against bf16 on the same experts dequantized; and the grouped wo_a GEMV
 (FP8 and bf16) against the bf16 batched product it replaces.
 
@@ -123,7 +123,7 @@ def gemv_section(ex: Experts, bw: float, emit) -> dict:
 
 
 def threshold_section(ex: Experts, best: dict, emit) -> None:
-    """At 8, 32 and 64 tokens (all 256 experts, V4 Flash's layer without expert parallelism): the GEMV
+    """At 8, 32, 64 and 128 tokens (all 256 experts, V4 Flash's layer without expert parallelism): the GEMV
     (best decode and tile), the grouped GEMM decoding MXFP4 tiles, and every expert dequantized to bf16
     (one launch) then the bf16 grouped GEMM; each against the float32 reference."""
     ways = {
@@ -136,7 +136,7 @@ def threshold_section(ex: Experts, best: dict, emit) -> None:
             x, dequantize(ex.w13, ex.s13, torch.bfloat16), dequantize(ex.w2, ex.s2, torch.bfloat16), w, ids,
             swiglu_limit=10.0),
     }
-    for tokens in (8, 32, 64):
+    for tokens in (8, 32, 64, 128):
         draws = ex.draws(tokens, 4)
         want = ex.reference(*draws[0])
         for name, fn in ways.items():

@@ -16,7 +16,11 @@ block_k, weight blocks scaled (the scale applied to the group's activations, sha
 MXFP4 experts (DeepSeek-V4's: e2m1 codes two a byte, an E8M0 scale per 32 values of a row) have kernels
 of their own (`_up_fp4_kernel`, `_down_fp4_kernel`): a program's rows each have their own scales, and
 the codes are decoded in registers (`mxfp4.fp4_gemv_rows`); activations stay in their dtype, the math
-of the dequantized weight. Their shared experts (FP8 in V4) run apart.
+of the dequantized weight. Their shared experts (FP8 in V4) run apart. The word decodes
+(`_up_fp4_words_kernel`, `_down_fp4_words_kernel`, `mxfp4.fp4_gemv_words`) read the codes 8 to a 32-bit
+word and decode two values per few integer operations; a program's two row blocks (gate and up rows; two
+halves of the down rows) share each activation load, and act goes between the kernels as float32 planes
+(value n at plane n % 8, word n // 8), so the down kernel's activation loads are contiguous.
 
 Bytes: the chosen experts' and the shared experts' weights (an expert picked by two tokens is read
 twice; MXFP4: 17 bytes per 32 values, codes and scale); FLOPs: as the GEMMs.
@@ -274,7 +278,8 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     SiLU(min(gate, l)) * clamp(up, -l, l) (DeepSeek-V4). MXFP4 experts: w13 / w2 the packed codes
     [E, 2I, H / 2] / [E, H, I / 2] (int8 or uint8), w13_scale / w2_scale their E8M0 scales [E, 2I, H / 32]
     / [E, H, I / 32], no block, no shared experts; config (BLOCK_N, groups of 32 per step, num_warps);
-    `fp4_decode` one of FP4_DECODES (None: FP4_DECODE; "asm" needs a GPU), `planar_x` (words and asm;
+    `fp4_decode` one of FP4_DECODES (None: FP4_DECODE; "asm" runs as "words" under the interpreter),
+    `planar_x` (words and asm;
     None: FP4_PLANAR_X) lays x out as float32 planes first (contiguous activation reads in the up kernel,
     one launch more)."""
     check_float("x", x)
@@ -355,7 +360,6 @@ def _moe_gemv_fp4(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens and topk_ids.is_contiguous()
           and topk_weights.dtype == torch.float32 and topk_weights.is_contiguous(), "one top-k row per token")
     check(decode in FP4_DECODES, f"MXFP4 decode must be one of {FP4_DECODES}, got {decode!r}")
-    check(decode != "asm" or not interpreted(x), "the inline-PTX decode runs on a GPU only")
     if num_tokens == 0:
         return torch.empty_like(x)
     top_k = topk_ids.shape[1]
@@ -386,7 +390,7 @@ def _moe_gemv_fp4(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
             x_in = x_in.view(num_tokens, 8 * x_plane)
         else:
             x_in = x
-        asm = decode == "asm"
+        asm = decode == "asm" and not interpreted(x)  # the interpreter runs no PTX: the same decode in Triton
         steps = groups * 32  # K of a step: masks go where a shape leaves a remainder
         even13 = hidden % steps == 0 and inter % block_n == 0
         even2 = inter % steps == 0 and hidden % (2 * block_n) == 0

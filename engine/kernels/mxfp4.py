@@ -228,21 +228,21 @@ def _gemv_kernel(X, W, WS, Out, N, K, stride_xm, stride_wn, stride_sn, stride_om
 def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, decode: str = "words",
          config: tuple[int, int, int] = (8, 16, 4)) -> torch.Tensor:
     """x [M, K] @ w.T for one MXFP4 matrix w (codes [N, K / 2], E8M0 scale [N, K / 32]) -> [M, N] in x's
-    dtype: the experts' row kernels on a single matrix, for their tests and for timing a decode alone.
-    decode "words", "asm" (GPU only) or "bytes" (scales up to 2^113: b <= 240); config (BLOCK_N, groups
-    of 32 per step, num_warps)."""
+    dtype: the experts' row kernels on a single matrix, for their tests.
+    decode "words", "asm" (the same in inline PTX; "words" under the interpreter, which runs no PTX) or
+    "bytes" (scales up to 2^113: b <= 240); config (BLOCK_N, groups of 32 per step, num_warps)."""
     n, half = codes.shape
     check(x.dim() == 2 and x.shape[1] == 2 * half and x.stride(-1) == 1, f"x must be [M, {2 * half}], contiguous rows")
     check_mxfp4("w", codes[None], scale[None] if scale is not None else None, n, 2 * half)
-    check(decode in ("words", "asm", "bytes") and (decode != "asm" or not interpreted(x)),
-          f"decode must be words, bytes or (on a GPU) asm, got {decode!r}")
+    check(decode in ("words", "asm", "bytes"), f"decode must be words, asm or bytes, got {decode!r}")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     block_n, groups, warps = config
     words = decode != "bytes"
     w = as_words(codes) if words else as_bytes(codes)
     _gemv_kernel[(x.shape[0], triton.cdiv(n, 2 * block_n))](
         x, w, as_bytes(scale), out, n, 2 * half, x.stride(0), w.stride(0), scale.stride(0), out.stride(0),
-        WORDS=words, GROUPS=groups, BLOCK_N=block_n, EVEN=False, ASM=decode == "asm", num_warps=warps)
+        WORDS=words, GROUPS=groups, BLOCK_N=block_n, EVEN=False, ASM=decode == "asm" and not interpreted(x),
+        num_warps=warps)
     return out
 
 
