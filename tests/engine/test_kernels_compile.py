@@ -12,7 +12,8 @@ KERNELS = {"_rms_norm_kernel", "_latent_write_kernel", "_route_kernel", "_moe_ge
            "_group_quant_kernel", "_block_gemm_kernel", "_gemv_kernel", "_sum_kernel", "_align_kernel",
            "_block_gemm_tma_kernel", "_moe_gemm_tma_kernel",
            "_dual_pool_kernel", "_sink_merge_kernel", "_indexer_kernel", "_compress_decode_kernel",
-           "_norm_rope_kernel", "_hc_mix_kernel", "_up_fp4_kernel", "_down_fp4_kernel",
+           "_norm_rope_kernel", "_hc_mix_kernel", "_up_fp4_kernel", "_down_fp4_kernel", "_up_fp4_words_kernel",
+           "_down_fp4_words_kernel",
            "_dequant_kernel", "_greedy_kernel", "_decode_rows_kernel", "_accept_kernel", "_advance_kernel",
            "_noise_keys_kernel"}
 
