@@ -44,14 +44,16 @@ CONFIG = {"bf16": (16, 1, 4), "fp8": (8, 4, 4)}
 # (`mxfp4.fp4_gemv_rows`), "words" two at a time from 32-bit words (`mxfp4.fp4_gemv_words`), "asm" the
 # same in inline PTX (GPU only)
 FP4_DECODES = ("bytes", "words", "asm")
-# the byte decode stays the default until the word decodes are measured on the card
-# (benchmarks/v4_quant_kernels.py prints the winner); FP4_PLANAR_X: the word decodes' up kernel reads x
-# as float32 planes (one copy launch more, contiguous loads)
-FP4_DECODE = "bytes"
+# measured on an H200 (benchmarks/v4_quant_kernels.py --sections gemv, V4 Flash's experts, top-6, each call
+# on other experts): one token 88.9 us with bytes (8, 8, 4), 61.0 with words (16, 8, 4), 58.5 with asm
+# (16, 8, 4) against a 19.4 us floor; eight tokens 540 / 383 / 382 us; x as float32 planes lost at one
+# token (64.8 us). FP4_PLANAR_X: the word decodes' up kernel reads x as float32 planes (one copy launch
+# more, contiguous loads)
+FP4_DECODE = "asm"
 FP4_PLANAR_X = False
 # the word decodes: BLOCK_N * groups = 32 * num_warps, one 16-byte chunk of a row per thread (wider, the
 # scales' loads take a layout of their own, moved through shared memory every step)
-FP4_CONFIG = {"bytes": (8, 8, 4), "words": (8, 16, 4), "asm": (8, 16, 4)}
+FP4_CONFIG = {"bytes": (8, 8, 4), "words": (16, 8, 4), "asm": (16, 8, 4)}
 FP4_INTERPRETED_CONFIG = (64, 2, 4)  # few, wide programs; two groups a step (a K remainder in the tests)
 INTERPRETED_CONFIG = (16, 1, 4)
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # the interpreter pays per program: few, wide ones

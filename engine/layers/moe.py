@@ -132,13 +132,16 @@ class FusedExperts(nn.Module):
             raise ValueError(f"MXFP4 groups of {group} do not tile hidden={hidden} and this rank's "
                              f"moe_intermediate_size {inter}")
         self.block = None
-        # not measured for MXFP4 yet: as bf16 experts, whose GEMVs stream at bandwidth up to 8 tokens
-        self.gemv_max_tokens = 8
+        # up to 128 tokens the GEMV beats both grouped paths on an H200 at V4 Flash's 256 experts
+        # (benchmarks/v4_quant_kernels.py --sections threshold: 8 / 32 / 64 / 128 tokens 0.41 / 1.51 / 2.88
+        # / 5.41 ms, against 2.74 / 8.24 / 12.0 / 14.7 decoding MXFP4 tiles and 7.57 / 8.63 / 9.37 / 9.88
+        # dequantizing to bf16 first): its cost grows with the tokens, the dequantization's does not, so
+        # they cross near 250 tokens (fewer where expert parallelism leaves a rank fewer experts: not measured)
+        self.gemv_max_tokens = 128
         # from this many (token, expert) pairs per expert on, batches dequantize every expert to the
-        # activations' dtype (one launch) and run the bf16 grouped GEMM: on an H200 the GEMM that decodes
-        # its tiles ran at 34 TFLOP/s against bf16's 413 (2,048 tokens, 32 V4 Flash experts) and 2.4 vs
-        # 0.4 ms at 64 tokens (docs/perf.md); the threshold itself is not measured
-        self.dequantize_pairs_per_expert = 2
+        # activations' dtype (one launch) and run the bf16 grouped GEMM: measured as above, it beats the GEMM
+        # that decodes its tiles from 64 tokens (1.5 pairs an expert) on, and loses at 32 (0.75)
+        self.dequantize_pairs_per_expert = 1
         codes = lambda *shape: nn.Parameter(torch.empty(*shape, dtype=torch.int8), requires_grad=False)
         scales = lambda *shape: nn.Parameter(torch.empty(*shape, dtype=torch.float8_e8m0fnu), requires_grad=False)
         self.w13, self.w2 = codes(num_experts, 2 * inter, hidden // 2), codes(num_experts, hidden, inter // 2)
