@@ -85,7 +85,13 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self.free) / len(self.blocks)
+        """The fraction of the KV cache the running sequences hold: of the blocks, or, where the window
+        kinds have pages of their own and those run out first, of the pages (admission stops at
+        either, so the metric the autoscaler reads must see either)."""
+        blocks = 1.0 - len(self.free) / len(self.blocks)
+        if not self.window or not self.num_window_pages:
+            return blocks
+        return max(blocks, self.num_held_pages / self.num_window_pages)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -81,7 +81,9 @@ class EngineMetrics:
         self.requests_running = Gauge(
             f"{PREFIX}_requests_running", "Requests being prefilled or decoded.", registry=r
         )
-        self.kv_cache_usage = Gauge(f"{PREFIX}_kv_cache_usage", "Fraction of KV blocks in use, 0..1.", registry=r)
+        self.kv_cache_usage = Gauge(f"{PREFIX}_kv_cache_usage",
+                                    "Fraction of the KV cache in use, 0..1 (of the blocks, or of the sliding window's "
+                                    "pages where those are fuller).", registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated.", registry=r)
         self.prefix_cache_hit_tokens = Counter(

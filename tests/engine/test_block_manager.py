@@ -97,6 +97,8 @@ def test_window_pages_short_stop_growth_and_admission():
     bm = BlockManager(num_blocks=16, block_size=4, window=6, num_window_pages=3, enable_prefix_caching=False)
     a = seq("a", list(range(8)))
     run_prefill(bm, a)  # 2 pages
+    # 2 of 16 blocks but 2 of 3 pages: the usage the metrics report is the pages'
+    assert bm.usage == 2 / 3
     b = seq("b", list(range(50, 58)))
     assert bm.can_admit(b, 8)[0] is False  # 2 blocks, one page left
     assert bm.can_admit(b, 4)[0] is True
