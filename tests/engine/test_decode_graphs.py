@@ -125,6 +125,17 @@ def keyed_sample(logits, temperature, keys, step, out=None):
     return tokens if out is None else out.copy_(tokens)
 
 
+def mixed_draws(llm, max_tokens: int) -> tuple[list[list[int]], list]:
+    """Four prompts: a greedy request, a sampled one, one with top-p, one with top-k (seeded)."""
+    from engine import SamplingParams
+
+    tok = llm.tokenizer
+    prompts = [tok.encode(q) for q in ("The capital of France", "One, two, three,", "A short poem:", "def main():")]
+    drawn = [dict(temperature=0.0), dict(temperature=0.9, seed=5), dict(temperature=0.8, top_p=0.9, seed=6),
+             dict(temperature=1.2, top_k=20, seed=7)]
+    return prompts, [SamplingParams(max_tokens=max_tokens, ignore_eos=True, **d) for d in drawn]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="emulates the CUDA graphs on a CPU (a GPU engine captures real ones)")
 def test_decode_steps_draw_in_a_graph_what_the_eager_draws_give(monkeypatch):
     """Greedy, sampled, top-p and top-k requests in one batch (async scheduling on): with the decode and
@@ -138,12 +149,7 @@ def test_decode_steps_draw_in_a_graph_what_the_eager_draws_give(monkeypatch):
     monkeypatch.setattr(engine.kernels.sampling, "sample", keyed_sample)
     llm = LLM("deepseek-tiny", dtype="float32", max_num_seqs=4, async_scheduling="on")
     llm.engine.sampler.on_device = True  # the draws a GPU makes outside a graph
-    tok = llm.tokenizer
-    prompts = [tok.encode(q) for q in ("The capital of France", "One, two, three,", "A short poem:", "def main():")]
-    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=0.9, seed=5, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=0.8, top_p=0.9, seed=6, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=1.2, top_k=20, seed=7, max_tokens=10, ignore_eos=True)]
+    prompts, params = mixed_draws(llm, 10)
     eager = [o.token_ids for o in llm.generate(prompts, params)]
     assert len({tuple(t) for t in eager}) == 4
 
@@ -186,15 +192,10 @@ def test_decode_steps_draw_in_a_graph_what_the_eager_draws_give(monkeypatch):
 def test_on_the_gpu_draws_in_the_graph_are_the_eager_draws():
     """Real CUDA graphs and the sampling kernel: the same decode graphs with the draws in a graph and with
     them made eagerly after it (`draw_on_device`) give every seeded request the same tokens."""
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     llm = LLM("deepseek-tiny", dtype="float32", max_num_seqs=4)
-    tok = llm.tokenizer
-    prompts = [tok.encode(q) for q in ("The capital of France", "One, two, three,", "A short poem:", "def main():")]
-    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=0.8, top_p=0.9, seed=6, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=1.2, top_k=20, seed=7, max_tokens=24, ignore_eos=True)]
+    prompts, params = mixed_draws(llm, 24)
     runner = llm.engine.runner
     assert runner.draw_graphs is not None and runner.draw_graphs.graphs
     replays, replay = [], runner.draw_graphs.replay
