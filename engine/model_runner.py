@@ -489,9 +489,10 @@ class ModelRunner:
             if hasattr(self.model, "replayed"):  # V4: where the replay kept its compressors' states
                 self.model.replayed(plan.num_tokens)
         rows = plan.sample_indices
-        if plan.draw_in_graph and self.draw_graphs is not None and self.draw_graphs.takes(plan):
+        drawn = self.draw_graphs.replay(plan) if plan.draw_in_graph and self.draw_graphs is not None else None
+        if drawn is not None:
             # (a copy: the next replay rewrites the graph's buffer while these may still be on their way)
-            return StepResult(None, tokens=self.draw_graphs.replay(plan).clone())
+            return StepResult(None, tokens=drawn.clone())
         if not rows:
             return StepResult(None)
         if len(rows) == plan.num_tokens:  # every row samples (a decode step)
@@ -788,10 +789,6 @@ class DrawGraphs:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
 
-    def takes(self, plan: StepPlan) -> bool:
-        return ((self.runner.graphs.padded(plan.num_tokens), self.sampling.draw(plan)) in self.graphs
-                and plan.num_prefills == 0 and len(plan.sample_indices) == plan.num_tokens)
-
     def _step(self, size: int, draw: int) -> torch.Tensor:
         decode = self.runner.graphs
         logits = decode.outputs[size][1]
@@ -801,7 +798,7 @@ class DrawGraphs:
         return tokens
 
     def _capture(self, size: int, draw: int) -> None:
-        graph, self.outputs[size, draw] = capture_graph(lambda: self._step(size, draw), self.pool, lambda: None)
+        graph, self.outputs[size, draw] = capture_graph(lambda: self._step(size, draw), self.pool)
         self.pool = graph.pool()
         self.graphs[size, draw] = graph
 
@@ -812,15 +809,16 @@ class DrawGraphs:
                 self._capture(size, draw)
         logger.info("captured %d CUDA graphs for decode steps' draws", len(self.graphs))
 
-    def replay(self, plan: StepPlan) -> torch.Tensor:
+    def replay(self, plan: StepPlan) -> torch.Tensor | None:
         """After the decode graph's replay of the plan's rows: their draws [T] (a view of the graph's buffer,
-        which its next replay rewrites)."""
-        size = self.runner.graphs.padded(plan.num_tokens)
-        draw = self.sampling.draw(plan)
+        which its next replay rewrites), or None where no graph takes them (the caller draws eagerly)."""
+        key = (self.runner.graphs.padded(plan.num_tokens), self.sampling.draw(plan))
+        if key not in self.graphs or plan.num_prefills or len(plan.sample_indices) != plan.num_tokens:
+            return None
         if plan.fused_sampling is not None:
-            self.sampling.load(plan.fused_sampling, size)
-        self.graphs[size, draw].replay()
-        return self.outputs[size, draw][: plan.num_tokens]
+            self.sampling.load(plan.fused_sampling, key[0])
+        self.graphs[key].replay()
+        return self.outputs[key][: plan.num_tokens]
 
 
 class SpecGraphs:
