@@ -69,6 +69,8 @@ def test_a_long_prompt_and_its_decode_hold_only_the_windows_pages(v4):
     def watch(e):
         seqs = e.scheduler.running
         held.append(bm.num_held_pages)
+        # the usage the metrics export (and the autoscaler reads) sees the pages, fuller than the blocks here
+        assert e.kv_cache_usage == max(bm.num_held_pages / 10, 1 - bm.num_free_blocks / 64)
         for seq in seqs:
             paged = [i for i, b in enumerate(seq.block_table) if bm.page_of[b] is not None and bm.window_refs[b]]
             # from the blocks the last step's queries read (its first at most 24 tokens back) to the last
@@ -82,6 +84,7 @@ def test_a_long_prompt_and_its_decode_hold_only_the_windows_pages(v4):
     check_logprobs(hf, prompt, out)
     # the sequence reached 17 blocks; during the decodes it held 3 or 4 pages
     assert len(held) > 32 and max(held[-20:]) <= TAIL + 2 and max(held) <= 10
+    assert max(held) / 10 > (100 + 32) / BS / 64  # at its peak the pages were the fuller pool
     assert bm.num_held_pages == 0  # finished: kept for the prefix cache or free, none held
     eng.shutdown()
 
