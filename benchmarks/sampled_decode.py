@@ -2,11 +2,17 @@
 
     python benchmarks/sampled_decode.py [--model deepseek-tiny] [--streams 1] [--max-tokens 256]
                                         [--repeats 3] [--eager-draws] [--out results.json]
+    python benchmarks/sampled_decode.py --draws-only [--vocab 8192 129280] [--batches 1 8 64]
 
 Each setting decodes `streams` seeded chat answers (ignore_eos, `--max-tokens` each) through
 `LLMEngine.step`, after one unmeasured run; decode tokens/s count the tokens after each request's first,
 over the time after the first, best of `--repeats`, the settings interleaved. `--eager-draws` turns the
 decode steps' draw graphs off (the draws made eagerly after the decode graph, as before them).
+
+`--draws-only` times a draw alone on the GPU (each variant a CUDA graph replayed 200 times, the median
+of 5 rounds): temperature only, top-p 0.95 two ways (the filter as a sort, `sampler.filter_rows`, then
+the sampling kernel; and in the sampling kernel, no sort: the two must draw the same tokens), and top-k
+50 (a sort).
 """
 
 import argparse
@@ -46,6 +52,49 @@ def decode_rate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, **
     return tokens / (time.perf_counter() - start)
 
 
+def draw_times(vocab: int, batch: int) -> dict[str, float]:
+    """Microseconds per draw of `batch` rows over `vocab` logits, each variant graph-replayed."""
+    import torch
+
+    from engine.kernels.sampling import sample
+    from engine.sampler import filter_rows
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn(batch, vocab, device=dev, generator=g) * 2
+    temp = torch.ones(batch, device=dev)
+    keys = torch.arange(batch, device=dev) * 7919
+    step = torch.zeros(1, dtype=torch.long, device=dev)
+    top_p = torch.full((batch,), 0.95, device=dev)
+    top_k = torch.full((batch,), 50, dtype=torch.long, device=dev)
+    off_k, off_p = torch.full_like(top_k, vocab), torch.full_like(top_p, float("inf"))
+    variants = {
+        "temperature": lambda: sample(logits, temp, keys, step),
+        "top-p, sort": lambda: sample(filter_rows(logits, off_k, top_p), temp, keys, step),
+        "top-p, kernel": lambda: sample(logits, temp, keys, step, top_p=top_p),
+        "top-k (sort)": lambda: sample(filter_rows(logits, top_k, off_p), temp, keys, step),
+    }
+    assert torch.equal(variants["top-p, sort"](), variants["top-p, kernel"]()), "top-p: the two draws differ"
+    times = {}
+    for name, fn in variants.items():
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        rounds = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(200):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            rounds.append(start.elapsed_time(end) * 1e3 / 200)
+        times[name] = sorted(rounds)[2]
+    return times
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="deepseek-tiny")
@@ -54,7 +103,18 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eager-draws", action="store_true")
     p.add_argument("--out")
+    p.add_argument("--draws-only", action="store_true")
+    p.add_argument("--vocab", type=int, nargs="+", default=[8192, 129280])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     args = p.parse_args()
+    if args.draws_only:
+        rows = [dict(vocab=v, batch=b, us=draw_times(v, b)) for v in args.vocab for b in args.batches]
+        for r in rows:
+            print(f"vocab {r['vocab']:6d} batch {r['batch']:3d}: " + ", ".join(f"{k} {t:.1f} us" for k, t in r["us"].items()))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"draws_us": rows}, f, indent=1)
+        return
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=max(args.streams, 1), show_progress=False))
     if args.eager_draws:
         engine.runner.draw_graphs = None

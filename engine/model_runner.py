@@ -709,13 +709,14 @@ class DraftGraphs:
 
 class GraphSampling:
     """How rows draw inside a CUDA graph, as `sampler.draw_on_device` draws outside it (the same operations,
-    so a seeded request draws the same tokens in and out of a graph): logits / temperature, top-k / top-p
-    (`sampler.filter_rows`, a sort over the vocabulary), Gumbel-max with the noise keyed by (seed, output
-    position); greedy rows (and padding) take the argmax. Three kinds of graph by how the rows draw: all
-    greedy, some sampled, some also filtered (the sort is too costly to pay in every greedy step). Each
+    so a seeded request draws the same tokens in and out of a graph): logits / temperature, Gumbel-max with
+    the noise keyed by (seed, output position) and top-p applied by the same kernel (no sort); greedy rows
+    (and padding) take the argmax. Three kinds of graph by how the rows draw: all greedy, some sampled
+    (top-p or not), some also with top-k (`sampler.filter_rows`, a sort over the vocabulary, too costly
+    to pay in every sampled step). Each
     row's parameters sit in device buffers loaded with its rows (`StepPlan.fused_sampling`, `load`)."""
 
-    GREEDY, SAMPLED, FILTERED = DRAWS = range(3)
+    GREEDY, SAMPLED, TOP_K = DRAWS = range(3)
 
     def __init__(self, runner: ModelRunner, max_rows: int, rows_per_seq: int):
         n, dev = max_rows, runner.device
@@ -726,14 +727,13 @@ class GraphSampling:
         self.drawing = torch.tensor([[1.0], [0.0], [float("inf")]], device=dev).repeat(1, n)  # greedy rows
         self.keying = torch.tensor([[0], [0], [self.vocab]], device=dev).repeat(1, n)
         self.step0 = torch.zeros(1, dtype=torch.long, device=dev)  # the noise is keyed by position alone
+        self.no_top_p = torch.full((n,), float("inf"), device=dev)  # top-k's sort applies no top-p
 
     def draw(self, plan: StepPlan) -> int:
         fs = plan.fused_sampling
         if fs is None:
             return self.GREEDY
-        if any(0 < k < self.vocab for k in fs.top_k) or any(p < 1.0 for p in fs.top_p):
-            return self.FILTERED
-        return self.SAMPLED
+        return self.TOP_K if any(0 < k < self.vocab for k in fs.top_k) else self.SAMPLED
 
     def sample(self, logits: torch.Tensor, drawn_at: torch.Tensor, draw: int, tokens: torch.Tensor) -> None:
         """logits [n, V] -> tokens [n]; drawn_at [n]: each row's draw's position (its cache position + 1)."""
@@ -747,10 +747,10 @@ class GraphSampling:
         divisor, unit, top_p = self.drawing[:, :n]
         seeds, prompt, top_k = self.keying[:, :n]
         scaled = logits / divisor[:, None]
-        if draw == self.FILTERED:
-            scaled = filter_rows(scaled, top_k, top_p)
+        if draw == self.TOP_K:
+            scaled = filter_rows(scaled, top_k, self.no_top_p[:n])
         # the token drawn at position q is output token q - prompt length
-        sample(scaled, unit, noise_keys(seeds, drawn_at - prompt), self.step0, out=tokens)
+        sample(scaled, unit, noise_keys(seeds, drawn_at - prompt), self.step0, out=tokens, top_p=top_p)
 
     def load(self, fs: FusedSampling, end: int) -> None:
         """The sequences' parameters into the buffers, `rows_per_seq` rows each (rows up to `end` past them
@@ -832,8 +832,8 @@ class SpecGraphs:
     their offsets, which a step launched ahead takes as they are.
 
     Three graphs per S by how the rows draw: all greedy (argmax); some sampled (temperature, Gumbel
-    noise keyed by seed and output position, as `sampler.draw_on_device`); some also with top-k / top-p
-    (`sampler.filter_rows`, a sort over the vocabulary). Each sampled row's parameters sit in buffers
+    noise keyed by seed and output position, as `sampler.draw_on_device`, top-p applied by the same
+    kernel); some also with top-k (a sort, `sampler.filter_rows`). Each sampled row's parameters sit in buffers
     loaded with its rows (`StepPlan.fused_sampling`). Steps with other rows (prefills, penalized, logprob
     or guided rows, fewer drafts) take the decode and draft graphs. One rank only: the draft's inputs
     never leave the graph, so the other ranks' collectives would have nothing to broadcast."""

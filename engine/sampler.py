@@ -1,7 +1,7 @@
 """Turn one step's logits into tokens (and logprobs).
 
-On a GPU the sampled rows are drawn together on the device (`draw_on_device`: temperature, top-k and
-top-p as tensor ops over the batch, then one Gumbel-max launch); the step's tokens stay there as the
+On a GPU the sampled rows are drawn together on the device (`draw_on_device`: temperature and top-k as
+tensor ops over the batch, then the Gumbel-max kernel, which also applies top-p without a sort); the step's tokens stay there as the
 next step's inputs, and one asynchronous copy brings them to the host (`Draws`). Drawing row by row
 on the host instead copies each row's probabilities over (~0.5 MB for DeepSeek's 129k vocabulary)
 and runs a multinomial per request: milliseconds per request per step.
@@ -111,7 +111,14 @@ def draw_on_device(logits: torch.Tensor, seqs: list[Sequence], ahead: list[int] 
     from engine.kernels.sampling import sample  # first use: Triton picks compiled or interpreted then
 
     dev = logits.device
-    scaled = scaled_and_filtered(logits, seqs)
+    temps = to_device([s.params.temperature for s in seqs], logits.dtype, dev)
+    scaled = logits / temps[:, None]
+    vocab = logits.shape[1]
+    top_p = None  # the sampling kernel applies top-p (no sort); top-k sorts first
+    if any(0 < s.params.top_k < vocab or s.params.top_p < 1.0 for s in seqs):
+        top_k, top_p = row_filters([s.params for s in seqs], vocab, dev)
+        if any(0 < s.params.top_k < vocab for s in seqs):
+            scaled = filter_rows(scaled, top_k, torch.full_like(top_p, float("inf")))
     ahead = ahead or [0] * len(seqs)
     # the output position of the token drawn: tokens drawn by steps still in flight come before it
     positions = [s.num_drawn_tokens - s.num_prompt_tokens + j for s, j in zip(seqs, ahead)]
@@ -121,7 +128,7 @@ def draw_on_device(logits: torch.Tensor, seqs: list[Sequence], ahead: list[int] 
         both = to_device([[_signed(s.seed) for s in seqs], positions], torch.int64, dev)
         keys = noise_keys(both[0], both[1] + offsets)
     ones = torch.ones(len(seqs), dtype=torch.float32, device=dev)  # temperature is applied above
-    return sample(scaled.contiguous(), ones, keys, torch.zeros(1, dtype=torch.int64, device=dev))
+    return sample(scaled.contiguous(), ones, keys, torch.zeros(1, dtype=torch.int64, device=dev), top_p=top_p)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None,

@@ -173,6 +173,8 @@ def launch_all() -> None:
             mla_prefill_attention(q[..., :nope], q[..., nope:], _empty(tokens, heads, nope), _empty(tokens, rope),
                                   _empty(tokens, heads, vdim), cu, cu, tokens, 0.1)
         sample(_empty(8, vocab, dtype=f32), _empty(8, dtype=f32), torch.zeros(8, dtype=i64), torch.zeros(1, dtype=i64))
+        sample(_empty(8, vocab, dtype=f32), _empty(8, dtype=f32), torch.zeros(8, dtype=i64), torch.zeros(1, dtype=i64),
+               top_p=_empty(8, dtype=f32))
         greedy(_empty(4, vocab, dtype=f32), _empty(4, 3, dtype=i64)[:, 0])
     noise_keys(torch.zeros(8, dtype=i64), torch.zeros(8, dtype=i64))
     launch_spec_step()

@@ -111,9 +111,14 @@ class EagerGraph:
         self.replay = fn
 
 
-def keyed_sample(logits, temperature, keys, step, out=None):
+def keyed_sample(logits, temperature, keys, step, out=None, top_p=None):
     """The sampling kernel's contract in PyTorch for the CPU: argmax where temperature is 0, else
-    Gumbel-max with noise that is a function of the row's key alone (as the kernel's is)."""
+    Gumbel-max with noise that is a function of the row's key alone (as the kernel's is), over the rows
+    filtered by top-p where given."""
+    from engine.sampler import filter_rows
+
+    if top_p is not None:
+        logits = filter_rows(logits, torch.full_like(top_p, logits.shape[1], dtype=torch.long), top_p)
     rows = []
     for row, t, key in zip(logits, temperature.tolist(), keys.tolist()):
         if t <= 0:

@@ -1434,6 +1434,75 @@ def test_filter_rows_is_filter_row_by_row():
     assert not filter_rows(wide, *row_filters(params([0, 0], [1.0, 1.0]), 129280, wide.device)).isinf().any()
 
 
+def _no_top_p(top_p: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(top_p, float("inf"))
+
+
+def test_top_p_in_the_kernel_is_filter_rows_then_sample():
+    """The sort-free top-p draw takes the token the sorted filter then Gumbel-max takes with the same
+    noise: ties inside the nucleus and at its edge, a nucleus the first perturbed argmax falls outside of
+    (the retry), top-k sorted first, greedy rows, rows split over slices of a vocabulary that is not a
+    multiple of the slice."""
+    from types import SimpleNamespace
+
+    from engine.sampler import filter_rows, row_filters
+
+    g = torch.Generator().manual_seed(35)
+    vocab, rows = 300, 35
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    logits[1::6, :40] = 1.5  # ties inside the nucleus
+    logits[2::6] = logits[2::6].round()  # many ties everywhere
+    logits[3::6, 7] = 12.0  # one token holds nearly all the mass
+    logits[4::6, 200:] = float("-inf")  # masked tokens
+    top_k = [[0, 1, 5, 40, 299][i % 5] for i in range(rows)]
+    top_p = [[1.0, 0.9, 0.5, 0.05, 0.99, 0.3, 0.7][i % 7] for i in range(rows)]
+    temp = torch.tensor([0.0 if i % 11 == 0 else 1.0 for i in range(rows)])
+    params = [SimpleNamespace(top_k=k, top_p=p) for k, p in zip(top_k, top_p)]
+    logits, temp = logits.to(DEV), temp.to(DEV)
+    k, p = row_filters(params, vocab, logits.device)
+    step = torch.zeros(1, dtype=torch.long, device=DEV)
+    topk_first = filter_rows(logits, k, _no_top_p(p))
+    retried = 0
+    for s in range(3):
+        seeds = torch.arange(rows, device=DEV) * 7919 + s
+        want = sample(filter_rows(logits, k, p), temp, seeds, step)
+        assert sample(topk_first, temp, seeds, step, top_p=p).tolist() == want.tolist()
+        retried += int((sample(topk_first, temp, seeds, step) != want).sum())  # the unfiltered draw fell outside
+    assert retried > 5
+    # one slice per row and many: the same draws
+    seeds = torch.arange(rows, device=DEV)
+    import engine.kernels.sampling as sampling
+
+    split = sampling.num_draw_splits
+    try:
+        sampling.num_draw_splits = lambda *args: 1
+        one = sample(logits, temp, seeds, step, top_p=p)
+    finally:
+        sampling.num_draw_splits = split
+    assert torch.equal(one, sample(logits, temp, seeds, step, top_p=p))
+
+
+@gpu
+def test_top_p_in_the_kernel_over_deepseeks_vocabulary():
+    """The same at DeepSeek's 129,280 tokens, compiled: flat and peaked rows, wide nuclei, top-k first."""
+    from types import SimpleNamespace
+
+    from engine.sampler import filter_rows, row_filters
+
+    g = torch.Generator().manual_seed(36)
+    vocab = 129280
+    logits = (torch.randn(8, vocab, generator=g) * torch.tensor([0.3, 1, 3, 8] * 2)[:, None]).to(DEV)
+    params = [SimpleNamespace(top_k=k, top_p=p) for k, p in
+              zip([0, 0, 0, 0, 50, 2000, 20, 0], [0.95, 0.6, 0.9, 0.99, 1.0, 0.95, 0.8, 1.0])]
+    k, p = row_filters(params, vocab, logits.device)
+    topk_first = filter_rows(logits, k, _no_top_p(p))
+    temp, step = torch.ones(8, device=DEV), torch.zeros(1, dtype=torch.long, device=DEV)
+    for s in range(20):
+        seeds = torch.arange(8, device=DEV) * 104729 + s
+        assert torch.equal(sample(topk_first, temp, seeds, step, top_p=p),
+                           sample(filter_rows(logits, k, p), temp, seeds, step))
+
+
 def test_sampler_draws_a_mixed_batch_on_the_device_path():
     from engine.sampler import Sampler, draw_on_device
     from engine.sampling_params import SamplingParams

@@ -254,7 +254,7 @@ def test_the_graph_path_on_a_cpu_places_rows_by_their_offsets(monkeypatch, tiny_
     from engine.model_runner import DecodeGraphs, DraftGraphs
 
     # the graph's own draw is not read (the engine samples its logits); greedy stands in for the kernel
-    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, out=None: (
+    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, out=None, **filters: (
         logits.argmax(-1) if out is None else out.copy_(logits.argmax(-1))))
     monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, batch: self.graphs.__setitem__(
         batch, EagerGraph(lambda: self.outputs.__setitem__(batch, self._step(batch)))))
@@ -281,7 +281,7 @@ def test_steps_over_the_cutoff_keep_the_mtp_cache_from_its_graph(monkeypatch, ti
     import engine.kernels.sampling
     from engine.model_runner import DecodeGraphs, DraftGraphs
 
-    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, out=None: (
+    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, out=None, **filters: (
         logits.argmax(-1) if out is None else out.copy_(logits.argmax(-1))))
     monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, batch: self.graphs.__setitem__(
         batch, EagerGraph(lambda: self.outputs.__setitem__(batch, self._step(batch)))))
@@ -312,7 +312,7 @@ def fused_graphs(monkeypatch, llm) -> "Replays":
     import engine.kernels.sampling
     from engine.model_runner import DecodeGraphs, SpecGraphs
 
-    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, out=None: (
+    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, out=None, **filters: (
         logits.argmax(-1) if out is None else out.copy_(logits.argmax(-1))))
     monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, batch: self.graphs.__setitem__(
         batch, EagerGraph(lambda: self.outputs.__setitem__(batch, self._step(batch)))))
@@ -429,9 +429,9 @@ def test_fused_steps_draw_sampled_rows_in_the_graph(monkeypatch, tiny_prompts, p
     fused = llm.engine.runner.spec_graphs
     calls = []
 
-    def recorded(logits, temperature, keys, step, out=None):
+    def recorded(logits, temperature, keys, step, out=None, top_p=None):
         if step is fused.sampling.step0:  # the fused step's draw, not a decode graph's
-            calls.append((logits.clone(), temperature.clone(), keys.clone()))
+            calls.append((logits.clone(), temperature.clone(), keys.clone(), top_p.clone()))
         tokens = logits.argmax(-1)
         return tokens if out is None else out.copy_(tokens)
 
@@ -441,14 +441,14 @@ def test_fused_steps_draw_sampled_rows_in_the_graph(monkeypatch, tiny_prompts, p
     assert [o.token_ids for o in outs] == plain_tokens[:2]
     assert 2 in replays and len(calls) > 5
     seed, rows, starts = 11, 4, []
-    for logits, unit, keys in calls:
+    for logits, unit, keys, top_p in calls:
         assert unit.tolist() == [0.0] * rows + [1.0] * rows  # the greedy request's rows, then the sampled one's
         # its keys: consecutive output positions from the step's first draw
         start = next(p for p in range(40) if keys[rows].item() == noise_key(seed, p))
         assert keys[rows : 2 * rows].tolist() == [noise_key(seed, start + j) for j in range(rows)]
         starts.append(start)
-        # top-p 0.5 at temperature 0.7 leaves few tokens of the sampled rows; the greedy rows keep them all
-        assert logits[rows:].isinf().any(dim=-1).all() and not logits[:rows].isinf().any()
+        # the sampling kernel applies the sampled rows' top-p; the greedy rows have none
+        assert top_p.tolist() == [float("inf")] * rows + [0.5] * rows and not logits.isinf().any()  # no sort
     assert starts == sorted(starts) and len(set(starts)) == len(starts) and starts[0] <= 1
 
 

@@ -251,7 +251,7 @@ def graphed(monkeypatch, llm: LLM, fused: bool = False) -> list[int]:
     import engine.kernels.sampling
     from engine.model_runner import DecodeGraphs, DraftGraphs, SpecGraphs
 
-    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, out=None: (
+    monkeypatch.setattr(engine.kernels.sampling, "sample", lambda logits, *args, out=None, **filters: (
         logits.argmax(-1) if out is None else out.copy_(logits.argmax(-1))))
     runner = llm.engine.runner
     compressors = [c for attn in runner.model.attention_layers()
