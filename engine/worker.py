@@ -125,8 +125,12 @@ def init_process_groups(config: EngineConfig, rank: int, init_method: str, devic
 
 
 def run_worker(rank: int, config: EngineConfig, model_config: ModelConfig, path: Path | None, max_model_len: int,
-               init_method: str) -> None:
-    """Entry point of a rank > 0: build its slice, then execute rank 0's plans until told to stop."""
+               init_method: str, environ: dict[str, str] | None = None) -> None:
+    """Entry point of a rank > 0: build its slice, then execute rank 0's plans until told to stop. environ:
+    the starting process's environment (a fork server's may be older)."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # ranks on one CPU share its cores

@@ -43,15 +43,24 @@ def descendants(pid: int) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def test_a_killed_rank_ends_the_replica_within_seconds(tiny_checkpoint, tmp_path):  # noqa: F811
     server = ServerProcess(tiny_checkpoint, tmp_path / "tp2.log", "--tensor-parallel-size", "2").wait_ready()
     try:
         assert chat(server)
-        # the engine process, then rank 1 (multiprocessing's resource trackers are no ranks)
-        ranks = [pid for pid, cmd in descendants(server.proc.pid) if "spawn_main" in cmd]
-        assert len(ranks) == 2, descendants(server.proc.pid)
+        # the engine process, and rank 1: forked by the fork server the engine process started (the fork
+        # server and multiprocessing's resource trackers are no ranks)
+        below = descendants(server.proc.pid)
+        (engine,) = [pid for pid, cmd in below if "spawn_main" in cmd]
+        forked = [pid for pid, cmd in descendants(engine) if "forkserver" in cmd]
+        (fork_server,) = [pid for pid in forked if parent_of(pid) == engine]
+        ranks = [pid for pid in forked if parent_of(pid) == fork_server]
+        assert len(ranks) == 1, below
         killed = time.monotonic()
-        os.kill(ranks[-1], signal.SIGKILL)
+        os.kill(ranks[0], signal.SIGKILL)
         code = server.proc.wait(15)
         assert code != 0 and time.monotonic() - killed < 10
         with pytest.raises(httpx.TransportError):
