@@ -26,6 +26,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=_ints, default=[1, 8, 64], help="decode batch sizes")
     p.add_argument("--decode-context", type=int, default=1024, help="prompt tokens before decoding")
     p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--long-contexts", type=_ints, default=[],
+                   help="also decode one stream after prompts this long (e.g. 32768,131072)")
     p.add_argument("--hf-decode-steps", type=int, default=8)
     p.add_argument("--hf-max-prompt-len", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=3)
@@ -59,7 +61,8 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
     preset = args.preset or (None if args.model else "v2-lite")
     opts = BenchOptions(preset=preset, model=args.model, compare_hf=args.compare_hf, prompt_lens=args.prompt_lens,
                         concurrency=args.concurrency, decode_context=args.decode_context,
-                        decode_steps=args.decode_steps, hf_decode_steps=args.hf_decode_steps,
+                        decode_steps=args.decode_steps, long_contexts=args.long_contexts,
+                        hf_decode_steps=args.hf_decode_steps,
                         hf_max_prompt_len=args.hf_max_prompt_len, repeats=args.repeats, kernels=args.kernels,
                         device=args.device, dtype=args.dtype, weights=args.weights, backend=args.backend,
                         block_size=args.block_size, eager=args.eager, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
@@ -82,8 +85,9 @@ def summary(result: dict) -> str:
     lines = [f"{result['preset']} on {result['gpu']} ({result['weights']}, {result['backend']}, "
              f"graphs={result['cuda_graphs']}{ranks}{cache}):"]
     hf = result.get("hf") or {}
-    for key, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s")):
-        for k, v in result[key].items():
+    for key, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s"),
+                       ("long_context_decode_tok_s", "1 stream at")):
+        for k, v in (result.get(key) or {}).items():
             peer = (hf.get(key) or {}).get(k)
             lines.append(f"  {label:14s} {k:>6s}: {v if v is None else round(v, 1)!s:>10s}"
                          + (f"   HF {round(peer, 1)}" if peer else ""))

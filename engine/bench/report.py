@@ -18,7 +18,8 @@ def write_plot(result: dict, out_dir: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = ["decode", "prefill"] + (["layers"] if result.get("layers") else [])
+    panels = (["decode", "prefill"] + (["long_context_decode"] if result.get("long_context_decode") else [])
+              + (["layers"] if result.get("layers") else []))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2))
     hf = result.get("hf") or {}
     for ax, panel in zip(axes, panels):
@@ -31,20 +32,23 @@ def write_plot(result: dict, out_dir: Path) -> Path:
             ax.set(xlabel="decoder layer (batch 1)", ylabel="µs per step", title="decode, per layer")
             ax.legend(loc="lower right")
             continue
-        key, floor_key = (("decode_tok_s", "bandwidth_floor_s") if panel == "decode"
-                          else ("prefill_tok_s", "compute_floor_s"))
+        key, floor_key = (("prefill_tok_s", "compute_floor_s") if panel == "prefill"
+                          else (f"{panel}_tok_s", "bandwidth_floor_s"))
         xs = list(result[key])
         ours = [result[key][x] for x in xs]
         ax.plot(xs, ours, "o-", label="ours")
         if hf.get(key):
             ax.plot(xs, [hf[key].get(x) for x in xs], "s--", label="HF transformers")
         phase = result[panel]
-        # tokens per step (sequences, or prompt tokens) over the step's floor
-        floors = [int(x) / phase[x][floor_key] if phase[x].get(floor_key) else None for x in xs]
-        ax.plot(xs, floors, "k:", label="bandwidth floor" if panel == "decode" else "matmul floor")
+        # tokens per step (sequences, prompt tokens, or one stream's token) over the step's floor
+        per_step = (lambda x: 1) if panel == "long_context_decode" else int
+        floors = [per_step(x) / phase[x][floor_key] if phase[x].get(floor_key) else None for x in xs]
+        ax.plot(xs, floors, "k:", label="matmul floor" if panel == "prefill" else "bandwidth floor")
         ax.set_yscale("log")
-        ax.set(xlabel="concurrent sequences" if panel == "decode" else "prompt tokens", ylabel="tokens/s",
-               title=f"{panel} ({result['preset']}, {result['gpu']})")
+        xlabel = {"decode": "concurrent sequences", "prefill": "prompt tokens",
+                  "long_context_decode": "context tokens (one stream)"}[panel]
+        title = "decode, one stream" if panel == "long_context_decode" else panel
+        ax.set(xlabel=xlabel, ylabel="tokens/s", title=f"{title} ({result['preset']}, {result['gpu']})")
         ax.legend()
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ class BenchOptions:
     concurrency: list[int] = field(default_factory=lambda: [1, 8, 64])
     decode_context: int = 1024
     decode_steps: int = 64
+    long_contexts: list[int] = field(default_factory=list)  # one stream decoding after these many tokens too
     hf_decode_steps: int = 8
     hf_max_prompt_len: int = 8192  # longer prompts are left to us (the peer's eager attention runs out of memory)
     repeats: int = 3
@@ -101,7 +102,8 @@ def run(opts: BenchOptions) -> dict:
     device = resolve_device(opts.device)
     max_conc, bs = max(opts.concurrency), opts.block_size
     decode_len = opts.decode_context + opts.decode_steps + 16
-    max_len = max(opts.prompt_lens + [decode_len, 4 * opts.decode_context]) + bs
+    long_len = max(opts.long_contexts, default=0) + opts.decode_steps + 16
+    max_len = max(opts.prompt_lens + [decode_len, long_len, 4 * opts.decode_context]) + bs
     num_blocks = max(-(-max_len // bs), max_conc * -(-decode_len // bs)) + 4
     engine_config = EngineConfig(model=str(path or name), dtype=opts.dtype, device=opts.device,
                                  attention_backend=opts.backend, max_num_seqs=max_conc, block_size=bs,
@@ -129,6 +131,12 @@ def run(opts: BenchOptions) -> dict:
         if "seconds_per_step" in m:
             m.update(fractions(m["seconds_per_step"], *costs.decode(c, m["context"]), ceilings, fp8))
         decode[str(c)] = m
+    long = {}  # one stream after a long prompt: the latent cache's reads grow with the context
+    for ctx in opts.long_contexts:
+        m = _guard(measure_decode, runner, pool, 1, ctx, opts.decode_steps, vocab)
+        if "seconds_per_step" in m:
+            m.update(fractions(m["seconds_per_step"], *costs.decode(1, m["context"]), ceilings, fp8))
+        long[str(ctx)] = m
     layers = _guard(measure_layers, runner, pool, opts.decode_context, vocab)
     if isinstance(layers, list):
         for entry in layers:
@@ -149,7 +157,8 @@ def run(opts: BenchOptions) -> dict:
         backend=runner.backend, kv_cache_dtype=opts.kv_cache_dtype, cuda_graphs=runner.graphs is not None, num_layers=model_config.num_hidden_layers,
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
         ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),
-        decode_tok_s=_summary(decode, "tok_s"), prefill=prefill, decode=decode, layers=layers, kernels=kernels,
+        decode_tok_s=_summary(decode, "tok_s"), prefill=prefill, decode=decode,
+        long_context_decode_tok_s=_summary(long, "tok_s"), long_context_decode=long, layers=layers, kernels=kernels,
         variants=variants,
     )
     write_json(result, opts.out_dir)  # ours stays on disk even if the peer then fails

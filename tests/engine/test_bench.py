@@ -17,9 +17,14 @@ from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 def test_bench_writes_results_and_plot_with_the_peer(tmp_path):
     rc = main(["bench", "--preset", "tiny", "--device", "cpu", "--prompt-lens", "32,64", "--concurrency", "1,2",
                "--decode-context", "16", "--decode-steps", "2", "--hf-decode-steps", "2", "--repeats", "1",
-               "--compare-hf", "--out", str(tmp_path)])
+               "--long-contexts", "48,96", "--compare-hf", "--out", str(tmp_path)])
     assert rc == 0
     result = json.loads((tmp_path / "tiny.json").read_text())
+    # one stream after longer prompts: its own rows, each against a floor that grows with the context
+    long = result["long_context_decode"]
+    assert set(result["long_context_decode_tok_s"]) == {"48", "96"}
+    assert [long[c]["context"] for c in ("48", "96")] == [48 + 3 + 1, 96 + 3 + 1]  # + warm-up, half the timed steps
+    assert long["96"]["bytes"] > long["48"]["bytes"] > result["decode"]["1"]["bytes"]
     for key in ("preset", "gpu", "date", "command", "ceilings", "ttft_s", "prefill_tok_s", "decode_tok_s", "hf"):
         assert key in result
     assert result["preset"] == "tiny" and result["gpu"] == "cpu" and result["command"].startswith("deepseek-engine bench")
