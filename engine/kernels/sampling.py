@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._util import check, interpreted, pow2
+from engine.kernels.mla_decode import num_sms
 
 
 @triton.jit
@@ -231,7 +232,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
     if not batch:
         return out
     block_v = 128 if interpreted(logits) else 1024
-    splits = num_draw_splits(batch, vocab, block_v)
+    splits = num_draw_splits(batch, vocab, block_v, num_sms(logits.device))
     slice_len = triton.cdiv(triton.cdiv(vocab, splits), block_v) * block_v
     nucleus = top_p is not None
     part_f = torch.empty(batch, splits, 4, dtype=torch.float32, device=logits.device)
