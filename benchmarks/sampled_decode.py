@@ -9,8 +9,8 @@ Each setting decodes `streams` seeded chat answers (ignore_eos, `--max-tokens` e
 over the time after the first, best of `--repeats`, the settings interleaved. `--eager-draws` turns the
 decode steps' draw graphs off (the draws made eagerly after the decode graph, as before them).
 
-`--draws-only` times a draw alone on the GPU (each variant a CUDA graph replayed 200 times, the median
-of 5 rounds): temperature only, top-p 0.95 two ways (the filter as a sort, `sampler.filter_rows`, then
+`--draws-only` times a draw alone on the GPU (`engine.bench.timing.time_replayed`: each variant 200
+times in one CUDA graph, the median of 5 replays): temperature only, top-p 0.95 two ways (the filter as a sort, `sampler.filter_rows`, then
 the sampling kernel; and in the sampling kernel, no sort: the two must draw the same tokens), and top-k
 50 (a sort).
 """
@@ -56,6 +56,7 @@ def draw_times(vocab: int, batch: int) -> dict[str, float]:
     """Microseconds per draw of `batch` rows over `vocab` logits, each variant graph-replayed."""
     import torch
 
+    from engine.bench.timing import time_replayed
     from engine.kernels.sampling import sample
     from engine.sampler import filter_rows
 
@@ -75,23 +76,8 @@ def draw_times(vocab: int, batch: int) -> dict[str, float]:
         "top-k (sort)": lambda: sample(filter_rows(logits, top_k, off_p), temp, keys, step),
     }
     assert torch.equal(variants["top-p, sort"](), variants["top-p, kernel"]()), "top-p: the two draws differ"
-    times = {}
-    for name, fn in variants.items():
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        rounds = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(200):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            rounds.append(start.elapsed_time(end) * 1e3 / 200)
-        times[name] = sorted(rounds)[2]
+    # each variant captured 200 times in a CUDA graph, replayed: the median of 5 replays, per call
+    times = {name: time_replayed(fn, dev, calls=200, repeats=5) * 1e6 for name, fn in variants.items()}
     return times
 
 

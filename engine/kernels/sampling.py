@@ -67,6 +67,25 @@ def _row_params(Temperature, Seeds, Step, row):
     return greedy, inv_t, tl.load(Seeds + row) + tl.load(Step) * 1000003
 
 
+@triton.jit
+def _first_best(best_val, best_idx, best_x, vocab):
+    """Per-lane running bests -> (the best value, the first index holding it, that token's logit)."""
+    top = tl.max(best_val, axis=0)
+    idx = tl.min(tl.where(best_val == top, best_idx, vocab), axis=0)
+    return top, idx, tl.max(tl.where(best_idx == idx, best_x, float("-inf")), axis=0)
+
+
+@triton.jit
+def _mass_ahead(Row, lo, hi, inv_t, top, x_b, j_b, BLOCK_V: tl.constexpr):
+    """Sum of exp(logit - top) over the tokens in [lo, hi) ahead of token j_b."""
+    z = tl.zeros([BLOCK_V], tl.float32)
+    for v0 in range(lo, hi, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(Row + offs, mask=offs < hi, other=float("-inf")).to(tl.float32) * inv_t
+        z += tl.where(_before(x, offs, x_b, j_b), tl.exp(x - top), 0.0)
+    return tl.sum(z, axis=0)
+
+
 # a row's slice count follows the batch (one compiled variant for all)
 @triton.jit(do_not_specialize=["num_splits", "slice_len"])
 def _draw_split_kernel(Logits, Temperature, Seeds, Step, PartF, PartI, stride_l, vocab, slice_len, num_splits,
@@ -98,9 +117,7 @@ def _draw_split_kernel(Logits, Temperature, Seeds, Step, PartF, PartI, stride_l,
             safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             z = z * tl.exp(m - safe) + tl.exp(x - safe)
             m = m_new
-    top = tl.max(best_val, axis=0)
-    idx = tl.min(tl.where(best_val == top, best_idx, vocab), axis=0)
-    x_idx = tl.max(tl.where(best_idx == idx, best_x, float("-inf")), axis=0)
+    top, idx, x_idx = _first_best(best_val, best_idx, best_x, vocab)
     part = PartF + (row * num_splits + s) * 4
     tl.store(part, top)
     tl.store(part + 1, x_idx)
@@ -142,27 +159,11 @@ def _nucleus_split_kernel(Logits, Temperature, TopP, PartF, PartI, PartM, stride
     temp = tl.load(Temperature + row)
     top_p = tl.load(TopP + row)
     if (temp > 0.0) & (top_p < float("inf")):
-        inv_t = 1.0 / temp
         j, x_j, m, z = _gather_draw(PartF, PartI, row, num_splits, vocab, True, BLOCK_S)
         lo = s * slice_len
-        hi = tl.minimum(lo + slice_len, vocab)
-        ahead = tl.zeros([BLOCK_V], tl.float32)
-        for v0 in range(lo, hi, BLOCK_V):
-            offs = v0 + tl.arange(0, BLOCK_V)
-            x = tl.load(Logits + row * stride_l + offs, mask=offs < hi, other=float("-inf")).to(tl.float32) * inv_t
-            ahead += tl.where(_before(x, offs, x_j, j), tl.exp(x - m), 0.0)
-        tl.store(PartM + row * num_splits + s, tl.sum(ahead, axis=0))
-
-
-@triton.jit
-def _mass_ahead(Row, vocab, inv_t, top, x_b, j_b, BLOCK_V: tl.constexpr):
-    """Sum of exp(logit - top) over the row's tokens ahead of token j_b (one program)."""
-    z = tl.zeros([BLOCK_V], tl.float32)
-    for v0 in range(0, vocab, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(Row + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32) * inv_t
-        z += tl.where(_before(x, offs, x_b, j_b), tl.exp(x - top), 0.0)
-    return tl.sum(z, axis=0)
+        ahead = _mass_ahead(Logits + row * stride_l, lo, tl.minimum(lo + slice_len, vocab), 1.0 / temp, m, x_j, j,
+                            BLOCK_V)
+        tl.store(PartM + row * num_splits + s, ahead)
 
 
 @triton.jit
@@ -179,9 +180,8 @@ def _perturbed_argmax(Row, vocab, inv_t, seed, x_b, j_b, BLOCK_V: tl.constexpr):
         best_idx = tl.where(better, offs, best_idx)
         best_x = tl.where(better, x, best_x)
         best_val = tl.where(better, y, best_val)
-    top = tl.max(best_val, axis=0)
-    idx = tl.min(tl.where(best_val == top, best_idx, vocab), axis=0)
-    return tl.max(tl.where(best_idx == idx, best_x, float("-inf")), axis=0), idx
+    _, idx, x_idx = _first_best(best_val, best_idx, best_x, vocab)
+    return x_idx, idx
 
 
 @triton.jit(do_not_specialize=["stride_o", "num_splits"], do_not_specialize_on_alignment=["Out"])
@@ -194,15 +194,15 @@ def _draw_finish_kernel(Logits, Temperature, Seeds, Step, TopP, PartF, PartI, Pa
     row = tl.program_id(0)
     j, x_j, m, z = _gather_draw(PartF, PartI, row, num_splits, vocab, NUCLEUS, BLOCK_S)
     if NUCLEUS:
-        _, inv_t, seed = _row_params(Temperature, Seeds, Step, row)
+        greedy, inv_t, seed = _row_params(Temperature, Seeds, Step, row)
         top_p = tl.load(TopP + row)
-        if (tl.load(Temperature + row) > 0.0) & (top_p < float("inf")):
+        if (~greedy) & (top_p < float("inf")):
             offs = tl.arange(0, BLOCK_S)
             ahead = tl.sum(tl.load(PartM + row * num_splits + offs, mask=offs < num_splits, other=0.0), axis=0)
             base = Logits + row * stride_l
             while (ahead > 0.0) & (ahead >= top_p * z):
                 x_j, j = _perturbed_argmax(base, vocab, inv_t, seed, x_j, j, BLOCK_V)
-                ahead = _mass_ahead(base, vocab, inv_t, m, x_j, j, BLOCK_V)
+                ahead = _mass_ahead(base, 0, vocab, inv_t, m, x_j, j, BLOCK_V)
     tl.store(Out + row * stride_o, j.to(Out.dtype.element_ty))
 
 

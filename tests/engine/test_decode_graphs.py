@@ -11,6 +11,7 @@ import torch
 
 from engine.model_runner import BlockTables, DecodeGraphs
 from engine.step_plan import StepPlan
+from tests.engine.test_spec_decode import EagerGraph, capture_eagerly
 
 SCRATCH = 99
 
@@ -104,13 +105,6 @@ def test_table_deltas_append_and_a_fresh_slot_forgets_the_last_table():
 
 
 # -- plain decode steps' draws in a graph of their own (DrawGraphs) ------------------------------------
-class EagerGraph:
-    """A captured CUDA graph's stand-in on a CPU: replaying it runs what the capture recorded."""
-
-    def __init__(self, fn):
-        self.replay = fn
-
-
 def keyed_sample(logits, temperature, keys, step, out=None, top_p=None):
     """The sampling kernel's contract in PyTorch for the CPU: argmax where temperature is 0, else
     Gumbel-max with noise that is a function of the row's key alone (as the kernel's is), over the rows
@@ -168,11 +162,7 @@ def test_decode_steps_draw_in_a_graph_what_the_eager_draws_give(monkeypatch):
 
     monkeypatch.setattr(DecodeGraphs, "_capture", decode_capture)
 
-    def capture(self, size, draw):
-        self.outputs[size, draw] = self._step(size, draw)
-        self.graphs[size, draw] = EagerGraph(lambda: self.outputs[size, draw].copy_(self._step(size, draw)))
-
-    monkeypatch.setattr(DrawGraphs, "_capture", capture)
+    monkeypatch.setattr(DrawGraphs, "_capture", capture_eagerly)
     runner.graphs = DecodeGraphs(runner)
     runner.graphs.capture_all()
     runner.draw_graphs = DrawGraphs(runner)

@@ -240,6 +240,13 @@ class EagerGraph:
         self.replay = fn
 
 
+def capture_eagerly(self, *key):
+    """A `_capture(self, *key)` for graphs keyed by (rows, kind of draw): as a graph does, each replay
+    rewrites the output buffer the capture made."""
+    self.outputs[key] = self._step(*key)
+    self.graphs[key] = EagerGraph(lambda: self.outputs[key].copy_(self._step(*key)))
+
+
 # the emulations replace the graphs of an engine that, on a GPU, captured real ones over the same buffers
 # (an illegal memory access there); on a card `test_on_the_gpu_graphs_give_the_plain_tokens` runs the real ones
 emulated_graphs = pytest.mark.skipif(torch.cuda.is_available(), reason="emulates the CUDA graphs on a CPU")
@@ -317,11 +324,7 @@ def fused_graphs(monkeypatch, llm) -> "Replays":
     monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, batch: self.graphs.__setitem__(
         batch, EagerGraph(lambda: self.outputs.__setitem__(batch, self._step(batch)))))
 
-    def capture(self, n, draw):  # as a graph does, each replay writes the same output buffer
-        self.outputs[n, draw] = self._step(n, draw)
-        self.graphs[n, draw] = EagerGraph(lambda: self.outputs[n, draw].copy_(self._step(n, draw)))
-
-    monkeypatch.setattr(SpecGraphs, "_capture", capture)
+    monkeypatch.setattr(SpecGraphs, "_capture", capture_eagerly)
     runner = llm.engine.runner
     runner.graphs = DecodeGraphs(runner)
     runner.graphs.capture_all()

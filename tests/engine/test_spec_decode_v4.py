@@ -14,7 +14,8 @@ import torch
 from engine import LLM, SamplingParams
 from tests.engine.hf_oracle import hf_greedy, hf_logits, prompts, save_hf_checkpoint
 from tests.engine.hf_oracle_v4 import VOCAB, add_mtp_block, build_v4_model
-from tests.engine.test_spec_decode import EagerGraph, emulated_graphs, record_launches, step_to_the_end
+from tests.engine.test_spec_decode import (EagerGraph, capture_eagerly, emulated_graphs, record_launches,
+                                          step_to_the_end)
 
 NEW = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
@@ -276,11 +277,7 @@ def graphed(monkeypatch, llm: LLM, fused: bool = False) -> list[int]:
     for key in {drafts.key(s * (k + 1), s) for s in (1, 2, 3)} | {drafts.key(s, s) for s in (1, 2, 3)}:
         drafts.graphs[key] = EagerGraph(lambda key=key: drafts.outputs.__setitem__(key, drafts._draft(key)))
     if fused:
-        def capture(self, n, draw):
-            self.outputs[n, draw] = self._step(n, draw)
-            self.graphs[n, draw] = EagerGraph(lambda: self.outputs[n, draw].copy_(self._step(n, draw)))
-
-        monkeypatch.setattr(SpecGraphs, "_capture", capture)
+        monkeypatch.setattr(SpecGraphs, "_capture", capture_eagerly)
         runner.spec_graphs = SpecGraphs(runner)
         runner.spec_graphs.capture_all()
     verified, replay = [], runner._replay
