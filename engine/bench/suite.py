@@ -43,6 +43,7 @@ class BenchOptions:
     block_size: int = 64
     kv_cache_dtype: str = "auto"  # EngineConfig's: auto, bf16, fp8 (the V3-family latent cache, one rank)
     eager: bool = False
+    pdl: bool = True  # kernels launched with programmatic dependent launch where the card has it
     seed: int = 0
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -68,6 +69,9 @@ def _summary(phases: dict, field_name: str) -> dict:
 
 def run(opts: BenchOptions) -> dict:
     """-> the results dict (also written to opts.out_dir as <preset>.json and .png)."""
+    from engine.kernels import _util
+
+    _util.PDL = opts.pdl
     if opts.model:
         path = resolve_model_path(opts.model)
         hf_config = json.loads((path / "config.json").read_text())
@@ -154,7 +158,8 @@ def run(opts: BenchOptions) -> dict:
         gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         date=datetime.date.today().isoformat(), torch=torch.__version__,
         dtype=str(runner.dtype).replace("torch.", ""), weights="fp8 e4m3, 128x128 blocks" if fp8 else str(runner.dtype).replace("torch.", ""),
-        backend=runner.backend, kv_cache_dtype=opts.kv_cache_dtype, cuda_graphs=runner.graphs is not None, num_layers=model_config.num_hidden_layers,
+        backend=runner.backend, kv_cache_dtype=opts.kv_cache_dtype, cuda_graphs=runner.graphs is not None,
+        pdl=_util.pdl(torch.empty(0, device=device)), num_layers=model_config.num_hidden_layers,
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
         ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),
         decode_tok_s=_summary(decode, "tok_s"), prefill=prefill, decode=decode,

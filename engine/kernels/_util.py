@@ -1,5 +1,6 @@
 """Small helpers shared by the launchers."""
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -39,6 +40,36 @@ def mma(a, b, UPCAST: tl.constexpr):
     if a.dtype == tl.float32:
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
+
+
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the kernel
+# before it in the stream is still running, and waits (`wait_for_inputs`) only where it first needs that
+# kernel's output. At decode, where a layer is a chain of a dozen kernels of a few microseconds each, the
+# next kernel's launch, setup and constant loads (a GEMV's first weight tiles) overlap the previous
+# kernel's tail instead of following it. False turns it off for every launcher (`bench --no-pdl`).
+PDL = True
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def pdl(t: torch.Tensor) -> bool:
+    """Whether kernels on t's device launch with programmatic dependent launch (`PDL` and sm_90+)."""
+    return PDL and t.is_cuda and _capability(t.device) >= 9
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """Under programmatic dependent launch: wait until the previous kernel in the stream has finished and
+    its writes are visible, then let the next kernel start launching. Every kernel launched with PDL calls
+    this before it reads the previous kernel's output or writes anything. Because each does so before
+    releasing its successor, a kernel may read, before waiting, memory written two or more launches back
+    (constant weights, a routing result the previous kernel itself waited for). Without PDL, nothing."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def interpreted(t: torch.Tensor) -> bool:

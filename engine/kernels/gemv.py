@@ -16,13 +16,18 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, interpreted
+from engine.kernels._util import check, check_float, interpreted, pdl, wait_for_inputs
 from engine.kernels.fp8_gemm import FP8, _round_to_e4m3
 
 # (BLOCK_N, K groups per step, num_warps) by weight dtype; K groups are block_k wide for FP8 weights, 128
 # for bf16 and float32. Chosen on an H200 with benchmarks/gemv_configs.py at DeepSeek-V2-Lite's and V3's
 # shapes (within 5 % of each shape's best, except V3's q_a + kv_a, 10.0 vs 8.8 us)
 CONFIG = {"bf16": (8, 8, 4), "fp8": (8, 4, 4)}
+# under programmatic dependent launch, whether a program loads its first weights before waiting for x
+# (`gemv_rows`), by weight dtype (else it waits first). Measured on an H200 (benchmarks/pdl_chain.py,
+# RMSNorm -> GEMV links, us): bf16 gains a little more (V2-Lite q + kv_a 7.4 without PDL, 6.3 waiting
+# first, 6.0 loading first); FP8 loses badly loading first (V3 o_proj 42.7 / 40.5 / 66.0)
+PREFETCH = {"bf16": True, "fp8": False}
 INTERPRETED_CONFIG = (32, 2, 4)  # the interpreter pays per program: few, wide ones
 
 
@@ -38,36 +43,53 @@ def fp8_groups(a, PRE_ROUND: tl.constexpr):
 
 
 @triton.jit
+def _gemv_step(acc, w, x_ptrs, scales, k0, K, offs_g, offs_k, USE_FP8: tl.constexpr, GROUP_K: tl.constexpr,
+               PRE_ROUND: tl.constexpr):
+    """acc += one K step's products: w [BLOCK_N, GROUPS, GROUP_K] (loaded, float32) times x at k0."""
+    mask_k = offs_k < K - k0
+    a = tl.load(x_ptrs + k0, mask=mask_k, other=0.0).to(tl.float32)
+    if USE_FP8:  # each GROUP_K slice as the FP8 GEMM sees it, times its weight block's scale
+        w_scale = tl.load(scales + k0 // GROUP_K + offs_g, mask=offs_g * GROUP_K < K - k0, other=0.0)
+        a = fp8_groups(a, PRE_ROUND) * w_scale[:, None]
+    return acc + w * a[None, :, :]
+
+
+@triton.jit
 def gemv_rows(w_ptrs, x_ptrs, scales, mask_n, K, USE_FP8: tl.constexpr, GROUP_K: tl.constexpr,
-              GROUPS: tl.constexpr, PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr):
+              GROUPS: tl.constexpr, PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     """sum_k w[n, k] x[k] over K for a program's BLOCK_N rows -> [BLOCK_N] float32.
     w_ptrs [BLOCK_N, GROUPS, GROUP_K] and x_ptrs [GROUPS, GROUP_K] point at k = 0 (k = g * GROUP_K + j);
-    FP8: scales points at the rows' scale block for k = 0 (one scale per GROUP_K columns)."""
+    FP8: scales points at the rows' scale block for k = 0 (one scale per GROUP_K columns).
+    PDL: the first step's weights are loaded before `wait_for_inputs` (x is the previous kernel's
+    output; the weights were written two or more launches back), so they arrive during its tail."""
     offs_g = tl.arange(0, GROUPS)
     offs_k = offs_g[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
     acc = tl.zeros([BLOCK_N, GROUPS, GROUP_K], tl.float32)
-    for k0 in range(0, K, GROUPS * GROUP_K):
+    k_start = 0
+    if PDL:  # the first step peeled off: its weights in flight while waiting
+        w = tl.load(w_ptrs, mask=mask_n[:, None, None] & (offs_k < K)[None, :, :], other=0.0).to(tl.float32)
+        wait_for_inputs(PDL)
+        acc = _gemv_step(acc, w, x_ptrs, scales, 0, K, offs_g, offs_k, USE_FP8, GROUP_K, PRE_ROUND)
+        k_start = GROUPS * GROUP_K
+    for k0 in range(k_start, K, GROUPS * GROUP_K):
         mask_k = offs_k < K - k0
         w = tl.load(w_ptrs + k0, mask=mask_n[:, None, None] & mask_k[None, :, :], other=0.0).to(tl.float32)
-        a = tl.load(x_ptrs + k0, mask=mask_k, other=0.0).to(tl.float32)
-        if USE_FP8:  # each GROUP_K slice as the FP8 GEMM sees it, times its weight block's scale
-            w_scale = tl.load(scales + k0 // GROUP_K + offs_g, mask=offs_g * GROUP_K < K - k0, other=0.0)
-            a = fp8_groups(a, PRE_ROUND) * w_scale[:, None]
-        acc += w * a[None, :, :]
+        acc = _gemv_step(acc, w, x_ptrs, scales, k0, K, offs_g, offs_k, USE_FP8, GROUP_K, PRE_ROUND)
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
-def _gemv_kernel(X, W, WS, Out, N, K, rows_per_group, stride_xm, stride_wn, stride_wsn, stride_om,
+def _gemv_kernel(X, W, WS, Out, N, K, rows_per_group, stride_xm, stride_xg, stride_wn, stride_wsn, stride_om,
                  USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
-                 PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr):
+                 PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, WAIT_FIRST: tl.constexpr, PREFETCH: tl.constexpr):
     row, pid_n = tl.program_id(0), tl.program_id(1)
+    wait_for_inputs(WAIT_FIRST)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, GROUPS)[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
     w_ptrs = W + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, :, :]
     scales = WS + ((pid_n * BLOCK_N) // GROUP_N) * stride_wsn
-    x = X + row * stride_xm + ((pid_n * BLOCK_N) // rows_per_group) * K  # block-diagonal: the rows' group of x
-    y = gemv_rows(w_ptrs, x + offs_k, scales, offs_n < N, K, USE_FP8, GROUP_K, GROUPS, PRE_ROUND, BLOCK_N)
+    x = X + row * stride_xm + ((pid_n * BLOCK_N) // rows_per_group) * stride_xg  # block-diagonal: the rows' group of x
+    y = gemv_rows(w_ptrs, x + offs_k, scales, offs_n < N, K, USE_FP8, GROUP_K, GROUPS, PRE_ROUND, BLOCK_N, PREFETCH)
     tl.store(Out + row * stride_om + offs_n, y.to(Out.dtype.element_ty), mask=offs_n < N)
 
 
@@ -77,14 +99,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     """x [M, K] (M small: each row streams the whole weight) times weight [N, K] -> [M, N] in out_dtype
     (default x's). The weight is x's dtype, float32 (x widened: the router's float32 logits), or FP8 with
     its [ceil(N / block_n), ceil(K / block_k)] scales and the block size.
-    `config`: (BLOCK_N, K groups per step, num_warps). groups > 1: block-diagonal, x [M, groups * K] and
-    rows j * N / groups.. of the weight multiply x's slice j (DeepSeek-V4's grouped wo_a)."""
+    `config`: (BLOCK_N, K groups per step, num_warps). groups > 1: block-diagonal, x [M, groups * K] (or
+    [M, groups, K], its groups at any stride: the heads of a strided view) and rows j * N / groups.. of the
+    weight multiply x's slice j (DeepSeek-V4's grouped wo_a, MLA's per-head absorptions)."""
     check_float("x", x)
-    check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [M, K] with contiguous rows, got {tuple(x.shape)}")
-    num_rows, k = x.shape
+    if x.dim() == 3:
+        check(x.shape[1] == groups and x.stride(-1) == 1,
+              f"a 3-D x must be [M, {groups} groups, K] contiguous in K, got {tuple(x.shape)}")
+        num_rows, _, k = x.shape
+        stride_xg = x.stride(1)
+    else:
+        check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [M, K] with contiguous rows, got {tuple(x.shape)}")
+        num_rows, k = x.shape
+        check(k % groups == 0, f"{groups} groups do not split x [{num_rows}, {k}]")
+        k //= groups
+        stride_xg = k
     n = weight.shape[0]
-    check(k % groups == 0 and n % groups == 0, f"{groups} groups do not split x [{num_rows}, {k}] and {n} rows")
-    k //= groups
+    check(n % groups == 0, f"{groups} groups do not split the weight's {n} rows")
     rows_per_group = n // groups
     check(weight.dim() == 2 and weight.shape[1] == k and weight.stride(-1) == 1,
           f"weight must be [N, {k}] with contiguous rows, got {tuple(weight.shape)}")
@@ -109,9 +140,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     if num_rows == 0:
         return out
     ws = weight_scale if fp8 else weight
+    on, prefetch = pdl(x), PREFETCH["fp8" if fp8 else "bf16"]
     _gemv_kernel[(num_rows, triton.cdiv(n, block_n))](
-        x, weight, ws, out, n, k, rows_per_group, x.stride(0), weight.stride(0), ws.stride(0) if fp8 else 0,
+        x, weight, ws, out, n, k, rows_per_group, x.stride(0), stride_xg, weight.stride(0), ws.stride(0) if fp8 else 0,
         out.stride(0),
         USE_FP8=fp8, GROUP_N=block[0] if fp8 else 1, GROUP_K=group_k, GROUPS=k_groups,
-        PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n, num_warps=warps)
+        PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n, WAIT_FIRST=on and not prefetch,
+        PREFETCH=on and prefetch, launch_pdl=on, num_warps=warps)
     return out

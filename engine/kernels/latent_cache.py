@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_last_contiguous, interpreted, pow2
+from engine.kernels._util import check, check_last_contiguous, interpreted, pdl, pow2, wait_for_inputs
 from engine.kernels.rotary import rotate_heads_
 from engine.layers.fp8_latent import FP8_MAX as _FP8_MAX, MIN_SCALE as _MIN_SCALE, FP8LatentLayout
 
@@ -34,8 +34,9 @@ def _e4m3_grid(x):
 def _latent_write_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt,
                          stride_qh, stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads,
                          LORA: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_D: tl.constexpr, FP8: tl.constexpr, EXACT_CAST: tl.constexpr):
+                         BLOCK_D: tl.constexpr, FP8: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0)
+    wait_for_inputs(PDL)
     slot = tl.load(Slots + t).to(tl.int64)
     blk, tok = slot // page, slot % page
     # c_kv's and k_pe's rows: one row (k_pe a view LORA values in), or (FP8) in their sections of the block
@@ -106,8 +107,9 @@ def write_latent_(kv_cache: torch.Tensor, kv: torch.Tensor, norm_weight: torch.T
     check_last_contiguous("q_pe", q_pe)
     if num_tokens:
         num_heads = q_pe.shape[1]
+        on = pdl(kv)
         _latent_write_kernel[(num_tokens,)](
             kv, norm_weight, q_pe, positions, cos_cache, sin_cache, cache, cache_r, cache_s, slot_mapping, eps,
             kv.stride(0), q_pe.stride(0), q_pe.stride(1), cos_cache.stride(0), cache.stride(0), cache.stride(1),
             cache_r.stride(0), cache_r.stride(1), cache_s.stride(0), kv_cache.shape[1], num_heads, LORA=lora, HALF=rope // 2, BLOCK_C=pow2(lora), BLOCK_H=min(16, pow2(num_heads, 1)),
-            BLOCK_D=pow2(rope // 2, 1), FP8=fp8, EXACT_CAST=interpreted(kv))
+            BLOCK_D=pow2(rope // 2, 1), FP8=fp8, EXACT_CAST=interpreted(kv), PDL=on, launch_pdl=on)

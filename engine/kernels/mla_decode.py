@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, check_last_contiguous, interpreted, mma, pow2
+from engine.kernels._util import check, check_float, check_last_contiguous, interpreted, mma, pdl, pow2, wait_for_inputs
 from engine.layers.fp8_latent import FP8LatentLayout, dequantized
 
 LOG2E = 1.4426950408889634
@@ -116,9 +116,10 @@ def _split_kernel(QL, QP, Cache, CacheR, CacheS, Tables, Lens, MidO, MidLse, Out
                   KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MIN_CHUNK: tl.constexpr,
                   DIRECT: tl.constexpr, ONE_PAGE: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
-                  RELOAD: tl.constexpr, ACC_T: tl.constexpr):
+                  RELOAD: tl.constexpr, ACC_T: tl.constexpr, PDL: tl.constexpr):
     # head blocks of one slice are neighbours in launch order: they run together and share its tiles in L2
     hb, s, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    wait_for_inputs(PDL)
     ctx = tl.load(Lens + b)
     # this slice: a whole number of tiles, at least MIN_CHUNK tokens
     chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
@@ -163,9 +164,10 @@ def _split_kernel(QL, QP, Cache, CacheR, CacheS, Tables, Lens, MidO, MidLse, Out
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits,
-                  KV_LORA: tl.constexpr, BLOCK_CM: tl.constexpr, BLOCK_S: tl.constexpr):
+                  KV_LORA: tl.constexpr, BLOCK_CM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     # one program per (sequence, head, BLOCK_CM columns): at batch 1 the merge still spreads over the chip
     b, h, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    wait_for_inputs(PDL)
     offs_s = tl.arange(0, BLOCK_S)
     offs_c = cb * BLOCK_CM + tl.arange(0, BLOCK_CM)
     mask_c = offs_c < KV_LORA
@@ -284,6 +286,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     mid_o = torch.empty(shape, dtype=torch.float32, device=q_latent.device)
     mid_lse = torch.empty(shape[:3], dtype=torch.float32, device=q_latent.device)
     grid = (triton.cdiv(num_heads, block_h), num_splits, batch)
+    on = pdl(q_latent)
     _split_kernel[grid](q_latent, q_pe, cache, cache_r, cache_s, block_tables, context_lens, mid_o, mid_lse, out,
                         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
                         cache.stride(0), cache.stride(1), cache_r.stride(0), cache_r.stride(1), cache_s.stride(0),
@@ -294,7 +297,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
                         BLOCK_N=cfg["block_n"], PAGE=kv_cache.shape[1], MIN_CHUNK=cfg["min_chunk"], DIRECT=direct,
                         ONE_PAGE=kv_cache.shape[1] % cfg["block_n"] == 0,
                         UPCAST=interpreted(kv_cache), FP8=fp8, RELOAD=cfg["reload"] and fp8,
-                        ACC_T=cfg.get("acc_t", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                        ACC_T=cfg.get("acc_t", False), PDL=on, launch_pdl=on, num_warps=cfg["num_warps"],
+                        num_stages=cfg["num_stages"])
     if not direct:
         # columns per merge program from the slice count alone (no variant per batch size): ~2K partial
         # values each, so batch 1's 16 heads still make hundreds of programs
@@ -302,7 +306,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         block_cm = max(16, min(block_c, 2048 // block_s))
         _merge_kernel[(batch, num_heads, triton.cdiv(kv_lora, block_cm))](
             mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), out.stride(0), out.stride(1),
-            num_heads, num_splits, KV_LORA=kv_lora, BLOCK_CM=block_cm, BLOCK_S=block_s)
+            num_heads, num_splits, KV_LORA=kv_lora, BLOCK_CM=block_cm, BLOCK_S=block_s, PDL=on, launch_pdl=on)
     return out
 
 

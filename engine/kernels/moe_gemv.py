@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, interpreted
+from engine.kernels._util import check, check_float, interpreted, pdl, wait_for_inputs
 from engine.kernels.fp8_gemm import FP8
 from engine.kernels.gemv import fp8_groups, gemv_rows
 from engine.kernels.mxfp4 import as_bytes, as_words, check_mxfp4, fp4_gemv_rows, fp4_gemv_words, is_mxfp4
@@ -40,6 +40,11 @@ from engine.kernels.mxfp4 import as_bytes, as_words, check_mxfp4, fp4_gemv_rows,
 
 # (BLOCK_N, K groups per step, num_warps), chosen on an H200 with benchmarks/moe_gemv_configs.py
 CONFIG = {"bf16": (16, 1, 4), "fp8": (8, 4, 4)}
+# under programmatic dependent launch, whether the down kernel loads its expert's first weights before
+# waiting for act (`gemv.gemv_rows`), by weight dtype (else it waits first). Measured on an H200
+# (benchmarks/pdl_chain.py, one token's MoE block, us): V2-Lite 48.2 without PDL, 45.7 waiting first,
+# 43.3 loading first; V3 (FP8) 160.6 / 156.1 / 153.3
+PREFETCH = {"bf16": True, "fp8": True}
 # MXFP4: (BLOCK_N, groups of 32 values per step, num_warps) by decode: "bytes" one code at a time
 # (`mxfp4.fp4_gemv_rows`), "words" two at a time from 32-bit words (`mxfp4.fp4_gemv_words`), "asm" the
 # same in inline PTX (GPU only)
@@ -88,8 +93,9 @@ def _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn, stride_
 def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, limit, stride_xm, stride_we, stride_wn,
                stride_wse, stride_wsn, stride_sn, stride_ssn, stride_am,
                USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
-               PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr):
+               PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     pair, pid_n = tl.program_id(0), tl.program_id(1)
+    wait_for_inputs(PDL)  # the expert ids are the routing's output
     token, piece, _, w, row_stride, s, srow = _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn,
                                                     stride_wse, stride_wsn, stride_sn, stride_ssn)
     # routed: rows [0, N) gate and [N, 2N) up of its expert; shared piece p: rows p*N.. and Is + p*N..
@@ -131,8 +137,11 @@ def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, limit
 def _down_kernel(Act, W, WS, SW, SWS, Out, Weights, Ids, N, K, top_k, slots, stride_am, stride_we, stride_wn,
                  stride_wse, stride_wsn, stride_sn, stride_ssn, stride_om,
                  USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
-                 PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr):
+                 PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, WAIT_FIRST: tl.constexpr, PREFETCH: tl.constexpr):
     pair, pid_n = tl.program_id(0), tl.program_id(1)
+    wait_for_inputs(WAIT_FIRST)
+    # PREFETCH: the ids and routing weights come from before the up kernel (which waited for them): read before
+    # `gemv_rows` waits for act, with the expert's first weights
     _, piece, pick, w, row_stride, s, srow = _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn,
                                                    stride_wse, stride_wsn, stride_sn, stride_ssn)
     weight = tl.where(piece < 0, tl.load(Weights + pick), 1.0)
@@ -143,7 +152,7 @@ def _down_kernel(Act, W, WS, SW, SWS, Out, Weights, Ids, N, K, top_k, slots, str
     w_ptrs = w + offs_n[:, None, None].to(tl.int64) * row_stride + col0 + offs_k[None, :, :]
     scales = s + ((pid_n * BLOCK_N) // GROUP_N) * srow + col0 // GROUP_K
     y = gemv_rows(w_ptrs, Act + pair * stride_am + offs_k, scales, offs_n < N, K, USE_FP8, GROUP_K, GROUPS,
-                  PRE_ROUND, BLOCK_N)
+                  PRE_ROUND, BLOCK_N, PREFETCH)
     # rounded to the activation dtype before the weight, as the reference path's expert outputs are
     y = y.to(Out.dtype.element_ty).to(tl.float32)
     tl.store(Out + pair * stride_om + offs_n, (y * weight).to(Out.dtype.element_ty), mask=offs_n < N)
@@ -258,9 +267,10 @@ def _down_fp4_words_kernel(Act, W, WS, Out, Weights, Ids, N, K, stride_am, strid
 
 
 @triton.jit
-def _sum_kernel(Partial, Out, N, slots, stride_pm, stride_om, BLOCK_N: tl.constexpr):
+def _sum_kernel(Partial, Out, N, slots, stride_pm, stride_om, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """Out[t] = sum over the token's slots of Partial[t * slots + s], in float32, slots in order."""
     token, pid_n = tl.program_id(0), tl.program_id(1)
+    wait_for_inputs(PDL)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     acc = tl.zeros([BLOCK_N], tl.float32)
@@ -330,22 +340,25 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     sw13, sw2 = (shared.gate_up, shared.down) if shared is not None else (w13, w2)
     s13, s2 = (w13_scale, w2_scale) if fp8 else (w13, w2)
     ss13, ss2 = ((shared.gate_up_scale, shared.down_scale) if shared is not None else (s13, s2)) if fp8 else (sw13, sw2)
+    on, prefetch = pdl(x), PREFETCH["fp8" if fp8 else "bf16"]
     common = dict(USE_FP8=fp8, GROUP_N=block[0] if fp8 else 1, GROUP_K=block[1] if fp8 else 128, GROUPS=groups,
-                  PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n, num_warps=warps)
+                  PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n, launch_pdl=on, num_warps=warps)
     _up_kernel[(num_tokens * slots, triton.cdiv(inter, block_n))](
         x, w13, s13, sw13, ss13, act, ids, inter, hidden, top_k, slots, sw13.shape[0] // 2,
         float("inf") if swiglu_limit is None else float(swiglu_limit),
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
-        sw13.stride(0), ss13.stride(0) if fp8 else 0, act.stride(0), **common)
+        sw13.stride(0), ss13.stride(0) if fp8 else 0, act.stride(0), PDL=on, **common)
     _down_kernel[(num_tokens * slots, triton.cdiv(hidden, block_n))](
         act, w2, s2, sw2, ss2, partial, topk_weights, ids, hidden, inter, top_k, slots,
         act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
-        sw2.stride(0), ss2.stride(0) if fp8 else 0, partial.stride(0), **common)
+        sw2.stride(0), ss2.stride(0) if fp8 else 0, partial.stride(0), WAIT_FIRST=on and not prefetch,
+        PREFETCH=on and prefetch, **common)
     out = torch.empty_like(x)
     # torch's reduction over the middle dimension took 5 us for one token on an H200: a plain loop instead
     sum_block = 256
     _sum_kernel[(num_tokens, triton.cdiv(hidden, sum_block))](partial, out, hidden, slots, partial.stride(0),
-                                                              out.stride(0), BLOCK_N=sum_block, num_warps=4)
+                                                              out.stride(0), BLOCK_N=sum_block, PDL=on,
+                                                              launch_pdl=on, num_warps=4)
     return out
 
 
@@ -408,5 +421,6 @@ def _moe_gemv_fp4(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     out = torch.empty_like(x)
     sum_block = 256
     _sum_kernel[(num_tokens, triton.cdiv(hidden, sum_block))](partial, out, hidden, top_k, partial.stride(0),
-                                                              out.stride(0), BLOCK_N=sum_block, num_warps=4)
+                                                              out.stride(0), BLOCK_N=sum_block, PDL=False,
+                                                              num_warps=4)
     return out

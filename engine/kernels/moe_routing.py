@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, pow2
+from engine.kernels._util import check, pdl, pow2, wait_for_inputs
 
 SCORING = {"sigmoid": 0, "softmax": 1}
 GROUPING = {"none": 0, "noaux_tc": 1, "group_limited_greedy": 2}  # group score: best two summed | best one
@@ -17,8 +17,9 @@ GROUPING = {"none": 0, "noaux_tc": 1, "group_limited_greedy": 2}  # group score:
 def _route_kernel(Logits, Bias, WeightsOut, IdsOut, stride_l, num_experts, scaling,
                   SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPING: tl.constexpr, N_GROUP: tl.constexpr,
                   TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
+    wait_for_inputs(PDL)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < num_experts
     logits = tl.load(Logits + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
@@ -81,12 +82,13 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_f
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     if num_tokens:
+        on = pdl(logits)
         _route_kernel[(num_tokens,)](
             logits, bias if bias is not None else logits, weights, ids, logits.stride(0), num_experts,
             routed_scaling_factor, SCORING=SCORING[scoring_func], HAS_BIAS=bias is not None,
             GROUPING=GROUPING[grouping], N_GROUP=n_group, TOPK_GROUP=topk_group, TOP_K=top_k,
             NORM=norm_topk_prob and top_k > 1, BLOCK_E=pow2(num_experts), BLOCK_G=pow2(n_group, 2),
-            BLOCK_K=pow2(top_k, 2))
+            BLOCK_K=pow2(top_k, 2), PDL=on, launch_pdl=on)
     return weights, ids
 
 

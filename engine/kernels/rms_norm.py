@@ -8,15 +8,17 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, pow2
+from engine.kernels._util import check, check_float, pdl, pow2, wait_for_inputs
 
 
 @triton.jit
 def _rms_norm_kernel(X, Res, W, Y, ResOut, stride_x, stride_r, stride_y, stride_ro, dim, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
+    w = tl.load(W + offs, mask=mask, other=0.0)  # a constant: loaded while the previous kernel finishes
+    wait_for_inputs(PDL)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(Res + row * stride_r + offs, mask=mask, other=0.0)
@@ -25,7 +27,6 @@ def _rms_norm_kernel(X, Res, W, Y, ResOut, stride_x, stride_r, stride_y, stride_
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / dim + eps)
     normed = (xf * rstd).to(x.dtype)
-    w = tl.load(W + offs, mask=mask, other=0.0)
     tl.store(Y + row * stride_y + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
 
 
@@ -44,9 +45,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         res_out = torch.empty_like(x)
     if x.shape[0]:
         r = residual if residual is not None else x
+        on = pdl(x)
         _rms_norm_kernel[(x.shape[0],)](x, r, weight, y, res_out, x.stride(0), r.stride(0), y.stride(0),
                                         res_out.stride(0), x.shape[1], eps, HAS_RESIDUAL=residual is not None,
-                                        BLOCK=pow2(x.shape[1]), num_warps=4 if x.shape[1] <= 4096 else 8)
+                                        BLOCK=pow2(x.shape[1]), PDL=on, launch_pdl=on,
+                                        num_warps=4 if x.shape[1] <= 4096 else 8)
     return y if residual is None else (y, res_out)
 
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, interpreted, pow2
+from engine.kernels._util import check, interpreted, pdl, pow2, wait_for_inputs
 from engine.kernels.mla_decode import num_sms
 
 
@@ -40,8 +40,9 @@ def _argmax_row(Logits, row, stride_l, vocab, BLOCK_V: tl.constexpr):
 
 # a column of a step's output buffer starts at any 8-byte offset, with any stride: one variant for all
 @triton.jit(do_not_specialize=["stride_o"], do_not_specialize_on_alignment=["Out"])
-def _greedy_kernel(Logits, Out, stride_l, stride_o, vocab, BLOCK_V: tl.constexpr):
+def _greedy_kernel(Logits, Out, stride_l, stride_o, vocab, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
+    wait_for_inputs(PDL)
     tl.store(Out + row * stride_o, _argmax_row(Logits, row, stride_l, vocab, BLOCK_V).to(Out.dtype.element_ty))
 
 
@@ -265,8 +266,9 @@ def greedy(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     check(out.shape == (batch,), "out must be [B]")
     if batch:
+        on = pdl(logits)
         _greedy_kernel[(batch,)](logits, out, logits.stride(0), out.stride(0), vocab,
-                                 BLOCK_V=128 if interpreted(logits) else 4096, num_warps=8)
+                                 BLOCK_V=128 if interpreted(logits) else 4096, PDL=on, launch_pdl=on, num_warps=8)
     return out
 
 

@@ -32,7 +32,7 @@ def _signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dic
     """Launch arguments -> (signature, constexprs, compile options, attrs) for triton.compile. The attrs
     are what Triton's launcher tells the compiler (16-byte-aligned tensors, integers divisible by 16,
     except arguments marked do_not_specialize), so the compiled code is the GPU's: vectorized loads."""
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
     bound = dict(zip(kernel.arg_names, args)) | kwargs
     signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(kernel.params):
@@ -78,8 +78,10 @@ class _Compiler:
                 return
             compiled = triton.compile(ASTSource(self.kernel, signature, constexprs=constexprs, attrs=attrs),
                                       target=GPUTarget("cuda", self.arch, 32), options=options)
+            # a kernel launched with programmatic dependent launch must wait for its inputs (`wait_for_inputs`)
             self.results.append(dict(key=key, kernel=self.kernel.__name__, shared=compiled.metadata.shared,
-                                     constexprs=constexprs, options=options))
+                                     constexprs=constexprs, options=options,
+                                     waits="griddepcontrol.wait" in compiled.asm["ptx"]))
 
         return compile_launch
 
@@ -94,6 +96,8 @@ def compiling_for(arch: int, results: list) -> Iterator[None]:
         for module in [_util, *modules]:
             if hasattr(module, "interpreted"):
                 stack.enter_context(mock.patch.object(module, "interpreted", lambda t: False))
+            if hasattr(module, "pdl"):  # launched as on Hopper: programmatic dependent launch
+                stack.enter_context(mock.patch.object(module, "pdl", lambda t: True))
         for module in modules:
             for name, obj in vars(module).items():
                 if name.startswith("_") and name.endswith("_kernel"):
@@ -280,11 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     results = compile_all(args.arch)
     limit = SHARED_LIMIT.get(args.arch)
     bad = [r for r in results if limit is not None and r["shared"] > limit]
+    unsafe = [r for r in results if r["options"].get("launch_pdl") and not r["waits"]]
     for r in results:
         flag = "  over the limit" if r in bad else ""
+        flag += "  launched early but never waits" if r in unsafe else ""
         print(f"{r['kernel']:22s} shared {r['shared']:7d} B  {r['options']}{flag}")
     print(f"{len(results)} kernel variants compiled for sm_{args.arch}")
-    return 1 if bad else 0
+    return 1 if bad or unsafe else 0
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ KERNELS = {"_rms_norm_kernel", "_latent_write_kernel", "_route_kernel", "_moe_ge
            "_down_fp4_words_kernel",
            "_dequant_kernel", "_greedy_kernel", "_decode_rows_kernel", "_accept_kernel", "_advance_kernel",
            "_noise_keys_kernel", "_nucleus_split_kernel", "_draw_finish_kernel"}
+PDL_KERNELS = {"_rms_norm_kernel", "_gemv_kernel", "_latent_write_kernel", "_split_kernel", "_merge_kernel",
+               "_route_kernel", "_up_kernel", "_down_kernel", "_sum_kernel", "_greedy_kernel"}
 
 
 def test_every_kernel_compiles_for_hopper_within_its_shared_memory():
@@ -27,3 +29,8 @@ def test_every_kernel_compiles_for_hopper_within_its_shared_memory():
     compiled = {line.split()[0] for line in proc.stdout.splitlines() if "shared" in line}
     assert compiled == KERNELS, f"compiled {sorted(compiled)}"
     assert "over the limit" not in proc.stdout
+    # the decode chain's kernels launch with programmatic dependent launch on Hopper, each one waiting
+    # for its inputs in the compiled code (a launch that never waits is refused above)
+    early = {line.split()[0] for line in proc.stdout.splitlines() if "'launch_pdl': True" in line}
+    assert early == PDL_KERNELS, f"launched with PDL: {sorted(early)}"
+    assert "never waits" not in proc.stdout
