@@ -11,6 +11,7 @@ reference; `mla_prefill_fast` / `mla_decode_fast` take the same arguments and ru
 import functools
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -161,6 +162,23 @@ def mla_decode(
     return torch.einsum("bhc,hvc->bhv", out_latent, w_uv.float()).to(q_nope.dtype)
 
 
+class AbsorbWeights(NamedTuple):
+    """kv_b_proj's two halves laid out for per-head GEMVs (`kernels.gemv` with one group a head): W_UK^T
+    [H * kv_lora, nope] (head h's rows h * kv_lora..) and W_UV [H * v, kv_lora]. At one token the cuBLAS
+    batched GEMMs spend ~3 us each on 2 MB (DeepSeek-V2-Lite) and break the chain of kernels that start
+    early (`kernels._util.PDL`); these copies cost 2 x H x kv_lora x 128 values a layer."""
+
+    w_uk_t: torch.Tensor
+    w_uv: torch.Tensor
+
+    @classmethod
+    def of(cls, w_kv_b: torch.Tensor, nope: int, v_head_dim: int) -> "AbsorbWeights":
+        kv_lora = w_kv_b.shape[1]
+        w = w_kv_b.view(-1, nope + v_head_dim, kv_lora)
+        return cls(w[:, :nope].transpose(1, 2).reshape(-1, nope).contiguous(),
+                   w[:, nope:].reshape(-1, kv_lora).contiguous())
+
+
 # Prefill chunks of at most this many tokens take the weight-absorbed path: expanding a long cached
 # context through W_UKV costs 2 * kv_lora * H * (nope + v) FLOPs per context token whatever the chunk,
 # while absorbed attention costs about 2 * H * (2 * kv_lora + rope) per (query, context) pair, so
@@ -172,7 +190,7 @@ ABSORBED_MAX_TOKENS = 256
 
 
 def mla_prefill_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv_lora_rank, v_head_dim,
-                     softmax_scale) -> torch.Tensor:
+                     softmax_scale, absorb: AbsorbWeights | None = None) -> torch.Tensor:
     """`mla_prefill` through the Triton kernels. Chunks of up to ABSORBED_MAX_QUERY tokens: each query
     token attends as its own sequence over the context it may see, through the absorbed decode kernel.
     Longer ones: gather each chunk's whole context (cached prefix + chunk) from the cache, expand it
@@ -183,7 +201,7 @@ def mla_prefill_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv
     q_lens = meta.query_lens_cpu[: meta.num_prefills]
     if max(q_lens) <= ABSORBED_MAX_QUERY and sum(q_lens) <= ABSORBED_MAX_TOKENS:
         tables, lens = meta.prefill_as_decode_rows
-        return _absorbed_attention(q_nope, q_pe, kv_cache, tables, lens, w_kv_b, v_head_dim, softmax_scale)
+        return _absorbed_attention(q_nope, q_pe, kv_cache, tables, lens, w_kv_b, v_head_dim, softmax_scale, absorb)
     slots, cu_k = meta.prefill_context
     # [Tk, kv_lora + rope]; an FP8 cache's rows decoded as they are gathered (the expansion GEMM and the
     # attention after it run in the activation dtype)
@@ -196,20 +214,28 @@ def mla_prefill_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv
 
 
 def mla_decode_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv_lora_rank, v_head_dim,
-                    softmax_scale) -> torch.Tensor:
-    """`mla_decode` through the Triton split-KV kernel; the absorptions are batched GEMMs per head."""
+                    softmax_scale, absorb: AbsorbWeights | None = None) -> torch.Tensor:
+    """`mla_decode` through the Triton split-KV kernel; the absorptions are batched GEMMs per head (GEMVs
+    for one token, given `absorb`)."""
     first = meta.num_prefills
     return _absorbed_attention(q_nope, q_pe, kv_cache, meta.block_tables[first:], meta.context_lens[first:], w_kv_b,
-                               v_head_dim, softmax_scale)
+                               v_head_dim, softmax_scale, absorb)
 
 
 def _absorbed_attention(q_nope, q_pe, kv_cache, block_tables, context_lens, w_kv_b, v_head_dim,
-                        softmax_scale) -> torch.Tensor:
+                        softmax_scale, absorb: AbsorbWeights | None = None) -> torch.Tensor:
     """One query token per row of block_tables / context_lens, weight-absorbed -> [B, H, v]."""
     from engine.kernels.mla_decode import mla_decode_attention
 
-    num_heads, nope = q_nope.shape[1], q_nope.shape[2]
+    batch, num_heads, nope = q_nope.shape
     kv_lora_rank = w_kv_b.shape[1]
+    if absorb is not None and batch == 1:  # one token: the absorptions as GEMVs, one group a head
+        from engine.kernels.gemv import gemv
+
+        q_latent = gemv(q_nope, absorb.w_uk_t, groups=num_heads).view(1, num_heads, kv_lora_rank)
+        out = mla_decode_attention(q_latent, q_pe.to(q_latent.dtype), kv_cache, block_tables.int(),
+                                   context_lens.int(), softmax_scale)
+        return gemv(out.view(1, -1), absorb.w_uv, groups=num_heads).view(1, num_heads, v_head_dim)
     w = w_kv_b.view(num_heads, nope + v_head_dim, kv_lora_rank)
     q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [B, H, kv_lora]
     out = mla_decode_attention(q_latent, q_pe.to(q_latent.dtype), kv_cache, block_tables.int(), context_lens.int(),

@@ -11,6 +11,7 @@ from torch import nn
 from engine.config import ModelConfig, QuantConfig
 from engine.kv_pool import KVCacheSpec, KVPool
 from engine.layers.attention import (
+    AbsorbWeights,
     AttentionMetadata,
     mla_decode,
     mla_decode_fast,
@@ -67,6 +68,7 @@ class MLA(nn.Module):
         self.softmax_scale = yarn_softmax_scale(cfg.qk_head_dim, cfg.rope_scaling)
         self.kv_cache: torch.Tensor | None = None  # set by the model runner
         self.fused_input_proj: Linear | None = None  # (q_proj or q_a_proj) + kv_a_proj_with_mqa, see fuse()
+        self.absorb: AbsorbWeights | None = None  # kv_b_proj for one token's absorptions, see fuse()
 
     def _apply(self, fn, *args, **kwargs):
         module = super()._apply(fn, *args, **kwargs)
@@ -79,6 +81,7 @@ class MLA(nn.Module):
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         # not registered as a submodule: its parameters are the two layers', seen once in parameters()
         object.__setattr__(self, "fused_input_proj", fuse_linears(first, self.kv_a_proj_with_mqa))
+        self.absorb = AbsorbWeights.of(self.kv_b_proj.weight.detach(), self.qk_nope_head_dim, self.v_head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -108,14 +111,15 @@ class MLA(nn.Module):
         n = meta.num_prefill_tokens
         args = (self.kv_cache, meta, self.kv_b_proj.weight, self.kv_lora_rank, self.v_head_dim, self.softmax_scale)
         prefill, decode = (mla_prefill_fast, mla_decode_fast) if self.use_kernels else (mla_prefill, mla_decode)
+        kw = {"absorb": self.absorb} if self.use_kernels else {}
         if not meta.num_prefills:  # decode-only steps (every CUDA-graph step) skip the copy into `out`
-            out = decode(q_nope, q_pe, *args)
+            out = decode(q_nope, q_pe, *args, **kw)
         elif not meta.num_decodes:
-            out = prefill(q_nope, q_pe, *args)
+            out = prefill(q_nope, q_pe, *args, **kw)
         else:
             out = torch.empty(num_tokens, self.num_heads, self.v_head_dim, dtype=x.dtype, device=x.device)
-            out[:n] = prefill(q_nope[:n], q_pe[:n], *args)
-            out[n:] = decode(q_nope[n:], q_pe[n:], *args)
+            out[:n] = prefill(q_nope[:n], q_pe[:n], *args, **kw)
+            out[n:] = decode(q_nope[n:], q_pe[n:], *args, **kw)
         return self.o_proj(out.flatten(1))
 
 

@@ -927,6 +927,45 @@ def test_gemv_groups_is_block_diagonal(fp8):
     assert rel_err(out, want) < F32_TOL
 
 
+def test_gemv_groups_of_a_strided_view():
+    """x [M, groups, K] at any group stride (MLA's q_nope: each head's first 128 of 192 values)."""
+    from engine.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(34)
+    groups, rows, k = 4, 32, 40
+    q = torch.randn(1, groups, k + 24, generator=g).to(DEV)
+    w = (torch.randn(groups * rows, k, generator=g) * 0.1).to(DEV)
+    want = torch.einsum("tgk,gnk->tgn", q[..., :k], w.view(groups, rows, k)).flatten(1)
+    assert rel_err(gemv(q[..., :k], w, groups=groups), want) < F32_TOL
+    with pytest.raises(ValueError, match="3-D x"):
+        gemv(q[..., :k], w, groups=2)
+
+
+def test_one_token_absorptions_as_gemvs_match_the_batched_gemms():
+    """MLA decode of one token with kv_b_proj's halves as per-head GEMVs (`AbsorbWeights`) equals the
+    batched-GEMM path, and the float32 reference."""
+    from engine.kernels.mla_decode import reference_mla_decode_attention
+    from engine.layers.attention import AbsorbWeights, _absorbed_attention
+
+    g = torch.Generator().manual_seed(35)
+    heads, nope, rope, v, lora, page = 4, 32, 16, 24, 64, 16
+    q = torch.randn(1, heads, nope + rope, generator=g).to(DEV)
+    q_nope, q_pe = q.split([nope, rope], dim=-1)  # strided views, as the layer has them
+    w_kv_b = (torch.randn(heads * (nope + v), lora, generator=g) * 0.1).to(DEV)
+    cache = torch.randn(4, page, lora + rope, generator=g).to(DEV)
+    tables, lens = torch.tensor([[2, 0, 3]], dtype=torch.int32, device=DEV), torch.tensor([37], dtype=torch.int32, device=DEV)
+    absorb = AbsorbWeights.of(w_kv_b, nope, v)
+    assert absorb.w_uk_t.shape == (heads * lora, nope) and absorb.w_uv.shape == (heads * v, lora)
+    got = _absorbed_attention(q_nope, q_pe, cache, tables, lens, w_kv_b, v, 0.1, absorb)
+    bmm = _absorbed_attention(q_nope, q_pe, cache, tables, lens, w_kv_b, v, 0.1)
+    w = w_kv_b.view(heads, nope + v, lora)
+    q_latent = torch.einsum("bhn,hnc->bhc", q_nope, w[:, :nope])
+    latent = reference_mla_decode_attention(q_latent, q_pe, cache, tables, lens, 0.1)
+    want = torch.einsum("bhc,hvc->bhv", latent, w[:, nope:])
+    assert got.shape == (1, heads, v)
+    assert rel_err(got, bmm) < F32_TOL and rel_err(got, want) < F32_TOL
+
+
 def test_gemv_checks_its_contract():
     from engine.kernels.gemv import gemv
 
