@@ -71,7 +71,16 @@ def run(opts: BenchOptions) -> dict:
     """-> the results dict (also written to opts.out_dir as <preset>.json and .png)."""
     from engine.kernels import _util
 
-    _util.PDL = opts.pdl
+    before, _util.PDL = _util.PDL, opts.pdl
+    try:
+        return _run(opts)
+    finally:
+        _util.PDL = before
+
+
+def _run(opts: BenchOptions) -> dict:
+    from engine.kernels import _util
+
     if opts.model:
         path = resolve_model_path(opts.model)
         hf_config = json.loads((path / "config.json").read_text())

@@ -28,6 +28,7 @@ def test_bench_writes_results_and_plot_with_the_peer(tmp_path):
     for key in ("preset", "gpu", "date", "command", "ceilings", "ttft_s", "prefill_tok_s", "decode_tok_s", "hf"):
         assert key in result
     assert result["preset"] == "tiny" and result["gpu"] == "cpu" and result["command"].startswith("deepseek-engine bench")
+    assert result["pdl"] is False  # programmatic dependent launch: CUDA on Hopper or later only
     assert set(result["prefill_tok_s"]) == {"32", "64"} and set(result["decode_tok_s"]) == {"1", "2"}
     assert all(v > 0 for v in [*result["prefill_tok_s"].values(), *result["decode_tok_s"].values(), *result["ttft_s"].values()])
     assert result["ceilings"]["copy_bytes_per_s"] > 0 and result["ceilings"]["bf16_flops_per_s"] > 0
@@ -45,11 +46,14 @@ def test_bench_takes_the_fp8_latent_cache_and_counts_its_bytes(tmp_path):
     for dtype in ("auto", "fp8"):
         rc = main(["bench", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prompt-lens", "32",
                    "--concurrency", "1", "--decode-context", "64", "--decode-steps", "2", "--repeats", "1",
-                   "--kv-cache-dtype", dtype, "--out", str(tmp_path / dtype)])
+                   "--kv-cache-dtype", dtype, "--no-pdl", "--out", str(tmp_path / dtype)])
         assert rc == 0
         result = json.loads((tmp_path / dtype / "tiny.json").read_text())
         assert result["kv_cache_dtype"] == dtype and result["decode_tok_s"]["1"] > 0
         decode_bytes[dtype] = result["decode"]["1"]["bytes"]
+    from engine.kernels import _util
+
+    assert _util.PDL  # a run's --no-pdl does not outlive it
     cfg = ModelConfig.from_hf(preset_config("tiny"))
     # the same weights; per token and layer the cache's own bytes: float32 rows against e4m3 sections
     token_bytes = FP8LatentLayout(cfg.kv_lora_rank, cfg.qk_rope_head_dim, torch.float32).token_bytes
