@@ -19,6 +19,10 @@ plain-PyTorch reference the tests compare against.
 | `compressor` | DeepSeek-V4's compressor decode step (state, entry norm and rope, cache write) |
 | `norm_rope` | DeepSeek-V4's RMSNorm (float32 weight) and interleaved RoPE, fused where both apply |
 
+On Hopper and later the decode chain's kernels (norms, GEMVs, latent write, attention, routing, the MoE
+GEMVs, greedy) launch with programmatic dependent launch: each starts during its predecessor's tail and
+waits for its inputs where it first needs them (`_util.wait_for_inputs`); `_util.PDL = False` turns it off.
+
 Kernels run compiled on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before the
 first import of this package (how the tests run them without a GPU).
 """
