@@ -9,14 +9,13 @@ same for HF's model holding our weights (bf16 where ours are FP8), after ours ha
 """
 
 import argparse
-import gc
 import time
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.bench.hf_peer import _prefill as hf_prefill, build_hf_peer
+from engine.bench.hf_peer import _prefill as hf_prefill, peer_in_place_of
 from engine.bench.ours import BlockPool, make_sequence, prefill, random_prompt
 from engine.bench.presets import preset_config
 from engine.config import EngineConfig, ModelConfig
@@ -78,15 +77,7 @@ def main() -> None:
     ours()
     print(f"ours, {a.preset}, {a.tokens}-token prefill: " + profiled(ours, a.top))
     if a.hf:
-        model = runner.model
-        for attn in model.attention_layers():
-            attn.kv_cache = None
-        runner.model, runner.graphs = None, None
-        model.to("cpu")
-        gc.collect()
-        torch.cuda.empty_cache()
-        hf = build_hf_peer(model, hf_config, runner.device, runner.dtype)
-        del model
+        hf = peer_in_place_of(runner, hf_config)
         x = torch.tensor([ids], device=runner.device)
         hf_prefill(hf, x)
         print(f"HF, {a.preset}, {a.tokens}-token prefill: " + profiled(lambda: hf_prefill(hf, x), a.top))

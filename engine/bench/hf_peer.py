@@ -76,6 +76,26 @@ def build_hf_peer(ours: torch.nn.Module, hf_config: dict, device: torch.device, 
     return hf
 
 
+def peer_in_place_of(runner, hf_config: dict):
+    """HF's model on our runner's device holding its weights, after ours left it: our cache, graphs and
+    weights go first (the weights to host memory, to be copied over one tensor at a time), since both
+    models at once do not fit next to the peer's cache. The runner is spent."""
+    import gc
+
+    device, dtype, model = runner.device, runner.dtype, runner.model
+    for attn in model.attention_layers():
+        attn.kv_cache = None
+    runner.model, runner.graphs = None, None
+    model.to("cpu")
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    hf = build_hf_peer(model, hf_config, device, dtype)
+    del model
+    gc.collect()
+    return hf
+
+
 def _cache_kwarg(hf) -> str:
     """transformers renamed `past_key_values` to `cache` (5.2x); use what this version takes."""
     return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"

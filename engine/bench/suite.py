@@ -1,7 +1,6 @@
 """Run the whole benchmark for one preset (or checkpoint) and write its JSON and plot."""
 
 import datetime
-import gc
 import json
 import logging
 import subprocess
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bench.hf_peer import build_hf_peer, hf_measure_decode, hf_measure_prefill
+from engine.bench.hf_peer import hf_measure_decode, hf_measure_prefill, peer_in_place_of
 from engine.bench.kernels import measure_kernels
 from engine.bench.ours import BlockPool, measure_decode, measure_layers, measure_prefill
 from engine.bench.presets import preset_config
@@ -230,20 +229,8 @@ def _ratio(a, b):
 def _run_hf(runner: ModelRunner, hf_config: dict, opts: BenchOptions, costs: PhaseCosts, ceilings) -> dict:
     import transformers
 
-    device, dtype, vocab = runner.device, runner.dtype, runner.model_config.vocab_size
-    # our cache, graphs and weights leave the device first (the weights to host memory, to be copied
-    # over one tensor at a time): both models at once do not fit next to the peer's cache
-    model = runner.model
-    for attn in model.attention_layers():
-        attn.kv_cache = None
-    runner.model, runner.graphs = None, None
-    model.to("cpu")
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    hf = build_hf_peer(model, hf_config, device, dtype)
-    del model
-    gc.collect()
+    device, vocab = runner.device, runner.model_config.vocab_size
+    hf = peer_in_place_of(runner, hf_config)
     prefill, decode = {}, {}
     for n in opts.prompt_lens:
         if n > opts.hf_max_prompt_len:
@@ -259,6 +246,6 @@ def _run_hf(runner: ModelRunner, hf_config: dict, opts: BenchOptions, costs: Pha
             m.update(fractions(m["seconds_per_step"], *costs.decode(c, m["context"]), ceilings, False))
         decode[str(c)] = m
     return dict(transformers=transformers.__version__, attn_implementation=hf.config._attn_implementation,
-                weights=str(dtype).replace("torch.", ""), ttft_s=_summary(prefill, "seconds"),
+                weights=str(runner.dtype).replace("torch.", ""), ttft_s=_summary(prefill, "seconds"),
                 prefill_tok_s=_summary(prefill, "tok_s"), decode_tok_s=_summary(decode, "tok_s"),
                 prefill=prefill, decode=decode)
