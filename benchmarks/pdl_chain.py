@@ -12,7 +12,8 @@ with PDL waiting first, and with PDL loading the first weights before waiting.
   memory, not L2), for every projection one decode token meets in DeepSeek-V2-Lite (bf16) and
   DeepSeek-V3 (FP8 128 x 128 blocks); microseconds per pair;
 - MoE block: RMSNorm -> router GEMV -> top-k -> `moe_gemv` (up, down, slot sum) for one token, on
-  copies of the experts; microseconds per block.
+  copies of the experts; microseconds per block;
+- first, one token's MLA absorptions: cuBLAS batched GEMMs against per-head GEMVs, at 16 and 128 heads.
 """
 
 import argparse
@@ -103,13 +104,48 @@ def moe_block(hidden: int, inter: int, experts: int, top_k: int, shared: int, ki
     return times
 
 
+def absorptions(heads: int, nope: int = 128, v: int = 128, lora: int = 512) -> dict:
+    """One token's two MLA absorptions (q_nope through W_UK, the latent output through W_UV), on copies of
+    kv_b_proj: cuBLAS's batched GEMMs (as batches of two or more run them) against the per-head GEMVs
+    (`AbsorbWeights`), both under PDL; us per pair."""
+    from engine.layers.attention import AbsorbWeights
+
+    copies = _copies(2 * heads * (nope + v) * lora)
+    ws = [(0.02 * torch.randn(heads * (nope + v), lora, device=DEV)).to(torch.bfloat16) for _ in range(copies)]
+    absorbs = [AbsorbWeights.of(w, nope, v) for w in ws]
+    q = torch.randn(1, heads, nope + 64, device=DEV, dtype=torch.bfloat16)[..., :nope]
+    latent = torch.randn(1, heads, lora, device=DEV, dtype=torch.bfloat16)
+    out = torch.empty(1, heads, v, device=DEV, dtype=torch.bfloat16)
+
+    def bmm():
+        for w in ws:
+            w = w.view(heads, nope + v, lora)
+            torch.bmm(q.transpose(0, 1), w[:, :nope])
+            torch.bmm(latent.transpose(0, 1), w[:, nope:].transpose(1, 2), out=out.transpose(0, 1))
+
+    def gemvs():
+        for a in absorbs:
+            gemv(q, a.w_uk_t, groups=heads)
+            gemv(latent.view(1, -1), a.w_uv, groups=heads)
+
+    _util.PDL = True
+    return {"batched GEMMs": time_replayed(bmm, DEV, calls=1, repeats=20) / copies * 1e6,
+            "GEMVs": time_replayed(gemvs, DEV, calls=1, repeats=20) / copies * 1e6}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="also write the table here")
+    p.add_argument("--absorptions-only", action="store_true", help="only the absorptions table")
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()}; us per chain link, graph-replayed")
-    print(f"{'case':24s}" + "".join(f"{w:>12s}" for w in WAYS))
     rows = {}
+    for heads in (16, 128):  # DeepSeek-V2-Lite's heads, V3's on one rank
+        rows[f"absorptions, {heads} heads"] = r = absorptions(heads)
+        print(f"absorptions, {heads:3d} heads: " + ", ".join(f"{k} {t:.1f}" for k, t in r.items()), flush=True)
+    if args.absorptions_only:
+        return
+    print(f"{'case':24s}" + "".join(f"{w:>12s}" for w in WAYS))
     for name, shape in PROJECTIONS.items():
         rows[name] = projection(*shape)
         print(f"{name:24s}" + "".join(f"{rows[name][w]:12.1f}" for w in WAYS), flush=True)
