@@ -101,7 +101,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     its [ceil(N / block_n), ceil(K / block_k)] scales and the block size.
     `config`: (BLOCK_N, K groups per step, num_warps). groups > 1: block-diagonal, x [M, groups * K] (or
     [M, groups, K], its groups at any stride: the heads of a strided view) and rows j * N / groups.. of the
-    weight multiply x's slice j (DeepSeek-V4's grouped wo_a, MLA's per-head absorptions)."""
+    weight multiply x's slice j (DeepSeek-V4's grouped wo_a, MLA's per-head absorptions).
+    Under programmatic dependent launch a program may read the weight before the previous kernel in the
+    stream has finished (`PREFETCH`): the weight must not be that kernel's output (model weights never are)."""
     check_float("x", x)
     if x.dim() == 3:
         check(x.shape[1] == groups and x.stride(-1) == 1,
