@@ -111,7 +111,9 @@ class MLA(nn.Module):
         n = meta.num_prefill_tokens
         args = (self.kv_cache, meta, self.kv_b_proj.weight, self.kv_lora_rank, self.v_head_dim, self.softmax_scale)
         prefill, decode = (mla_prefill_fast, mla_decode_fast) if self.use_kernels else (mla_prefill, mla_decode)
-        kw = {"absorb": self.absorb} if self.use_kernels else {}
+        # one token's absorptions as GEMVs on the GPU; Triton's interpreter (tests on CPU) pays ~100 ms a
+        # layer for them against 0.05 for the batched GEMMs
+        kw = {"absorb": self.absorb if x.is_cuda else None} if self.use_kernels else {}
         if not meta.num_prefills:  # decode-only steps (every CUDA-graph step) skip the copy into `out`
             out = decode(q_nope, q_pe, *args, **kw)
         elif not meta.num_decodes:
