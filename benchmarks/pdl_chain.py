@@ -123,14 +123,17 @@ def absorptions(heads: int, nope: int = 128, v: int = 128, lora: int = 512) -> d
             torch.bmm(q.transpose(0, 1), w[:, :nope])
             torch.bmm(latent.transpose(0, 1), w[:, nope:].transpose(1, 2), out=out.transpose(0, 1))
 
-    def gemvs():
+    def gemvs(config=None):
         for a in absorbs:
-            gemv(q, a.w_uk_t, groups=heads)
-            gemv(latent.view(1, -1), a.w_uv, groups=heads)
+            gemv(q, a.w_uk_t, groups=heads, config=config)
+            gemv(latent.view(1, -1), a.w_uv, groups=heads, config=config)
 
     _util.PDL = True
     return {"batched GEMMs": time_replayed(bmm, DEV, calls=1, repeats=20) / copies * 1e6,
-            "GEMVs": time_replayed(gemvs, DEV, calls=1, repeats=20) / copies * 1e6}
+            "GEMVs": time_replayed(gemvs, DEV, calls=1, repeats=20) / copies * 1e6,
+            # the projections' tile, 1,024 values of K a step, mostly masked at K = 128 and 512
+            "GEMVs, fixed tile": time_replayed(lambda: gemvs(gemv_mod.CONFIG["bf16"]), DEV, calls=1,
+                                               repeats=20) / copies * 1e6}
 
 
 def main() -> None:
@@ -140,7 +143,7 @@ def main() -> None:
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()}; us per chain link, graph-replayed")
     rows = {}
-    for heads in (16, 128):  # DeepSeek-V2-Lite's heads, V3's on one rank
+    for heads in (16, 32, 64, 128):  # DeepSeek-V2-Lite's heads, V3's on 8, 4, 2 ranks and on one
         rows[f"absorptions, {heads} heads"] = r = absorptions(heads)
         print(f"absorptions, {heads:3d} heads: " + ", ".join(f"{k} {t:.1f}" for k, t in r.items()), flush=True)
     if args.absorptions_only:

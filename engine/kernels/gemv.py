@@ -130,9 +130,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     else:
         check(weight.dtype in (x.dtype, torch.float32), f"weight ({weight.dtype}) must match x ({x.dtype}) or be float32")
     block_n, k_groups, warps = config or (INTERPRETED_CONFIG if interpreted(x) else CONFIG["fp8" if fp8 else "bf16"])
-    if config is None and not interpreted(x):  # enough programs to keep every SM busy for small N (router)
-        block_n = max(1, min(block_n, triton.next_power_of_2(n) // 64))
     group_k = block[1] if fp8 else 128
+    if config is None and not interpreted(x):
+        # a K shorter than one step (MLA's absorptions: K = 128 and 512 a head) would leave most of the
+        # tile masked: fewer K groups per step, as many more rows per program
+        while k_groups > 1 and (k_groups // 2) * group_k >= k:
+            k_groups, block_n = k_groups // 2, block_n * 2
+        block_n = max(1, min(block_n, triton.next_power_of_2(n) // 64))  # enough programs for small N (router)
     if fp8:
         while block[0] % block_n:  # a program's rows must sit in one scale block
             block_n //= 2
