@@ -283,7 +283,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
              block: tuple[int, int] | None = None, shared: SharedExperts | None = None,
              config: tuple[int, int, int] | None = None, swiglu_limit: float | None = None,
-             fp4_decode: str | None = None, planar_x: bool | None = None) -> torch.Tensor:
+             fp4_decode: str | None = None, planar_x: bool | None = None, sum_slots: bool = True) -> torch.Tensor:
     """`fused_moe.fused_experts`'s contract, plus the shared experts' output when `shared` is given;
     meant for T * top_k up to a few dozen pairs. `config`: (BLOCK_N, K groups per step, num_warps); a
     K group is 128 columns for bf16 weights and the scale block's width for FP8 ones. `swiglu_limit` l:
@@ -293,7 +293,9 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     `fp4_decode` one of FP4_DECODES (None: FP4_DECODE; "asm" runs as "words" under the interpreter),
     `planar_x` (words and asm;
     None: FP4_PLANAR_X) lays x out as float32 planes first (contiguous activation reads in the up kernel,
-    one launch more)."""
+    one launch more). sum_slots=False (bf16 and FP8 experts): the token's slots come back unsummed,
+    [T, top_k (+ shared pieces), H] in x's dtype, for a consumer that sums them as it reads them
+    (`rms_norm`); each slot is already weighted."""
     check_float("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] contiguous, got {tuple(x.shape)}")
     if is_mxfp4(w13):
@@ -353,6 +355,8 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
         sw2.stride(0), ss2.stride(0) if fp8 else 0, partial.stride(0), WAIT_FIRST=on and not prefetch,
         PREFETCH=on and prefetch, **common)
+    if not sum_slots:
+        return partial.view(num_tokens, slots, hidden)
     out = torch.empty_like(x)
     # torch's reduction over the middle dimension took 5 us for one token on an H200: a plain loop instead
     sum_block = 256

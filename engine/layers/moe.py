@@ -195,10 +195,11 @@ class FusedExperts(nn.Module):
         return self.use_kernels and topk_ids.shape[0] <= self.gemv_max_tokens
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                shared=None) -> torch.Tensor:
+                shared=None, sum_slots: bool = True) -> torch.Tensor:
         """x: [T, hidden], topk_ids global expert ids. The reference path loops over this rank's experts
         that received tokens. `shared` (kernels.moe_gemv.SharedExperts, GEMV path only) adds the shared
-        experts' output."""
+        experts' output. sum_slots=False lets the GEMV path return each token's slots unsummed,
+        [T, slots, hidden], for the next RMSNorm to sum (other paths return [T, hidden] regardless)."""
         if self.num_experts != self.num_total_experts:  # expert parallel: the pairs routed elsewhere weigh 0
             local = topk_ids - self.expert_offset
             held = (local >= 0) & (local < self.num_experts)
@@ -212,7 +213,7 @@ class FusedExperts(nn.Module):
             scales = (self.w13_scale_inv, self.w2_scale_inv) if quantized else (None, None)
             if self.takes_gemv(topk_ids):
                 return moe_gemv(x, self.w13, self.w2, topk_weights, topk_ids, *scales, block=self.block, shared=shared,
-                                swiglu_limit=self.swiglu_limit)
+                                swiglu_limit=self.swiglu_limit, sum_slots=sum_slots or self.fp4)
             if shared is not None:
                 raise ValueError("shared experts fold into the GEMV path only")
             if self.fp4 and topk_ids.numel() >= self.dequantize_pairs_per_expert * self.num_experts:

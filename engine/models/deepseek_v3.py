@@ -167,11 +167,13 @@ class MoE(nn.Module):
         self.fold_shared = (self.shared_experts is not None and self.shared_experts.foldable()
                             and par.ep_size == 1 and (block is None or cfg.moe_intermediate_size % block[1] == 0))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sum_slots: bool = True) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; sum_slots=False: a few tokens' output may come as their unsummed
+        slots [T, slots, hidden], which the next RMSNorm sums as it reads them (one launch fewer)."""
         weights, ids = self.gate(x)
         if self.fold_shared and self.experts.takes_gemv(ids):
             # a few tokens: routed and shared experts in the same two GEMV launches
-            return self.experts(x, weights, ids, shared=self.shared_experts.as_shared_experts())
+            return self.experts(x, weights, ids, shared=self.shared_experts.as_shared_experts(), sum_slots=sum_slots)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -189,13 +191,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (this layer's MLP output, the residual stream before it); the next norm adds the two."""
+        """-> (this layer's MLP output, the residual stream before it); the next norm adds the two, and
+        sums a MoE layer's slots: at decode its experts hand them on unsummed ([T, slots, hidden])."""
         if residual is None:
             h, residual = self.input_layernorm(h), h
         else:
             h, residual = self.input_layernorm(h, residual)
         h, residual = self.post_attention_layernorm(self.self_attn(positions, h, meta), residual)
-        return self.mlp(h), residual
+        return (self.mlp(h, sum_slots=False) if isinstance(self.mlp, MoE) else self.mlp(h)), residual
 
 
 class MultiTokenPredictor(DecoderLayer):

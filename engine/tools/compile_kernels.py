@@ -157,6 +157,8 @@ def launch_all() -> None:
                                    *((_empty(2 * shared * inter // 128, hidden // 128, dtype=f32),
                                       _empty(hidden // 128, shared * inter // 128, dtype=f32)) if fp8 else ()))
                 moe_gemv(x, w13, w2, weights, ids, *scales, block=block if fp8 else None, shared=sh)
+                # the next layer's norm summing the slots moe_gemv hands on unsummed
+                rms_norm(_empty(tokens, top_k + shared, hidden), _empty(hidden), 1e-6, _empty(tokens, hidden))
             if fp8:
                 fp8_linear(x, _empty(1536, hidden, dtype=FP8), _empty(12, hidden // 128, dtype=f32), block)
             if fp8 and tokens == 4096:  # prefill: the persistent TMA kernels (chosen on the card by shape)

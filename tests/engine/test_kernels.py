@@ -725,6 +725,34 @@ def test_moe_gemv_matches_reference(dtype, with_shared):
     assert rel_err(out, want) < (F32_TOL if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_next_norm_sums_the_unsummed_slots_as_moe_gemv_does(dtype, with_residual):
+    """At decode a MoE layer hands its slots on unsummed and the next RMSNorm sums them as it reads them:
+    the same bits as moe_gemv's own sum, then the norm."""
+    from engine.kernels.moe_gemv import SharedExperts, moe_gemv
+
+    g = torch.Generator().manual_seed(20)
+    t, hidden, inter, e, k = 2, 100, 48, 8, 3  # hidden off the kernel's power-of-two block
+    x, res = (torch.randn(t, hidden, generator=g).to(DEV, dtype) for _ in range(2))
+    w13 = (0.1 * torch.randn(e, 2 * inter, hidden, generator=g)).to(DEV, dtype)
+    w2 = (0.1 * torch.randn(e, hidden, inter, generator=g)).to(DEV, dtype)
+    shared = SharedExperts((0.1 * torch.randn(2 * inter, hidden, generator=g)).to(DEV, dtype),
+                           (0.1 * torch.randn(hidden, inter, generator=g)).to(DEV, dtype))
+    ids = torch.tensor([[1, 5, 2], [5, 1, 7]], dtype=torch.int32, device=DEV)
+    weights = torch.rand(t, k, generator=g).to(DEV)
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(DEV, dtype)
+    slots = moe_gemv(x, w13, w2, weights, ids, shared=shared, sum_slots=False)
+    assert slots.shape == (t, k + 1, hidden)
+    summed = moe_gemv(x, w13, w2, weights, ids, shared=shared)
+    residual = res if with_residual else None
+    got, want = rms_norm(slots, norm_w, 1e-6, residual), rms_norm(summed, norm_w, 1e-6, residual)
+    for o, w in zip(got if with_residual else [got], want if with_residual else [want]):
+        assert torch.equal(o, w)
+    ref = reference_rms_norm(slots, norm_w, 1e-6, residual)  # the reference path sums them too
+    assert rel_err(ref[0] if with_residual else ref, want[0] if with_residual else want) < 1e-2
+
+
 def test_moe_gemv_fp8_is_the_grouped_kernels_math():
     from engine.kernels.fp8_gemm import fp8_linear
     from engine.kernels.moe_gemv import SharedExperts, moe_gemv
