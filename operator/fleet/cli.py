@@ -20,7 +20,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     kopf.configure(verbose=settings.verbose)
     import fleet.handlers  # noqa: F401  (registers the handlers)
 
-    lost = threading.Event()
+    lost, stop_renewing, renewing = threading.Event(), threading.Event(), None
     if settings.leader_election:
         waiting = threading.Event()
         handlers = {sig: signal.signal(sig, lambda *_: waiting.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -34,8 +34,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             lost.set()
             os.kill(os.getpid(), signal.SIGTERM)
 
-        threading.Thread(target=elector.keep_leading, args=(threading.Event(), step_down),
-                         name="lease", daemon=True).start()
+        renewing = threading.Thread(target=elector.keep_leading, args=(stop_renewing, step_down), name="lease",
+                                    daemon=True)
+        renewing.start()
     kopf.run(
         clusterwide=settings.clusterwide,
         namespaces=list(settings.namespaces),
@@ -47,6 +48,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     if lost.is_set():
         sys.exit(1)  # restarted by the kubelet, as a candidate again
+    if renewing is not None:  # a clean stop: every handler has returned, so the next candidate may act now
+        stop_renewing.set()
+        renewing.join(timeout=10)  # a renewal in flight lands before the release, not after it
+        elector.release()
 
 
 def _elector(lease: str):  # noqa: ANN202

@@ -2,7 +2,10 @@
 
 The candidate that holds the Lease runs the operator; the others wait to take it over once it is
 not renewed for `lease_seconds`. A leader that cannot renew in time stops (its process exits and
-restarts as a candidate): no two replicas ever act at once, as in controller-runtime.
+restarts as a candidate): no two replicas ever act at once, as in controller-runtime. A leader that
+stops cleanly (SIGTERM: a rolling update, a drained node) hands the Lease back once its handlers have
+stopped, as client-go's ReleaseOnCancel does, so the next candidate takes over at its next try
+instead of after the lease expires.
 """
 
 from __future__ import annotations
@@ -84,6 +87,23 @@ class LeaderElector:
             if exc.status == 409:
                 return False
             raise
+        return True
+
+    def release(self) -> bool:
+        """Hand the Lease back (no holder, expired at once) if this candidate still holds it; call only
+        once nothing of this replica acts any more. True if it was handed back."""
+        try:
+            lease = json.loads(self.api.read_namespaced_lease(self.name, self.namespace, _preload_content=False).data)
+            if (lease.get("spec") or {}).get("holderIdentity") != self.identity:
+                return False
+            body = {"metadata": {"resourceVersion": lease["metadata"].get("resourceVersion")},
+                    "spec": {"holderIdentity": None, "leaseDurationSeconds": 1, "renewTime": _stamp(_now())}}
+            self.api.patch_namespaced_lease(self.name, self.namespace, body, _preload_content=False,
+                                            _content_type="application/merge-patch+json")
+        except ApiException as exc:  # the Lease then expires as it would have
+            LOGGER.warning(f"Releasing Lease {self.namespace}/{self.name}: {exc.status} {exc.reason}")
+            return False
+        LOGGER.info(f"{self.identity} released Lease {self.namespace}/{self.name}")
         return True
 
     def wait_until_leader(self, stop: threading.Event) -> bool:

@@ -1,5 +1,6 @@
 """Two `deepseek-operator` processes with leader election against the emulated API server: only the
-Lease holder writes; once it stops, the other takes over."""
+Lease holder writes; once it stops, the other takes over: at its next try when the leader stopped
+cleanly and handed the Lease back, not after the lease (15 s) expires."""
 
 from __future__ import annotations
 
@@ -54,8 +55,12 @@ async def test_two_operators_never_both_write(cluster: Cluster, tmp_path: Path) 
 
         processes["first"].send_signal(signal.SIGTERM)
         await asyncio.wait_for(processes["first"].wait(), timeout=20)
+        assert processes["first"].returncode == 0
+        released = cluster.get("coordination.k8s.io/v1", "leases", "deepseek-operator")["spec"]
+        assert released.get("holderIdentity") in (None, "second"), released
         await cluster.delete("v1", "services", "v3-peers")  # work only the new leader can do
-        await eventually(lambda: cluster.get("v1", "services", "v3-peers"), timeout=40, what="a takeover")
+        # the candidate retries every 2 s: well inside the 15 s the Lease would take to expire
+        await eventually(lambda: cluster.get("v1", "services", "v3-peers"), timeout=10, what="a takeover")
         assert writers(cluster) == {"first", "second"}
         assert cluster.get("coordination.k8s.io/v1", "leases", "deepseek-operator")["spec"]["holderIdentity"] == "second"
     finally:
