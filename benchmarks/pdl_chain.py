@@ -13,7 +13,7 @@ with PDL waiting first, and with PDL loading the first weights before waiting.
   DeepSeek-V3 (FP8 128 x 128 blocks); microseconds per pair;
 - MoE block: RMSNorm -> router GEMV -> top-k -> `moe_gemv` (up, down, slot sum) for one token, on
   copies of the experts; microseconds per block;
-- first, one token's MLA absorptions: cuBLAS batched GEMMs against per-head GEMVs, at 16 and 128 heads.
+- first, one token's MLA absorptions: cuBLAS batched GEMMs against per-head GEMVs, at 16 to 128 heads.
 """
 
 import argparse

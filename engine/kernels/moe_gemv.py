@@ -293,9 +293,9 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     `fp4_decode` one of FP4_DECODES (None: FP4_DECODE; "asm" runs as "words" under the interpreter),
     `planar_x` (words and asm;
     None: FP4_PLANAR_X) lays x out as float32 planes first (contiguous activation reads in the up kernel,
-    one launch more). sum_slots=False (bf16 and FP8 experts): the token's slots come back unsummed,
-    [T, top_k (+ shared pieces), H] in x's dtype, for a consumer that sums them as it reads them
-    (`rms_norm`); each slot is already weighted."""
+    one launch more). sum_slots=False (bf16 and FP8 experts; MXFP4 ones always sum): the token's slots
+    come back unsummed, [T, top_k (+ shared pieces), H] in x's dtype, for a consumer that sums them as
+    it reads them (`rms_norm`); each slot is already weighted."""
     check_float("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] contiguous, got {tuple(x.shape)}")
     if is_mxfp4(w13):

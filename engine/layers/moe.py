@@ -213,7 +213,7 @@ class FusedExperts(nn.Module):
             scales = (self.w13_scale_inv, self.w2_scale_inv) if quantized else (None, None)
             if self.takes_gemv(topk_ids):
                 return moe_gemv(x, self.w13, self.w2, topk_weights, topk_ids, *scales, block=self.block, shared=shared,
-                                swiglu_limit=self.swiglu_limit, sum_slots=sum_slots or self.fp4)
+                                swiglu_limit=self.swiglu_limit, sum_slots=sum_slots)
             if shared is not None:
                 raise ValueError("shared experts fold into the GEMV path only")
             if self.fp4 and topk_ids.numel() >= self.dequantize_pairs_per_expert * self.num_experts:
