@@ -295,6 +295,16 @@ def test_mla_prefill_with_cached_prefix(dtype):
     assert rel_err(out, reference_mla_prefill_attention(*args, 0.25)) < (F32_TOL if dtype == torch.float32 else 2e-2)
 
 
+def test_mla_prefill_unmasked_tiles_match_masked_ones():
+    # the key tiles wholly before a query block's diagonal run without a mask: several query blocks, a
+    # prefix that is not a whole number of tiles, a chunk shorter than one block
+    args = _prefill_case([150, 40], [187, 40], heads=2, nope=16, rope=8, vdim=16, dtype=torch.float32, seed=9)
+    split = mla_prefill_attention(*args, max_seqlen_q=150, softmax_scale=0.3)
+    masked = mla_prefill_attention(*args, max_seqlen_q=150, softmax_scale=0.3, tiles=dict(split=False))
+    assert rel_err(split, reference_mla_prefill_attention(*args, 0.3)) < F32_TOL
+    assert rel_err(split, masked) < F32_TOL
+
+
 @pytest.mark.parametrize("q_lens", [[3, 5], [16, 17]])  # absorbed (all chunks <= 16 tokens) / plain
 def test_mla_prefill_fast_paths_match_the_reference_layer(q_lens):
     from engine.layers.attention import AttentionMetadata, mla_prefill, mla_prefill_fast
