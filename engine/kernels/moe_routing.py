@@ -92,9 +92,12 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_f
     return weights, ids
 
 
-# One program aligns up to this many pairs (a decode step, a short prefill); larger steps take the
-# PyTorch sort, whose ~25 launches matter less there than one program walking every pair.
+# One program aligns up to this many pairs (a decode step, a short prefill); larger steps split the
+# pairs into chunks, a program each, in two launches (`_chunk_count_kernel`, `_chunk_place_kernel`).
 ALIGN_KERNEL_MAX_PAIRS = 4096
+# at most this many chunks, so that each placing program's read of every chunk's counts stays small
+# (V3 at 32k tokens: 256 chunks x 256 experts)
+ALIGN_MAX_CHUNKS = 256
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_padded"])  # both vary with the batch: one variant
@@ -134,6 +137,67 @@ def _align_kernel(Ids, SortedIds, BlockExpert, NumPadded, num_pairs, num_experts
     tl.store(NumPadded, tl.sum(padded, axis=0))
 
 
+@triton.jit(do_not_specialize=["num_pairs", "chunk", "max_padded", "fill"])
+def _chunk_count_kernel(Ids, ChunkCounts, SortedIds, num_pairs, num_experts, chunk, max_padded, fill,
+                        BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Program c: how many of pairs [c * chunk, (c + 1) * chunk) each expert has -> ChunkCounts[c]; and
+    its share of SortedIds (`fill` rows) set to num_pairs, the padding value the placement overwrites."""
+    c = tl.program_id(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_p = tl.arange(0, BLOCK_P)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    end = tl.minimum((c + 1) * chunk, num_pairs)
+    for p0 in range(c * chunk, end, BLOCK_P):
+        ids = tl.load(Ids + p0 + offs_p, mask=p0 + offs_p < end, other=-1)
+        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    tl.store(ChunkCounts + c * BLOCK_E + offs_e, counts)
+    rows_end = tl.minimum((c + 1) * fill, max_padded)
+    for r0 in range(c * fill, rows_end, BLOCK_P):
+        tl.store(SortedIds + r0 + offs_p, tl.zeros([BLOCK_P], tl.int32) + num_pairs, mask=r0 + offs_p < rows_end)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "chunk", "max_padded", "blocks_per"])
+def _chunk_place_kernel(Ids, ChunkCounts, SortedIds, BlockExpert, NumPadded, num_pairs, num_experts, num_chunks,
+                        chunk, max_padded, blocks_per, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program c places pairs [c * chunk, (c + 1) * chunk): each at its expert's start, plus the pairs of
+    that expert in earlier chunks, plus its rank in this chunk (the placement of a stable sort); and
+    writes the experts of its share of the BLOCK_M-row blocks."""
+    c = tl.program_id(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_p = tl.arange(0, BLOCK_P)
+    totals = tl.zeros([BLOCK_E], tl.int32)
+    earlier = tl.zeros([BLOCK_E], tl.int32)  # this expert's pairs in chunks before c
+    for c0 in range(0, num_chunks, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        counts = tl.load(ChunkCounts + offs_c[:, None] * BLOCK_E + offs_e[None, :],
+                         mask=(offs_c < num_chunks)[:, None], other=0)  # [BLOCK_C, BLOCK_E]
+        totals += tl.sum(counts, axis=0)
+        earlier += tl.sum(tl.where((offs_c < c)[:, None], counts, 0), axis=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    placed = ends - padded + earlier
+    end = tl.minimum((c + 1) * chunk, num_pairs)
+    for p0 in range(c * chunk, end, BLOCK_P):
+        valid = p0 + offs_p < end
+        ids = tl.load(Ids + p0 + offs_p, mask=valid, other=-1)
+        onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [P, E]
+        base = tl.sum(onehot * placed[None, :], axis=1)
+        before = (ids[:, None] == ids[None, :]) & (offs_p[None, :] < offs_p[:, None])  # same expert, earlier
+        rank = tl.sum(before.to(tl.int32), axis=1)
+        tl.store(SortedIds + base + rank, p0 + offs_p, mask=valid)
+        placed += tl.sum(onehot, axis=0)
+    # each block of BLOCK_M rows: its expert is the number of runs ending at or before its first row
+    num_blocks = max_padded // BLOCK_M
+    blocks_end = tl.minimum((c + 1) * blocks_per, num_blocks)
+    for b0 in range(c * blocks_per, blocks_end, BLOCK_P):
+        first_row = (b0 + offs_p) * BLOCK_M
+        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        tl.store(BlockExpert + b0 + offs_p, tl.minimum(expert, num_experts - 1), mask=b0 + offs_p < blocks_end)
+    if c == 0:
+        tl.store(NumPadded, tl.sum(padded, axis=0))
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the T * top_k (token, expert) pairs by expert, each expert's run padded to block_m.
@@ -141,12 +205,15 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     -> sorted_ids [P_max] int32 (pair id = token * top_k + k; padding holds T * top_k),
        block_expert [P_max / block_m] int32 (the expert of each block of block_m rows),
        num_padded [1] int32 (rows in use). Sizes depend on shapes only (CUDA-graph safe). Up to
-    ALIGN_KERNEL_MAX_PAIRS pairs in one launch, else through PyTorch (`sort_by_expert`)."""
+    ALIGN_KERNEL_MAX_PAIRS pairs in one launch, more in two (`align_by_expert_chunked`); the same result
+    as `sort_by_expert` (PyTorch's stable sort, ~25 launches), the reference."""
     num_pairs = topk_ids.numel()
     max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     max_padded = -(-max_padded // block_m) * block_m
-    if num_pairs > ALIGN_KERNEL_MAX_PAIRS or num_pairs == 0:
+    if num_pairs == 0:
         return sort_by_expert(topk_ids, num_experts, block_m, max_padded)
+    if num_pairs > ALIGN_KERNEL_MAX_PAIRS:
+        return align_by_expert_chunked(topk_ids, num_experts, block_m)
     dev = topk_ids.device
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
@@ -156,9 +223,38 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, block_expert, num_padded
 
 
+def align_by_expert_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`align_by_expert` for large steps in two launches: the pairs cut into chunks (`chunk` pairs each,
+    a multiple of 64; default: at least 1,024, at most ALIGN_MAX_CHUNKS chunks), one program a chunk that
+    counts its pairs per expert, then one a chunk that places them."""
+    num_pairs = topk_ids.numel()
+    max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    max_padded = -(-max_padded // block_m) * block_m
+    block_p, block_e = 64, pow2(num_experts, 16)
+    if chunk is None:
+        chunk = max(1024, -(-num_pairs // ALIGN_MAX_CHUNKS))
+    chunk = -(-chunk // block_p) * block_p
+    num_chunks = -(-num_pairs // chunk)
+    dev = topk_ids.device
+    ids = topk_ids.reshape(-1).int()
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=dev)
+    fill = -(-max_padded // num_chunks)
+    _chunk_count_kernel[(num_chunks,)](ids, chunk_counts, sorted_ids, num_pairs, num_experts, chunk, max_padded, fill,
+                                       BLOCK_E=block_e, BLOCK_P=block_p, num_warps=4)
+    _chunk_place_kernel[(num_chunks,)](ids, chunk_counts, sorted_ids, block_expert, num_padded, num_pairs, num_experts,
+                                       num_chunks, chunk, max_padded, -(-(max_padded // block_m) // num_chunks),
+                                       BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p, BLOCK_C=16, num_warps=8)
+    return sorted_ids, block_expert, num_padded
+
+
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int, max_padded: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`align_by_expert` in PyTorch operations (a stable sort): large steps, and the kernel's reference."""
+    """`align_by_expert` in PyTorch operations (a stable sort): the kernels' reference, and steps without
+    pairs."""
     num_pairs = topk_ids.numel()
     dev = topk_ids.device
     flat = topk_ids.flatten().long()

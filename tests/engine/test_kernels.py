@@ -23,7 +23,7 @@ from engine.kernels.fp8_gemm import (FP8, fp8_block_gemm, fp8_block_gemm_tma, fp
 from engine.kernels.fused_moe import fused_experts, reference_fused_experts
 from engine.kernels.mla_decode import mla_decode_attention, reference_mla_decode_attention
 from engine.kernels.mla_prefill import mla_prefill_attention, reference_mla_prefill_attention
-from engine.kernels.moe_routing import align_by_expert, route, sort_by_expert
+from engine.kernels.moe_routing import align_by_expert, align_by_expert_chunked, route, sort_by_expert
 from engine.kernels.rms_norm import reference_rms_norm, rms_norm
 from engine.kernels.rotary import reference_rope
 from engine.kernels.sampling import sample
@@ -461,6 +461,20 @@ def test_align_kernel_places_pairs_as_the_stable_sort_does(tokens, top_k, num_ex
     got = align_by_expert(ids, num_experts, block_m)
     max_padded = got[0].numel()
     want = sort_by_expert(ids, num_experts, block_m, max_padded)
+    for g_, w in zip(got, want):
+        assert torch.equal(g_.cpu(), w.cpu())
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "num_experts", "block_m", "chunk"),
+                         [(100, 6, 64, 64, 64), (333, 8, 256, 16, 128), (50, 6, 64, 128, 64), (5, 2, 5, 4, 64),
+                          (700, 6, 64, 64, None)])  # the last: past ALIGN_KERNEL_MAX_PAIRS, default chunks
+def test_chunked_align_places_pairs_as_the_stable_sort_does(tokens, top_k, num_experts, block_m, chunk):
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)]).int().to(DEV)
+    ids[: tokens // 2] = ids[: tokens // 2].clamp(max=3)  # crowd a few experts: runs across chunks
+    got = align_by_expert_chunked(ids, num_experts, block_m, chunk) if chunk else align_by_expert(ids, num_experts,
+                                                                                                  block_m)
+    want = sort_by_expert(ids, num_experts, block_m, got[0].numel())
     for g_, w in zip(got, want):
         assert torch.equal(g_.cpu(), w.cpu())
 

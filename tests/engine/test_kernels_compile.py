@@ -10,6 +10,7 @@ from pathlib import Path
 KERNELS = {"_rms_norm_kernel", "_latent_write_kernel", "_route_kernel", "_moe_gemm_kernel",
            "_up_kernel", "_down_kernel", "_split_kernel", "_merge_kernel", "_prefill_kernel", "_draw_split_kernel",
            "_group_quant_kernel", "_block_gemm_kernel", "_gemv_kernel", "_sum_kernel", "_align_kernel",
+           "_chunk_count_kernel", "_chunk_place_kernel",
            "_block_gemm_tma_kernel", "_moe_gemm_tma_kernel",
            "_dual_pool_kernel", "_sink_merge_kernel", "_indexer_kernel", "_compress_decode_kernel",
            "_norm_rope_kernel", "_hc_mix_kernel", "_up_fp4_kernel", "_down_fp4_kernel", "_up_fp4_words_kernel",
