@@ -107,7 +107,7 @@ def _prefill_kernel(QN, QP, KN, KP, V, O, CuQ, CuK, scale_log2,
                  mask=mask_m[:, None] & mask_v[None, :])
 
 
-def _tiles(qk_dim: int, interpreted: bool) -> dict:
+def _tiles(qk_dim: int, on_cpu: bool) -> dict:
     """DeepSeek's heads (nope + rope = 192): 128 query rows a program (two warpgroups of 64), 64 keys a
     tile, three pipeline stages (120 KB of keys and values in flight); small heads and the interpreter:
     64 x 32, two stages. split: the key tiles wholly before a query block's diagonal run unmasked.
@@ -115,7 +115,7 @@ def _tiles(qk_dim: int, interpreted: bool) -> dict:
     Measured on an H200 (benchmarks/mla_prefill.py --sweep, docs/perf.md), 16 heads, 8k / 32k tokens:
     434 / 488 TFLOP/s, against 338 / 392 at two stages and 292 / 338 with every tile masked; 128-key
     tiles (two stages: 160 KB) 412 / 480; 64 query rows on four warps 344 / 363."""
-    big = qk_dim > 128 and not interpreted
+    big = qk_dim > 128 and not on_cpu
     return dict(block_m=128 if big else 64, block_n=64 if big else 32, num_warps=8 if big else 4,
                 num_stages=3 if big else 2, split=True)
 
