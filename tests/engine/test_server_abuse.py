@@ -66,8 +66,12 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
     result = {}
 
     def big():
-        result["r"] = httpx.post(f"{server.url}/v1/chat/completions", json=chat("word " * (1 << 20)), timeout=120)
-        done.set()
+        start = time.monotonic()
+        try:
+            result["r"] = httpx.post(f"{server.url}/v1/chat/completions", json=chat("word " * (1 << 20)), timeout=120)
+        finally:  # a request that fails still ends the polling below
+            result["seconds"] = time.monotonic() - start
+            done.set()
 
     threading.Thread(target=big).start()
     slowest = 0.0
@@ -77,4 +81,8 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
         slowest = max(slowest, time.monotonic() - t0)
         time.sleep(0.05)
     assert result["r"].status_code == 400 and result["r"].json()["error"]["code"] == "context_length_exceeded"
-    assert slowest < 1.0, f"/health took {slowest:.2f} s while the prompt was tokenized"
+    # a loop blocked by the tokenization would answer /health once, after most of the request's time
+    # (~8 s on a quiet 2-core machine, /health then 0.4 s at most); a share of it, not a fixed second, so
+    # that a loaded machine, where both stretch, does not fail it
+    assert slowest < 0.25 * result["seconds"], (f"/health took {slowest:.2f} s while the prompt was tokenized "
+                                                f"({result['seconds']:.2f} s)")
