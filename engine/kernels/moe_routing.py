@@ -100,60 +100,76 @@ ALIGN_KERNEL_MAX_PAIRS = 4096
 ALIGN_MAX_CHUNKS = 256
 
 
+@triton.jit
+def _count_pairs(Ids, start, end, offs_e, offs_p, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    """How many of pairs [start, end) each expert has -> [BLOCK_E]."""
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(start, end, BLOCK_P):
+        ids = tl.load(Ids + p0 + offs_p, mask=p0 + offs_p < end, other=-1)
+        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    return counts
+
+
+@triton.jit
+def _fill_padding(SortedIds, start, end, num_pairs, offs_p, BLOCK_P: tl.constexpr):
+    """Rows [start, end) point past the last pair (num_pairs): the padding the placement overwrites."""
+    for r0 in range(start, end, BLOCK_P):
+        tl.store(SortedIds + r0 + offs_p, tl.zeros([BLOCK_P], tl.int32) + num_pairs, mask=r0 + offs_p < end)
+
+
+@triton.jit
+def _place_pairs(Ids, SortedIds, start, end, placed, offs_e, offs_p, BLOCK_P: tl.constexpr):
+    """Each of pairs [start, end) to row placed[its expert] plus its rank among that expert's pairs
+    here (pair order: the placement of a stable sort); placed [BLOCK_E] advances past them."""
+    for p0 in range(start, end, BLOCK_P):
+        valid = p0 + offs_p < end
+        ids = tl.load(Ids + p0 + offs_p, mask=valid, other=-1)
+        onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [P, E]
+        base = tl.sum(onehot * placed[None, :], axis=1)
+        before = (ids[:, None] == ids[None, :]) & (offs_p[None, :] < offs_p[:, None])  # same expert, earlier
+        rank = tl.sum(before.to(tl.int32), axis=1)
+        tl.store(SortedIds + base + rank, p0 + offs_p, mask=valid)
+        placed += tl.sum(onehot, axis=0)
+
+
+@triton.jit
+def _block_experts(BlockExpert, start, end, ends, num_experts, offs_p, BLOCK_M: tl.constexpr,
+                   BLOCK_P: tl.constexpr):
+    """Blocks [start, end) of BLOCK_M rows: each one's expert is the number of runs ending at or before
+    its first row (ends [BLOCK_E]: each expert's padded run's end)."""
+    for b0 in range(start, end, BLOCK_P):
+        first_row = (b0 + offs_p) * BLOCK_M
+        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        tl.store(BlockExpert + b0 + offs_p, tl.minimum(expert, num_experts - 1), mask=b0 + offs_p < end)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_padded"])  # both vary with the batch: one variant
 def _align_kernel(Ids, SortedIds, BlockExpert, NumPadded, num_pairs, num_experts, max_padded,
                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
     offs_e = tl.arange(0, BLOCK_E)
     offs_p = tl.arange(0, BLOCK_P)
-    # 1. pairs per expert, each expert's run padded to BLOCK_M rows
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    for p0 in range(0, num_pairs, BLOCK_P):
-        ids = tl.load(Ids + p0 + offs_p, mask=p0 + offs_p < num_pairs, other=-1)
-        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    # pairs per expert, each expert's run padded to BLOCK_M rows
+    counts = _count_pairs(Ids, 0, num_pairs, offs_e, offs_p, BLOCK_E, BLOCK_P)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    # 2. padding rows point past the last pair; then every pair goes to its expert's start plus its
-    # rank among that expert's pairs (pair order: the same placement as a stable sort)
-    for r0 in range(0, max_padded, BLOCK_P):
-        tl.store(SortedIds + r0 + offs_p, tl.zeros([BLOCK_P], tl.int32) + num_pairs, mask=r0 + offs_p < max_padded)
+    _fill_padding(SortedIds, 0, max_padded, num_pairs, offs_p, BLOCK_P)
     tl.debug_barrier()
-    placed = tl.zeros([BLOCK_E], tl.int32)
-    for p0 in range(0, num_pairs, BLOCK_P):
-        valid = p0 + offs_p < num_pairs
-        ids = tl.load(Ids + p0 + offs_p, mask=valid, other=-1)
-        onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [P, E]
-        base = tl.sum(onehot * (starts + placed)[None, :], axis=1)
-        before = (ids[:, None] == ids[None, :]) & (offs_p[None, :] < offs_p[:, None])  # same expert, earlier
-        rank = tl.sum(before.to(tl.int32), axis=1)
-        tl.store(SortedIds + base + rank, p0 + offs_p, mask=valid)
-        placed += tl.sum(onehot, axis=0)
-    # 3. each block of BLOCK_M rows: its expert is the number of runs ending at or before its first row
-    num_blocks = max_padded // BLOCK_M
-    for b0 in range(0, num_blocks, BLOCK_P):
-        first_row = (b0 + offs_p) * BLOCK_M
-        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-        tl.store(BlockExpert + b0 + offs_p, tl.minimum(expert, num_experts - 1), mask=b0 + offs_p < num_blocks)
+    _place_pairs(Ids, SortedIds, 0, num_pairs, ends - padded, offs_e, offs_p, BLOCK_P)
+    _block_experts(BlockExpert, 0, max_padded // BLOCK_M, ends, num_experts, offs_p, BLOCK_M, BLOCK_P)
     tl.store(NumPadded, tl.sum(padded, axis=0))
 
 
 @triton.jit(do_not_specialize=["num_pairs", "chunk", "max_padded", "fill"])
-def _chunk_count_kernel(Ids, ChunkCounts, SortedIds, num_pairs, num_experts, chunk, max_padded, fill,
+def _chunk_count_kernel(Ids, ChunkCounts, SortedIds, num_pairs, chunk, max_padded, fill,
                         BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
     """Program c: how many of pairs [c * chunk, (c + 1) * chunk) each expert has -> ChunkCounts[c]; and
-    its share of SortedIds (`fill` rows) set to num_pairs, the padding value the placement overwrites."""
+    its share of SortedIds (`fill` rows) set to the padding value."""
     c = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     offs_p = tl.arange(0, BLOCK_P)
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    end = tl.minimum((c + 1) * chunk, num_pairs)
-    for p0 in range(c * chunk, end, BLOCK_P):
-        ids = tl.load(Ids + p0 + offs_p, mask=p0 + offs_p < end, other=-1)
-        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    counts = _count_pairs(Ids, c * chunk, tl.minimum((c + 1) * chunk, num_pairs), offs_e, offs_p, BLOCK_E, BLOCK_P)
     tl.store(ChunkCounts + c * BLOCK_E + offs_e, counts)
-    rows_end = tl.minimum((c + 1) * fill, max_padded)
-    for r0 in range(c * fill, rows_end, BLOCK_P):
-        tl.store(SortedIds + r0 + offs_p, tl.zeros([BLOCK_P], tl.int32) + num_pairs, mask=r0 + offs_p < rows_end)
+    _fill_padding(SortedIds, c * fill, tl.minimum((c + 1) * fill, max_padded), num_pairs, offs_p, BLOCK_P)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_chunks", "chunk", "max_padded", "blocks_per"])
@@ -176,26 +192,19 @@ def _chunk_place_kernel(Ids, ChunkCounts, SortedIds, BlockExpert, NumPadded, num
         earlier += tl.sum(tl.where((offs_c < c)[:, None], counts, 0), axis=0)
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    placed = ends - padded + earlier
-    end = tl.minimum((c + 1) * chunk, num_pairs)
-    for p0 in range(c * chunk, end, BLOCK_P):
-        valid = p0 + offs_p < end
-        ids = tl.load(Ids + p0 + offs_p, mask=valid, other=-1)
-        onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [P, E]
-        base = tl.sum(onehot * placed[None, :], axis=1)
-        before = (ids[:, None] == ids[None, :]) & (offs_p[None, :] < offs_p[:, None])  # same expert, earlier
-        rank = tl.sum(before.to(tl.int32), axis=1)
-        tl.store(SortedIds + base + rank, p0 + offs_p, mask=valid)
-        placed += tl.sum(onehot, axis=0)
-    # each block of BLOCK_M rows: its expert is the number of runs ending at or before its first row
-    num_blocks = max_padded // BLOCK_M
-    blocks_end = tl.minimum((c + 1) * blocks_per, num_blocks)
-    for b0 in range(c * blocks_per, blocks_end, BLOCK_P):
-        first_row = (b0 + offs_p) * BLOCK_M
-        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-        tl.store(BlockExpert + b0 + offs_p, tl.minimum(expert, num_experts - 1), mask=b0 + offs_p < blocks_end)
+    _place_pairs(Ids, SortedIds, c * chunk, tl.minimum((c + 1) * chunk, num_pairs), ends - padded + earlier, offs_e,
+                 offs_p, BLOCK_P)
+    _block_experts(BlockExpert, c * blocks_per, tl.minimum((c + 1) * blocks_per, max_padded // BLOCK_M), ends,
+                   num_experts, offs_p, BLOCK_M, BLOCK_P)
     if c == 0:
         tl.store(NumPadded, tl.sum(padded, axis=0))
+
+
+def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows the expert-sorted pairs can take: each expert's run padded to block_m, a whole number of
+    blocks. From shapes alone, so a CUDA graph's buffers fit every routing."""
+    rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-rows // block_m) * block_m
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -208,8 +217,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     ALIGN_KERNEL_MAX_PAIRS pairs in one launch, more in two (`align_by_expert_chunked`); the same result
     as `sort_by_expert` (PyTorch's stable sort, ~25 launches), the reference."""
     num_pairs = topk_ids.numel()
-    max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    max_padded = -(-max_padded // block_m) * block_m
+    max_padded = max_padded_rows(num_pairs, num_experts, block_m)
     if num_pairs == 0:
         return sort_by_expert(topk_ids, num_experts, block_m, max_padded)
     if num_pairs > ALIGN_KERNEL_MAX_PAIRS:
@@ -229,8 +237,7 @@ def align_by_expert_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: i
     a multiple of 64; default: at least 1,024, at most ALIGN_MAX_CHUNKS chunks), one program a chunk that
     counts its pairs per expert, then one a chunk that places them."""
     num_pairs = topk_ids.numel()
-    max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    max_padded = -(-max_padded // block_m) * block_m
+    max_padded = max_padded_rows(num_pairs, num_experts, block_m)
     block_p, block_e = 64, pow2(num_experts, 16)
     if chunk is None:
         chunk = max(1024, -(-num_pairs // ALIGN_MAX_CHUNKS))
@@ -243,7 +250,7 @@ def align_by_expert_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: i
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=dev)
     fill = -(-max_padded // num_chunks)
-    _chunk_count_kernel[(num_chunks,)](ids, chunk_counts, sorted_ids, num_pairs, num_experts, chunk, max_padded, fill,
+    _chunk_count_kernel[(num_chunks,)](ids, chunk_counts, sorted_ids, num_pairs, chunk, max_padded, fill,
                                        BLOCK_E=block_e, BLOCK_P=block_p, num_warps=4)
     _chunk_place_kernel[(num_chunks,)](ids, chunk_counts, sorted_ids, block_expert, num_padded, num_pairs, num_experts,
                                        num_chunks, chunk, max_padded, -(-(max_padded // block_m) // num_chunks),
