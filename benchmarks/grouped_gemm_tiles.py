@@ -21,11 +21,16 @@ from grouped_gemm_peer import timed  # this folder is the script's: on sys.path
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 1408, 64, 6
 VARIANTS = {  # bm, bn gated, bn down, bk, warps, stages
     "default": None,
+    "g64 d128 s3": (128, 64, 128, 64, 8, 3),  # the default before 128 x 256
     "s4": (128, 64, 128, 64, 8, 4),
     "k128 s3": (128, 64, 128, 128, 8, 3),
     "down n256": (128, 64, 256, 64, 8, 3),
     "m64 w4 s4": (64, 64, 128, 64, 4, 4),
     "m256 w8 s3": (256, 64, 64, 64, 8, 3),
+    "g128 d128": (128, 128, 128, 64, 8, 3),
+    "g128 d256": (128, 128, 256, 64, 8, 3),
+    "g128 d256 s4": (128, 128, 256, 64, 8, 4),
+    "down n256 s4": (128, 64, 256, 64, 8, 4),
 }
 
 
@@ -55,9 +60,9 @@ def main() -> None:
         want = fm.fused_experts(x, w13, w2, weights, ids).float()
         flops = 2 * t * TOP_K * 3 * INTER * HIDDEN
         for name, fn, tiles in runs:
-            def config(rows, on_gpu, gated, block_k, tiles=tiles):
+            def config(rows, on_gpu, gated, block_k, half=False, tiles=tiles):
                 if tiles is None or rows <= 128 or not on_gpu:
-                    return default_config(rows, on_gpu, gated, block_k)
+                    return default_config(rows, on_gpu, gated, block_k, half)
                 bm, bn13, bn2, bk, warps, stages = tiles
                 return bm, bn13 if gated else bn2, bk, warps, stages
             fm._config = config

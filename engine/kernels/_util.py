@@ -29,6 +29,15 @@ def check_last_contiguous(name: str, t: torch.Tensor) -> None:
     check(t.stride(-1) == 1, f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})")
 
 
+@functools.cache
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may take on this GPU (0 off a GPU)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
 @triton.jit
 def mma(a, b, UPCAST: tl.constexpr):
     """tl.dot, with operands widened to float32 under the interpreter (whose bf16 dot is wrong). Float32

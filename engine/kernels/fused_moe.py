@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, interpreted, mma, upcast_fp8_dot
+from engine.kernels._util import check, check_float, interpreted, mma, shared_memory, upcast_fp8_dot
 from engine.kernels.fp8_gemm import FP8, TensorDescriptor, num_sms, per_token_group_quant, tile_of, tma_capable
 from engine.kernels.moe_routing import align_by_expert
 from engine.kernels.mxfp4 import as_bytes, check_mxfp4, e2m1, e8m0, is_mxfp4
@@ -128,19 +128,29 @@ def _moe_gemm_kernel(A, AS, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded
         tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _scaled_step(a, b, a_s, b_s, UPCAST: tl.constexpr, SCALED: tl.constexpr):
+    """One K step's product: FP8 times its row and tile scales, or (SCALED false) the plain product."""
+    if SCALED:
+        return mma(a, b.T, UPCAST) * (a_s * b_s)[:, None]
+    return mma(a, b.T, UPCAST)
+
+
 @triton.jit(do_not_specialize=["num_pairs"])  # varies with the batch: one compiled variant
 def _moe_gemm_tma_kernel(A, a_desc, AS, b_desc, BS, C, Weights, SortedIds, BlockExpert, NumPadded, N, K, num_pairs,
                          top_k, limit, stride_am, stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm,
                          NUM_PROGRAMS: tl.constexpr, GATED: tl.constexpr, GROUP_N: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         UPCAST: tl.constexpr, FLATTEN: tl.constexpr):
-    """FP8 grouped GEMM, persistent over (row block, column block) work items of the expert-sorted pairs.
+                         UPCAST: tl.constexpr, FLATTEN: tl.constexpr, SCALED: tl.constexpr = True):
+    """Grouped GEMM, persistent over (row block, column block) work items of the expert-sorted pairs.
 
     GATED (w13): A rows are gathered by token (pointer loads: the copy engine cannot gather on sm_90),
     gate and up tiles of the expert arrive by TMA, SiLU(gate) * up is written at the pair's sorted
     position. Else (w2): A is that sorted intermediate, read by TMA; the routing weight multiplies and
     each pair's row is scattered back to its id. B is [E * rows, K]: a tile never crosses an expert
-    (BLOCK_N divides N and the weight block, so each K step has one weight scale per tile)."""
+    (BLOCK_N divides N and the weight block, so each K step has one weight scale per tile).
+    SCALED: FP8 with DeepSeek's block scales, each K step's product scaled before it is added; else bf16
+    or fp16, the products accumulated in the tensor cores' own accumulator."""
     num_m = tl.load(NumPadded) // BLOCK_M
     num_n = N // BLOCK_N
     k_steps = tl.cdiv(K, BLOCK_K)
@@ -163,12 +173,16 @@ def _moe_gemm_tma_kernel(A, a_desc, AS, b_desc, BS, C, Weights, SortedIds, Block
                             mask=mask_m[:, None] & (offs_k < K - kb * BLOCK_K)[None, :], other=0.0)
             else:
                 a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
-            a_s = tl.load(AS + rows * stride_asm + kb * stride_ask)
+            if SCALED:
+                a_s = tl.load(AS + rows * stride_asm + kb * stride_ask)
+                b_s, u_s = tl.load(bs_ptr + kb), tl.load(up_bs_ptr + kb)
+            else:
+                a_s, b_s, u_s = 1.0, 1.0, 1.0
             b = b_desc.load([b_row, kb * BLOCK_K])
-            acc += mma(a, b.T, UPCAST) * (a_s * tl.load(bs_ptr + kb))[:, None]
+            acc += _scaled_step(a, b, a_s, b_s, UPCAST, SCALED)
             if GATED:
                 u = b_desc.load([b_row + N, kb * BLOCK_K])
-                acc_up += mma(a, u.T, UPCAST) * (a_s * tl.load(up_bs_ptr + kb))[:, None]
+                acc_up += _scaled_step(a, u, a_s, u_s, UPCAST, SCALED)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if GATED:  # V4 clamps both pre-activations (limit inf: none)
             acc = tl.minimum(acc, limit)
@@ -180,14 +194,21 @@ def _moe_gemm_tma_kernel(A, a_desc, AS, b_desc, BS, C, Weights, SortedIds, Block
                      mask=mask_m[:, None])
 
 
-def _config(pairs_per_expert: float, on_gpu: bool, gated: bool, block_k: int | None):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by how many rows an expert gets."""
+def _config(pairs_per_expert: float, on_gpu: bool, gated: bool, block_k: int | None, half: bool = False):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by how many rows an expert gets. half: bf16 or
+    fp16 weights on a GPU with the shared memory for four 48 KB stages (BIG_TILE_SHARED_MEMORY), whose
+    large batches take 128 x 256 outputs a program (the gated GEMM's 128 gate and 128 up columns). On
+    the H200 at V2-Lite's experts 2.00 vs 2.11 ms at 8k tokens, 7.73 vs 8.68 ms at 32k, 0.62 vs 0.65 at
+    2k, against 128 x 128 in three stages (benchmarks/grouped_gemm_tiles.py); there the TMA kernel
+    (`tma_config`) takes these batches where the shapes divide its tiles."""
     if not on_gpu:
         return 16, 32, block_k or 32, 4, 1
     if pairs_per_expert <= 16:
         return 16, 64, block_k or 128, 4, 4
     if pairs_per_expert <= 128:
         return 64, 64 if gated else 128, block_k or 64, 4, 3
+    if half and block_k is None:
+        return 128, 128 if gated else 256, 64, 8, 4
     return 128, 64 if gated else 128, block_k or 64, 8, 3
 
 
@@ -218,18 +239,34 @@ def _launch(a, a_scale, w, w_scale, out, weights, align, num_pairs, top_k, gated
 # 12.7 ms at 8k tokens of V3's experts), three to an SM (14.0) and the pointer kernels (14.1 ms); at 64
 # rows per expert (2k tokens) 4.36 vs 4.67 ms.
 TMA_CONFIGS = [(48, 64, 64, 128, 4, 4, 2)]
+# bf16 / fp16 experts: the same kernel without scales, 128 x 256 outputs a program (gate and up 128
+# columns each), one program per SM, from the rows where the pointer kernels take 128-row tiles. On the
+# H200 at V2-Lite's experts against the pointer kernels' best tiles: 0.60 vs 0.63 ms at 2k tokens, 1.83
+# vs 1.84 at 8k, 7.12 vs 7.86 at 32k; 64-row tiles two to an SM, or 128 x 128, lost to both.
+HALF_TMA_CONFIG = (129, 128, 128, 256, 8, 4, 1)
+# the 128 x 256 tiles: four 48 KB stages, 224 KB with the TMA kernel's barriers and epilogue (sm_90 and
+# sm_100 give a program 227 KB)
+BIG_TILE_SHARED_MEMORY = 227 * 1024
+# K step of the bf16 / fp16 TMA grouped GEMM: 128-byte rows, as the FP8 one's 128 values
+HALF_TMA_BLOCK_K = 64
 
 
-def tma_config(pairs_per_expert: float, block: tuple[int, int] | None, inter: int, hidden: int, x: torch.Tensor):
+def tma_config(pairs_per_expert: float, block: tuple[int, int] | None, inter: int, hidden: int, x: torch.Tensor,
+               half: bool = False):
     """The TMA grouped GEMM's tiles for this batch, or None where the pointer kernels stay (few rows per
-    expert, bf16 experts, no sm_90, shapes the tiles or the copy engine do not divide)."""
-    if block is None or TensorDescriptor is None:
+    expert, float32 or MXFP4 experts, no sm_90, shapes the tiles or the copy engine do not divide).
+    block: FP8 experts' weight block; half (block None): bf16 / fp16 experts."""
+    if (block is None and not half) or TensorDescriptor is None:
         return None
     if interpreted(x):  # the same kernel bodies on small tiles
-        bn = min(block[0], 32)
+        bn = min(block[0], 32) if block else 32
         return 16, bn, bn, 4, 1, 1
     if not tma_capable(x.device):
         return None
+    if half:
+        min_rows, bm, bn13, bn2, warps, stages, per_sm = HALF_TMA_CONFIG
+        fits = inter % bn13 == 0 and hidden % bn2 == 0
+        return (bm, bn13, bn2, warps, stages, per_sm) if pairs_per_expert >= min_rows and fits else None
     for min_rows, bm, bn13, bn2, warps, stages, per_sm in TMA_CONFIGS:
         if pairs_per_expert >= min_rows:
             bn13, bn2 = min(bn13, block[0]), min(bn2, block[0])  # one weight scale per tile and K step
@@ -241,36 +278,44 @@ def tma_config(pairs_per_expert: float, block: tuple[int, int] | None, inter: in
 
 def _launch_tma(a, a_s, w, w_s, out, weights, align, num_pairs, top_k, gated, block, bm, bn, warps, stages, per_sm,
                 limit: float = float("inf"), flatten: bool = True):
+    """One grouped GEMM through `_moe_gemm_tma_kernel`: FP8 with its scales (w_s) and block, or bf16 / fp16
+    (w_s None: 64-wide K steps)."""
     sorted_ids, block_expert, num_padded = align
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
-    bk = block[1]
+    scaled = w_s is not None
+    bk = block[1] if scaled else HALF_TMA_BLOCK_K
+    if not scaled:
+        a_s, w_s = a, w  # no scales: pointers the kernel never reads
     b_desc = TensorDescriptor.from_tensor(w.view(-1, k), [bn, bk])
     a_desc = a if gated else TensorDescriptor.from_tensor(a, [bm, bk])  # w13 gathers by pointer
     programs = min(per_sm * num_sms(a.device), sorted_ids.shape[0] // bm * (n // bn))
     _moe_gemm_tma_kernel[(programs,)](a, a_desc, a_s, b_desc, w_s, out, weights, sorted_ids, block_expert, num_padded,
                                       n, k, num_pairs, top_k, limit, a.stride(0), a_s.stride(0), a_s.stride(1),
                                       w_s.stride(0), w_s.stride(1), out.stride(0), NUM_PROGRAMS=programs, GATED=gated,
-                                      GROUP_N=block[0], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                                      UPCAST=upcast_fp8_dot(a, bk), FLATTEN=flatten, num_warps=warps,
+                                      GROUP_N=block[0] if scaled else bn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                      GROUP_M=8, UPCAST=upcast_fp8_dot(a, bk) if scaled else interpreted(a),
+                                      FLATTEN=flatten, SCALED=scaled, num_warps=warps,
                                       num_stages=stages)
 
 
 def fused_experts_tma(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, cfg,
                       swiglu_limit: float | None = None, flatten: bool = True) -> torch.Tensor:
-    """`fused_experts` for FP8 experts through the persistent TMA kernels (cfg from `tma_config`): x is
-    quantized once (K-major scales), w13 writes SiLU(gate) * up in expert-sorted order, that
-    intermediate is quantized and read by TMA in w2."""
+    """`fused_experts` through the persistent TMA kernels (cfg from `tma_config`). FP8 experts: x is
+    quantized once (K-major scales), w13 writes SiLU(gate) * up in expert-sorted order, that intermediate
+    is quantized and read by TMA in w2. bf16 / fp16 experts (no scales, block None): the same without
+    the quantizations."""
     num_tokens, hidden = x.shape
     num_experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     bm, bn13, bn2, warps, stages, per_sm = cfg
+    fp8 = w13_scale is not None
     align = align_by_expert(topk_ids, num_experts, bm)
-    a, a_s = per_token_group_quant(x, block[1], k_major_scales=True)
+    a, a_s = per_token_group_quant(x, block[1], k_major_scales=True) if fp8 else (x, None)
     inter_out = torch.empty(align[0].shape[0], inter, dtype=x.dtype, device=x.device)
     _launch_tma(a, a_s, w13, w13_scale, inter_out, topk_weights, align, num_pairs, top_k, True, block, bm, bn13,
                 warps, stages, per_sm, float("inf") if swiglu_limit is None else float(swiglu_limit), flatten)
-    a, a_s = per_token_group_quant(inter_out, block[1], k_major_scales=True)
+    a, a_s = per_token_group_quant(inter_out, block[1], k_major_scales=True) if fp8 else (inter_out, None)
     pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _launch_tma(a, a_s, w2, w2_scale, pair_out, topk_weights, align, num_pairs, top_k, False, block, bm, bn2, warps,
                 stages, per_sm, flatten=flatten)
@@ -322,13 +367,17 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    tma = tma_config(num_pairs / num_experts, block, inter, hidden, x) if fp8 else None
+    # bf16 / fp16 experts take the 128 x 256 tiles where they fit the chip's shared memory
+    half = w13.dtype in (torch.bfloat16, torch.float16) and (interpreted(x)
+                                                             or shared_memory(x.device) >= BIG_TILE_SHARED_MEMORY)
+    tma = tma_config(num_pairs / num_experts, block, inter, hidden, x, half) if fp8 or half else None
     check(not tma_path or tma is not None, "the TMA grouped GEMM does not take these experts or this batch")
     if tma is not None and (not interpreted(x) if tma_path is None else tma_path):
-        return fused_experts_tma(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, tma, swiglu_limit)
+        return fused_experts_tma(x, w13, w2, topk_weights, topk_ids, w13_scale if fp8 else None,
+                                 w2_scale if fp8 else None, block, tma, swiglu_limit)
     bk = block[1] if fp8 else None
-    cfg13 = _config(num_pairs / num_experts, not interpreted(x), True, bk)
-    cfg2 = _config(num_pairs / num_experts, not interpreted(x), False, bk)
+    cfg13 = _config(num_pairs / num_experts, not interpreted(x), True, bk, half)
+    cfg2 = _config(num_pairs / num_experts, not interpreted(x), False, bk, half)
     check(cfg13[0] == cfg2[0], "both GEMMs must share BLOCK_M (one alignment)")
     align = align_by_expert(topk_ids, num_experts, cfg13[0])
     inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)

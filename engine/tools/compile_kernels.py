@@ -98,6 +98,8 @@ def compiling_for(arch: int, results: list) -> Iterator[None]:
                 stack.enter_context(mock.patch.object(module, "interpreted", lambda t: False))
             if hasattr(module, "pdl"):  # launched as on Hopper: programmatic dependent launch
                 stack.enter_context(mock.patch.object(module, "pdl", lambda t: True))
+            if hasattr(module, "shared_memory"):  # tiles chosen by the chip's shared memory: the target's
+                stack.enter_context(mock.patch.object(module, "shared_memory", lambda d: SHARED_LIMIT[arch]))
         for module in modules:
             for name, obj in vars(module).items():
                 if name.startswith("_") and name.endswith("_kernel"):
@@ -113,7 +115,7 @@ def launch_all() -> None:
     """Every launcher at V2-Lite's bf16 and V3's FP8 shapes, at decode and prefill sizes; V4's decode
     attention at V4 Flash's."""
     from engine.kernels.fp8_gemm import FP8, fp8_block_gemm_tma, fp8_linear, per_token_group_quant
-    from engine.kernels.fused_moe import TMA_CONFIGS, fused_experts, fused_experts_tma
+    from engine.kernels.fused_moe import HALF_TMA_CONFIG, TMA_CONFIGS, fused_experts, fused_experts_tma
     from engine.kernels.gemv import gemv
     from engine.kernels.latent_cache import write_latent_
     from engine.kernels.mla_decode import mla_decode_attention
@@ -167,6 +169,8 @@ def launch_all() -> None:
                                    torch.bfloat16)
                 for cfg in TMA_CONFIGS:
                     fused_experts_tma(x, w13, w2, weights, ids, *scales, block, cfg[1:])
+            if not fp8 and tokens == 4096:  # bf16 experts' TMA kernels (chosen on the card by shape)
+                fused_experts_tma(x, w13, w2, weights, ids, None, None, None, HALF_TMA_CONFIG[1:])
             if tokens == 1:  # projections and the router of one token
                 w, ws = _empty(1536, hidden, dtype=wdtype), _empty(12, hidden // 128, dtype=f32) if fp8 else None
                 gemv(x, w, ws, block if fp8 else None)

@@ -546,8 +546,26 @@ def test_fused_experts_fp8_tma_path(block, limit):
     deq = lambda w, s: torch.stack([dequantize_fp8_block(a, b, block) for a, b in zip(w, s)])
     ref = reference_fused_experts(x.float(), deq(w13, s13), deq(w2, s2), weights, ids, swiglu_limit=limit)
     assert rel_err(out, ref) < (0.08 if DEV == "cpu" else 0.05)  # activations are FP8 too
-    with pytest.raises(ValueError, match="TMA"):  # bf16 experts have no TMA path
-        fused_experts(x, w13.to(torch.bfloat16), w2.to(torch.bfloat16), weights, ids, tma_path=True)
+    with pytest.raises(ValueError, match="TMA"):  # float32 experts have no TMA path
+        fused_experts(x.float(), w13.float(), w2.float(), weights, ids, tma_path=True)
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="small tiles run interpreted only; on a GPU the TMA tiles run at V2-Lite's "
+                                          "shapes (test_fused_experts_v2_lite_shape)")
+@pytest.mark.parametrize("limit", [None, 1.0])
+def test_fused_experts_half_tma_path(limit):
+    """bf16 experts through the persistent TMA kernels (no scales: the products accumulate unscaled), the
+    same function as the reference; uneven rows per expert, an expert nobody chose."""
+    g = torch.Generator().manual_seed(19)
+    t, hidden, inter, e, k = 11, 64, 96, 5, 2
+    x = torch.randn(t, hidden, generator=g).to(DEV, torch.bfloat16)
+    w13 = (0.1 * torch.randn(e, 2 * inter, hidden, generator=g)).to(DEV, torch.bfloat16)
+    w2 = (0.1 * torch.randn(e, hidden, inter, generator=g)).to(DEV, torch.bfloat16)
+    ids = torch.stack([torch.randperm(e - 1, generator=g)[:k] for _ in range(t)]).int().to(DEV)
+    weights = torch.rand(t, k, generator=g).to(DEV)
+    out = fused_experts(x, w13, w2, weights, ids, swiglu_limit=limit, tma_path=True)
+    ref = reference_fused_experts(x.float(), w13.float(), w2.float(), weights, ids, swiglu_limit=limit)
+    assert rel_err(out, ref) < 2e-2
 
 
 @gpu
@@ -580,8 +598,10 @@ def test_fused_experts_fp8_v3_shape(tokens):
 
 
 @gpu
-@pytest.mark.parametrize("tokens", [1, 512])
+@pytest.mark.parametrize("tokens", [1, 512, 2048])
 def test_fused_experts_v2_lite_shape(tokens):
+    """V2-Lite's experts: 6, 48 and 192 rows per expert, so the GEMV-sized, the 64-row and (on sm_90+)
+    the TMA kernels, against a float32 reference one expert at a time."""
     g = torch.Generator().manual_seed(16)
     e, k, hidden, inter = 64, 6, 2048, 1408
     x = torch.randn(tokens, hidden, generator=g).to(DEV, torch.bfloat16)
@@ -590,10 +610,11 @@ def test_fused_experts_v2_lite_shape(tokens):
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]).int().to(DEV)
     weights = torch.rand(tokens, k, generator=g).to(DEV)
     ref = torch.zeros(tokens, hidden, device=DEV)
-    for j in range(k):  # batched reference: one gathered matmul per top-k slot
-        h = torch.einsum("th,tnh->tn", x.float(), w13[ids[:, j].long()].float())
-        y = torch.einsum("ti,thi->th", torch.nn.functional.silu(h[:, :inter]) * h[:, inter:], w2[ids[:, j].long()].float())
-        ref += weights[:, j : j + 1] * y
+    for expert in range(e):
+        t, j = (ids == expert).nonzero(as_tuple=True)
+        h = x[t].float() @ w13[expert].float().T
+        y = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w2[expert].float().T
+        ref.index_add_(0, t, weights[t, j, None] * y)
     assert rel_err(fused_experts(x, w13, w2, weights, ids), ref) < 1e-2
 
 
