@@ -14,8 +14,8 @@ Each slice writes its normalized partial output and log-sum-exp; a second kernel
 each head. With one slice the first kernel writes the output itself (one launch).
 
 Two regimes (measured on an H200, benchmarks/mla_decode.py): with a few sequences, one program per
-SM, each streaming its tiles through a five-stage pipeline; from batch 5, two programs per SM (two
-stages each), which hide each other's latency. The tile's products take M = 16 heads, so a program
+SM on eight warps, each streaming its tiles through a five-stage pipeline; from batch 5, two programs
+per SM (two stages each), which hide each other's latency. The tile's products take M = 16 heads, so a program
 is bound by its own latency more than by the bytes: more programs in flight is what pays.
 
 An FP8 latent cache (`engine.layers.fp8_latent`, each block's c_kv, k_pe and scales in sections of
@@ -221,9 +221,9 @@ def default_num_splits(batch: int, num_heads: int, sms: int = 132, block_h: int 
 
 def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False) -> dict:
     """64 tokens a tile (a 72 KB bf16 tile of 576-wide rows). Deep: five pipeline stages (two tiles in
-    flight, 168 KB: one program per SM), for batches the slices alone spread over the chip (measured at
-    batch 1: 2.9 vs 2.5 TB/s at 128k); else two stages (94 KB: two programs per SM). Slices of at
-    least one tile (64 tokens: at batch 1 and 1k-16k context, 1.3-2x faster than 256).
+    flight, 168 KB: one program per SM) on eight warps, for batches the slices alone spread over the chip
+    (measured at batch 1: 2.9 vs 2.5 TB/s at 128k); else two stages (94 KB: two programs per SM). Slices
+    of at least one tile (64 tokens: at batch 1 and 1k-16k context, 1.3-2x faster than 256).
 
     FP8 (elem 1): the e4m3 tile loaded twice (`_attend_tile`, RELOAD), so that both loads are pipelined;
     its two 32 KB copies take the shared memory of one bf16 tile, so the bf16 tile shapes fit as they are
@@ -234,7 +234,8 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
     would need 288 KB), the transposed accumulator 4-5x."""
     block_n = 64 if block_c * max(elem, 2) <= 1024 else 32
     stages = 5 if deep and block_h <= 16 and block_c * max(elem, 2) <= 1024 else 2
-    return dict(block_n=block_n, num_stages=stages, num_warps=4 if block_h <= 16 and not fp8 else 8,
+    # eight warps where one program has the SM: 3-5 % faster at batch 1 from 1k to 128k (two runs, two days)
+    return dict(block_n=block_n, num_stages=stages, num_warps=4 if block_h <= 16 and not fp8 and not deep else 8,
                 min_chunk=block_n, block_h=block_h, reload=fp8)
 
 
