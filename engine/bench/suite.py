@@ -1,6 +1,7 @@
 """Run the whole benchmark for one preset (or checkpoint) and write its JSON and plot."""
 
 import datetime
+import gc
 import json
 import logging
 import subprocess
@@ -75,6 +76,7 @@ def run(opts: BenchOptions) -> dict:
         return _run(opts)
     finally:
         _util.PDL = before
+        gc.unfreeze()
 
 
 def _run(opts: BenchOptions) -> dict:
@@ -124,6 +126,8 @@ def _run(opts: BenchOptions) -> dict:
                                  extra={"enforce_eager": opts.eager, "capture_graphs_at_start": False})
     runner = ModelRunner(engine_config, model_config, path, max_len)
     runner.init_cache(num_blocks)
+    gc.collect()
+    gc.freeze()  # as the serving engine's process does once its engine is built (engine_process.py)
     fp8 = model_config.quant is not None and runner.backend == "triton"
     ceilings = measure_ceilings(device)
     # the latent cache's bytes a token and layer, whatever its layout (the FP8 one's sections included)

@@ -5,6 +5,7 @@ A process rather than a thread: the server's event loop (HTTP, JSON, SSE) and th
 costs the engine nothing but the pickling of each step's deltas.
 """
 
+import gc
 import logging
 import select
 import signal
@@ -64,6 +65,11 @@ def run_engine_process(
     except BaseException as exc:  # noqa: BLE001 - reported to the server, which exits non-zero
         reports.send(Failed(f"building the engine failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
+    # The engine's objects (model, pool, graphs, scheduler) live as long as this process: out of the
+    # cyclic collector's generations, its passes no longer walk them during steps (vLLM does the same).
+    # Measured on an H200: a 2k-token prefill, bound by the host, 7-10 % faster (docs/perf.md).
+    gc.collect()
+    gc.freeze()
     reports.send(Ready(model_path=str(engine.model_path), max_model_len=engine.max_model_len,
                        max_num_seqs=getattr(getattr(engine, "config", None), "max_num_seqs", 0)))
     try:
