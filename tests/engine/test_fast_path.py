@@ -2,6 +2,8 @@
 the HF-oracle checkpoints: same logits within tolerance, same greedy tokens wherever the reference's
 choice is clear (its top-2 logit margin is above what the path difference can move)."""
 
+import functools
+import inspect
 import json
 import os
 import sys
@@ -44,6 +46,26 @@ def dtype(request) -> str:
     full float32); bf16 is what serves, where the fast path must be as close to the float32 truth as
     the reference path in bf16 is, and agree with it wherever its choice is clear."""
     return request.param
+
+
+# on the interpreter every program of a grid runs in turn, and the decode kernels' default slice counts
+# fill 132 SMs: 64-128 slices a sequence where these contexts (under 64 tokens, one tile: MIN_CHUNK)
+# fill the first and the rest exit empty. Capped at this many, the live slices are the same (a slice is
+# at least one tile) and empty ones still follow; counts of 1 (one launch, no merge) stay 1.
+INTERPRETED_SLICES = 4
+
+
+@pytest.fixture(autouse=True)
+def few_decode_slices(monkeypatch):
+    if ON_GPU:
+        return
+    from engine.kernels import compressed_decode, mla_decode
+
+    for module in (mla_decode, compressed_decode):
+        choose = module.default_num_splits
+        capped = functools.wraps(choose)(lambda *args, choose=choose, **kwargs: min(INTERPRETED_SLICES,
+                                                                                   choose(*args, **kwargs)))
+        monkeypatch.setattr(module, "default_num_splits", capped)
 
 
 # float32: logits within LOGIT_TOL of the reference's, identical greedy tokens wherever the
@@ -345,8 +367,9 @@ def test_warm_up_runs_the_fast_path_and_every_decode_slice_count(tmp_path):
     runner.warm_up()
     for layer, old in zip(runner.model.attention_layers(), before):
         assert torch.equal(layer.kv_cache[:-1], old[:-1]) and not torch.equal(layer.kv_cache[-1], old[-1])
-    # serving can only meet the slice counts warmed up
-    assert {default_num_splits(b, h) for b in range(1, 300) for h in (16, 128)} <= set(SPLIT_CHOICES)
+    # serving can only meet the slice counts warmed up (the engine's own choice, not the cap above)
+    choose = inspect.unwrap(default_num_splits)
+    assert {choose(b, h) for b in range(1, 300) for h in (16, 128)} <= set(SPLIT_CHOICES)
 
 
 def test_backend_choice_is_checked(monkeypatch):
