@@ -193,6 +193,12 @@ def test_v4_fp8_and_mxfp4_checkpoint_keeps_them_and_matches_reference(tmp_path, 
     assert model.layers[1].ffn.shared_experts.w2.weight.dtype == FP8
     assert experts.w13.dtype == torch.int8 and experts.w13_scale_inv.dtype == torch.float8_e8m0fnu
     assert dequantized.engine.runner.model.layers[1].ffn.experts.w13.dtype != torch.int8
+    # decode steps (2 tokens) take the FP4 GEMV, prefills the grouped GEMMs (by default the GEMV takes up to
+    # 128 tokens): layer 0's experts dequantized first (the engine's choice from one pair an expert on),
+    # layer 1's decoded tile by tile in the FP4 grouped GEMM
+    for layer in model.layers:
+        layer.ffn.experts.gemv_max_tokens = 2
+    model.layers[1].ffn.experts.dequantize_pairs_per_expert = float("inf")
     emulated = LLM(str(path), dtype=dtype, attention_backend="triton", enable_prefix_caching=False, block_size=8,
                    max_model_len=256)
     for module in emulated.engine.runner.model.modules():
