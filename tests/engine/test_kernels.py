@@ -1487,7 +1487,10 @@ def test_draw_on_device_keeps_to_top_k_and_top_p():
     logits = torch.tensor([0.0, 3.0, 1.0, 2.9, -1.0, 0.5]).expand(400, -1).contiguous().to(DEV)
     top_k = draw_on_device(logits, _sampling_seqs(400, temperature=1.0, top_k=2)).cpu()
     assert set(top_k.tolist()) == {1, 3}
-    nucleus = draw_on_device(logits, _sampling_seqs(400, temperature=1.0, top_p=1e-6)).cpu()
+    # 64 rows tell as surely as more would: a draw that ignores top_p gives token 1 with p 0.46, one that
+    # keeps the two best tokens with p 0.52, so all 64 on token 1 would have p ~1e-18 (a top-p row costs
+    # twice a top-k one under the interpreter: most redraw, their first perturbed argmax out of the nucleus)
+    nucleus = draw_on_device(logits[:64], _sampling_seqs(64, temperature=1.0, top_p=1e-6)).cpu()
     assert set(nucleus.tolist()) == {1}
     # a top_p that rounds to 0 in float32 still keeps the top token
     assert set(draw_on_device(logits[:20], _sampling_seqs(20, temperature=1.0, top_p=1e-50)).tolist()) == {1}
