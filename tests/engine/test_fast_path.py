@@ -49,10 +49,11 @@ def dtype(request) -> str:
 
 
 # on the interpreter every program of a grid runs in turn, and the decode kernels' default slice counts
-# fill 132 SMs: 64-128 slices a sequence where these contexts (under 64 tokens, one tile: MIN_CHUNK)
-# fill the first and the rest exit empty. Capped at this many, the live slices are the same (a slice is
-# at least one tile) and empty ones still follow; counts of 1 (one launch, no merge) stay 1.
-INTERPRETED_SLICES = 4
+# fill 132 SMs: 8-128 slices a row, where these short contexts fill the first (a slice holds at least one
+# tile: 64 tokens of the latent cache, 16 rows of V4's key list) and the others exit empty. Capped at
+# two, the live slice is the same and an empty one still follows it into the merge; a count of 1 (no
+# merge) stays 1.
+INTERPRETED_SLICES = 2
 
 
 @pytest.fixture(autouse=True)
