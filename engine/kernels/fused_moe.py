@@ -207,7 +207,7 @@ def _config(pairs_per_expert: float, on_gpu: bool, gated: bool, block_k: int | N
         return 16, 64, block_k or 128, 4, 4
     if pairs_per_expert <= 128:
         return 64, 64 if gated else 128, block_k or 64, 4, 3
-    if half and block_k is None:
+    if half:
         return 128, 128 if gated else 256, 64, 8, 4
     return 128, 64 if gated else 128, block_k or 64, 8, 3
 
@@ -278,12 +278,12 @@ def tma_config(pairs_per_expert: float, block: tuple[int, int] | None, inter: in
 
 def _launch_tma(a, a_s, w, w_s, out, weights, align, num_pairs, top_k, gated, block, bm, bn, warps, stages, per_sm,
                 limit: float = float("inf"), flatten: bool = True):
-    """One grouped GEMM through `_moe_gemm_tma_kernel`: FP8 with its scales (w_s) and block, or bf16 / fp16
-    (w_s None: 64-wide K steps)."""
+    """One grouped GEMM through `_moe_gemm_tma_kernel`: FP8 weights with their scales (w_s) and block, or
+    bf16 / fp16 (64-wide K steps, no scales)."""
     sorted_ids, block_expert, num_padded = align
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
-    scaled = w_s is not None
+    scaled = w.dtype == FP8
     bk = block[1] if scaled else HALF_TMA_BLOCK_K
     if not scaled:
         a_s, w_s = a, w  # no scales: pointers the kernel never reads
@@ -309,7 +309,7 @@ def fused_experts_tma(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, b
     num_experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     bm, bn13, bn2, warps, stages, per_sm = cfg
-    fp8 = w13_scale is not None
+    fp8 = w13.dtype == FP8
     align = align_by_expert(topk_ids, num_experts, bm)
     a, a_s = per_token_group_quant(x, block[1], k_major_scales=True) if fp8 else (x, None)
     inter_out = torch.empty(align[0].shape[0], inter, dtype=x.dtype, device=x.device)
@@ -373,8 +373,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     tma = tma_config(num_pairs / num_experts, block, inter, hidden, x, half) if fp8 or half else None
     check(not tma_path or tma is not None, "the TMA grouped GEMM does not take these experts or this batch")
     if tma is not None and (not interpreted(x) if tma_path is None else tma_path):
-        return fused_experts_tma(x, w13, w2, topk_weights, topk_ids, w13_scale if fp8 else None,
-                                 w2_scale if fp8 else None, block, tma, swiglu_limit)
+        return fused_experts_tma(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, tma, swiglu_limit)
     bk = block[1] if fp8 else None
     cfg13 = _config(num_pairs / num_experts, not interpreted(x), True, bk, half)
     cfg2 = _config(num_pairs / num_experts, not interpreted(x), False, bk, half)
