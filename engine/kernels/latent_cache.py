@@ -1,6 +1,7 @@
 """MLA's new-token bookkeeping in one launch: normalize the compressed KV, rotate the shared rope key and
 the queries' rope parts, write the latent row [c_kv | k_pe] into its paged cache slot (into an FP8 cache's
-block sections, c_kv quantized on the way).
+block sections, c_kv quantized on the way). And the way back for the prefill paths: the latent rows of
+given slots of an FP8 cache, decoded in one launch (`gather_latent`).
 
 The unfused path takes four launches per layer for this (kv_a_layernorm, rope, concatenation, cache
 write), each moving a few kilobytes at decode: pure launch latency. Rounding follows the reference
@@ -113,3 +114,48 @@ def write_latent_(kv_cache: torch.Tensor, kv: torch.Tensor, norm_weight: torch.T
             kv.stride(0), q_pe.stride(0), q_pe.stride(1), cos_cache.stride(0), cache.stride(0), cache.stride(1),
             cache_r.stride(0), cache_r.stride(1), cache_s.stride(0), kv_cache.shape[1], num_heads, LORA=lora, HALF=rope // 2, BLOCK_C=pow2(lora), BLOCK_H=min(16, pow2(num_heads, 1)),
             BLOCK_D=pow2(rope // 2, 1), FP8=fp8, EXACT_CAST=interpreted(kv), PDL=on, launch_pdl=on)
+
+
+@triton.jit
+def _gather_kernel(Cache, CacheR, CacheS, Slots, Out, num_rows, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb,
+                   stride_o, page, LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    # BLOCK_T rows a program: each row's c_kv (LORA bytes), k_pe and scale, one wide load per field
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < num_rows
+    slot = tl.load(Slots + offs_t, mask=mask_t, other=0).to(tl.int64)
+    blk, tok = slot // page, slot % page
+    offs_c, offs_r = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_R)
+    mask_c, mask_r = offs_c < LORA, offs_r < ROPE
+    codes = tl.load(Cache + (blk * stride_cb + tok * stride_ct)[:, None] + offs_c[None, :],
+                    mask=mask_t[:, None] & mask_c[None, :], other=0.0)
+    scale = tl.load(CacheS + blk * stride_sb + tok, mask=mask_t, other=0.0)
+    # as fp8_latent.FP8LatentLayout.rows: the code widened, times its row's scale in float32, rounded once
+    c_kv = codes.to(tl.float32) * scale[:, None]
+    out = Out + offs_t.to(tl.int64)[:, None] * stride_o
+    tl.store(out + offs_c[None, :], c_kv.to(Out.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])
+    k_pe = tl.load(CacheR + (blk * stride_rb + tok * stride_rt)[:, None] + offs_r[None, :],
+                   mask=mask_t[:, None] & mask_r[None, :], other=0.0)
+    tl.store(out + LORA + offs_r[None, :], k_pe.to(tl.float32).to(Out.dtype.element_ty),
+             mask=mask_t[:, None] & mask_r[None, :])
+
+
+def gather_latent(kv_cache: torch.Tensor, slots: torch.Tensor, kv_lora: int, rope: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The latents [T, kv_lora + rope] in `dtype` at flat slots [T] (block * page + offset) of an FP8 latent
+    cache [blocks, page, token_bytes] uint8 whose k_pe is stored in `dtype`: what
+    `fp8_latent.latent_rows` computes (the same bits) in one launch instead of three gathers, two casts, a
+    product and a concatenation (the prefill paths read every context row of every layer this way)."""
+    check(kv_cache.dtype == torch.uint8 and kv_cache.dim() == 3 and kv_cache.is_contiguous(),
+          f"gather_latent reads an FP8 latent cache (uint8, 3-D, contiguous), got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    check(slots.dim() == 1 and not slots.is_floating_point(), "slots must be a 1-D integer tensor")
+    cache, cache_r, cache_s = FP8LatentLayout(kv_lora, rope, dtype).views(kv_cache)
+    slots = slots.contiguous()
+    out = torch.empty(slots.shape[0], kv_lora + rope, dtype=dtype, device=kv_cache.device)
+    block_t = 64 if interpreted(kv_cache) else 16  # the interpreter pays per program: few, wide ones
+    if slots.shape[0]:
+        _gather_kernel[(triton.cdiv(slots.shape[0], block_t),)](
+            cache, cache_r, cache_s, slots, out, slots.shape[0], cache.stride(0), cache.stride(1), cache_r.stride(0),
+            cache_r.stride(1), cache_s.stride(0), out.stride(0), kv_cache.shape[1], LORA=kv_lora, ROPE=rope,
+            BLOCK_T=block_t, BLOCK_C=pow2(kv_lora), BLOCK_R=pow2(rope))
+    return out

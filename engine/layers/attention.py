@@ -2,7 +2,8 @@
 
 Cache layout per layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]; one row holds a
 token's normalized compressed KV (c_kv) followed by its rotated shared key (k_pe); an FP8 cache (uint8)
-holds each block as sections instead (`fp8_latent`), read through `gather_kv_cache` / `latent_rows`. A batch is laid
+holds each block as sections instead (`fp8_latent`), read through `gather_kv_cache` / `latent_rows` (the
+fast prefill path: the `gather_latent` kernel). A batch is laid
 out prefills first, then decodes (one query token each). `mla_prefill` / `mla_decode` are the
 reference; `mla_prefill_fast` / `mla_decode_fast` take the same arguments and run the Triton kernels
 (the decode one reads only device tensors, so a CUDA graph can capture it).
@@ -203,9 +204,14 @@ def mla_prefill_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv
         tables, lens = meta.prefill_as_decode_rows
         return _absorbed_attention(q_nope, q_pe, kv_cache, tables, lens, w_kv_b, v_head_dim, softmax_scale, absorb)
     slots, cu_k = meta.prefill_context
-    # [Tk, kv_lora + rope]; an FP8 cache's rows decoded as they are gathered (the expansion GEMM and the
-    # attention after it run in the activation dtype)
-    latent = latent_rows(kv_cache, slots, kv_lora_rank, q_pe.shape[-1], q_pe.dtype)
+    # [Tk, kv_lora + rope]; an FP8 cache's rows decoded as they are gathered, in one launch (the expansion
+    # GEMM and the attention after it run in the activation dtype)
+    if is_fp8(kv_cache):
+        from engine.kernels.latent_cache import gather_latent
+
+        latent = gather_latent(kv_cache, slots, kv_lora_rank, q_pe.shape[-1], q_pe.dtype)
+    else:
+        latent = latent_rows(kv_cache, slots, kv_lora_rank, q_pe.shape[-1], q_pe.dtype)
     kv = F.linear(latent[:, :kv_lora_rank], w_kv_b).view(latent.shape[0], num_heads, nope + v_head_dim)
     cu_q = meta.query_start_loc[: meta.num_prefills + 1].int()
     max_q = max(meta.query_lens_cpu[: meta.num_prefills])

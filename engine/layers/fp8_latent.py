@@ -18,7 +18,8 @@ kv_lora is a multiple of 16; blocks do when the page holds a multiple of 4 token
   with a per-token scale keeps ~2 significant digits of each value.
 
 The cache writer quantizes (`engine.kernels.latent_cache`), the decode kernel dequantizes in its loads,
-and every other reader goes through `dequantized` / `latent_rows`. A uint8 latent cache is an FP8 one:
+the fast prefill path gathers through `latent_cache.gather_latent` (the same bits as `latent_rows`, one
+launch), and every other reader goes through `dequantized` / `latent_rows`. A uint8 latent cache is an FP8 one:
 the readers tell the layout from the cache's dtype, kv_lora from the queries and the rope dtype from the
 activations. The pool, the prefix cache and the KV transfer move whole blocks as bytes, whatever is
 inside them.

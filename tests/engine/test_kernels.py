@@ -268,6 +268,35 @@ def test_write_latent_fp8_quantizes_as_the_reference(dtype):
         assert (view[untouched].contiguous().view(torch.uint8) == 0xAB).all()
 
 
+@pytest.mark.parametrize("dtype,lora,rope,page,rows", [(torch.float32, 32, 8, 4, 37), (torch.bfloat16, 32, 8, 16, 70),
+                                                       pytest.param(torch.bfloat16, 512, 64, 64, 300, marks=gpu)])
+def test_gather_latent_decodes_the_slots_as_the_reference(dtype, lora, rope, page, rows):
+    """The prefill paths' read of an FP8 cache: any slots (repeated, out of order, across blocks) decoded
+    as `fp8_latent.latent_rows` decodes them."""
+    from engine.kernels.latent_cache import gather_latent
+    from engine.layers.fp8_latent import FP8LatentLayout, latent_rows
+
+    g = torch.Generator().manual_seed(11)
+    blocks = 9
+    layout = FP8LatentLayout(lora, rope, dtype)
+    # per-token ranges 1000x apart: each row's own scale must be the one applied
+    latent = (torch.randn(blocks, page, lora + rope, generator=g)
+              * torch.logspace(-1.5, 1.5, blocks * page).view(blocks, page, 1)).to(DEV, dtype)
+    cache = layout.quantize(latent)
+    slots = torch.randint(0, blocks * page, (rows,), generator=g).to(DEV)
+    got = gather_latent(cache, slots, lora, rope, dtype)
+    want = latent_rows(cache, slots, lora, rope, dtype)
+    assert got.shape == (rows, lora + rope) and got.dtype == dtype
+    assert torch.equal(got[:, lora:], want[:, lora:])  # k_pe as stored
+    if DEV == "cpu" and dtype == torch.bfloat16:  # the interpreter rounds the float32 product toward zero
+        assert ((got[:, :lora].float() - want[:, :lora].float()).abs() <= want[:, :lora].float().abs() / 128).all()
+    else:
+        assert torch.equal(got, want)
+    assert gather_latent(cache, slots[:0], lora, rope, dtype).shape == (0, lora + rope)
+    with pytest.raises(ValueError, match="FP8 latent cache"):
+        gather_latent(latent, slots, lora, rope, dtype)
+
+
 @gpu
 @pytest.mark.parametrize("heads,lens", [(16, [1, 700, 4096]), (128, [3000, 17])])
 def test_mla_decode_fp8_deepseek_shapes(heads, lens):
