@@ -10,7 +10,7 @@ replayed, each call on another copy of the cache (at least 512 MB in all, so the
 memory, not from the 60 MB L2, as in a model where every layer has its own cache). Effective bandwidth
 = cache bytes (B x context x 576 x 2) / time per call, split and merge launches included.
 
---sweep also times tile choices (tile rows, pipeline depth, warps, least slice) and slice counts
+--sweep also times tile choices (tile rows, pipeline depth, warps, least slice, the merge's columns) and slice counts
 around the default (FP8: how the e4m3 tile is read, `mla_decode._attend_tile`); --variants keeps the
 named ones; --check compares every variant with the float32 reference first.
 """
@@ -40,6 +40,14 @@ TILE_SWEEP = {
     "n64 s5 w8": dict(block_n=64, num_stages=5, num_warps=8),
     "n32 s3": dict(block_n=32, num_stages=3, min_chunk=32),
     "min chunk 256": dict(min_chunk=256),
+    # the merge's columns a program and warps (forced at every batch; the default takes 32 where
+    # batch x heads <= 128)
+    "merge cm32": dict(merge_cm=32),
+    "merge cm64": dict(merge_cm=64),
+    "merge cm128": dict(merge_cm=128),
+    "merge cm32 w2": dict(merge_cm=32, merge_warps=2),
+    "merge cm64 w8": dict(merge_cm=64, merge_warps=8),
+    "merge cm16 w2": dict(merge_cm=16, merge_warps=2),
 }
 # the FP8 cache (default: the e4m3 tile loaded twice, eight warps): loaded once (its load left
 # synchronous), the transposed accumulator (`acc_t`: the tile as the wgmma's register operand), pipeline
