@@ -21,7 +21,8 @@ is bound by its own latency more than by the bytes: more programs in flight is w
 An FP8 latent cache (`engine.layers.fp8_latent`, each block's c_kv, k_pe and scales in sections of
 their own, each one wide load) is read as e4m3 c_kv widened in registers (the tile loaded twice, so
 both loads are pipelined: `_attend_tile`), the per-token scale folded into the scores and the
-probabilities, k_pe as stored. It runs eight warps: still 1.3-1.7x slower than bf16 on an H200
+probabilities, k_pe as stored. At 16 heads a program it runs two stages on eight warps at batch 1-4
+and 32-token tiles on four warps from batch 5: still 1.3-1.5x slower a call than bf16 on an H200
 (docs/perf.md).
 
 Bytes: context_len * 576 * elem per sequence and head block (FP8: context_len * 644 at V3's shapes);
@@ -231,9 +232,14 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
     operand of both products (the bf16 one stays in shared memory), and four warps hold it only by
     spilling (ptxas: 1,096 bytes at four, none at eight): measured 1.6-1.9x faster with eight at batch 1,
     2.9x at 64 (benchmarks/mla_decode.py --sweep, docs/perf.md). 128-token tiles lost 2x (one load; two
-    would need 288 KB), the transposed accumulator 4-5x."""
+    would need 288 KB), the transposed accumulator 4-5x. At 16 heads a block (the sweep, 16k and 32k):
+    two stages at batch 1 (13 % faster than five), and from batch 5 32-token tiles on four warps (two
+    stages, 56 KB, no spills: two programs an SM again; 21 % faster at batch 64); at 64 heads a block
+    (V3's 128) 32-token tiles lost 2.5-3x."""
     block_n = 64 if block_c * max(elem, 2) <= 1024 else 32
-    stages = 5 if deep and block_h <= 16 and block_c * max(elem, 2) <= 1024 else 2
+    stages = 5 if deep and block_h <= 16 and block_c * max(elem, 2) <= 1024 and not fp8 else 2
+    if fp8 and block_h <= 16 and not deep:
+        return dict(block_n=32, num_stages=2, num_warps=4, min_chunk=32, block_h=block_h, reload=True)
     # eight warps where one program has the SM: 3-5 % faster at batch 1 from 1k to 128k (two runs, two days)
     return dict(block_n=block_n, num_stages=stages, num_warps=4 if block_h <= 16 and not fp8 and not deep else 8,
                 min_chunk=block_n, block_h=block_h, reload=fp8)
