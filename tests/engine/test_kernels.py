@@ -297,8 +297,8 @@ def test_gather_latent_decodes_the_slots_as_the_reference(dtype, lora, rope, pag
         gather_latent(latent, slots, lora, rope, dtype)
 
 
-@gpu
-@pytest.mark.parametrize("heads,lens", [(16, [1, 700, 4096]), (128, [3000, 17])])
+@gpu  # at 16 heads: batches of up to four take the deep tiles, from five the 32-token ones (`_tiles`)
+@pytest.mark.parametrize("heads,lens", [(16, [1, 700, 4096]), (16, [1, 700, 4096, 63, 2000, 17]), (128, [3000, 17])])
 def test_mla_decode_fp8_deepseek_shapes(heads, lens):
     args, _ = _fp8_decode_case(lens, heads=heads, kv_lora=512, rope=64, page=64, dtype=torch.bfloat16, seed=5)
     out = mla_decode_attention(*args, 192**-0.5)
