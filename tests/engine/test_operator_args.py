@@ -5,8 +5,10 @@ a process, gloo) and answer a chat completion through the official openai client
 Only what a cluster provides is stood in for: the model path (deepseek-tiny), the downward API (pod
 name, pod IP = loopback), the Secrets' values, the Secret volumes (a local file holding what the
 kubelet would project: the API key, the built KV transfer Secret's key), the Redis Service's address
-(a real redis-server with the rendered URL's password on loopback) and the ports (free ones, where a
-pod has its own network)."""
+(a real redis-server with the rendered URL's password on loopback), the ports (free ones, where a
+pod has its own network) and the GPUs' memory: on a GPU the engine sizes the KV cache from what it finds
+free, on a CPU it takes 1 GiB a rank, which 8 ranks on a few cores spend seconds first touching; 64 MiB
+a rank here, through the flag's environment variable, which a rendered flag or variable would override."""
 
 import base64
 import os
@@ -32,6 +34,8 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yam
 PASSWORD = "kv-secret"
 API_KEY = "sk-fleet-key"
 TRANSFER_SECRET = "generated-kv-transfer-secret-0123456789"
+# the stand-in for the GPUs' memory (the docstring above says why)
+STAND_INS = {"DEEPSEEK_ENGINE_KV_CACHE_MEMORY": "64MiB"}
 
 
 def engine_container(children: list[dict]) -> dict:
@@ -109,7 +113,7 @@ def test_rendered_engine_command_serves_a_chat_completion(path: Path, tmp_path: 
     args = localize(container["args"], env, redis.port, key_file, port, kubelet_secret_file(children, tmp_path))
     tp = int(args[args.index("--tensor-parallel-size") + 1])
     log = open(tmp_path / "engine.log", "w")
-    proc = subprocess.Popen(container["command"] + args, env={**os.environ, **env}, stdout=log,
+    proc = subprocess.Popen(container["command"] + args, env={**os.environ, **STAND_INS, **env}, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
@@ -119,7 +123,9 @@ def test_rendered_engine_command_serves_a_chat_completion(path: Path, tmp_path: 
             time.sleep(0.1)
         key = API_KEY if "--api-key-file" in args else "unused"
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key)
-        reply = client.chat.completions.create(model=parent.spec.model.name, max_tokens=8,
+        # three tokens: the prefill, then decode steps on every rank (where the MTP layer drafts, its
+        # drafts' verification); each step of 8 ranks on a few cores takes a third of a second
+        reply = client.chat.completions.create(model=parent.spec.model.name, max_tokens=3,
                                                messages=[{"role": "user", "content": "Hello!"}])
         assert reply.choices[0].message.content and reply.usage.completion_tokens > 0
         assert tp == 1 or f"{tp} ranks ready" in (tmp_path / "engine.log").read_text()
@@ -176,15 +182,15 @@ def test_a_rendered_multi_node_replica_serves_across_its_pods(tmp_path: Path) ->
             assert args[at] == "127.0.0.1:29500" and args[args.index("--node-rank") + 1] == str(index)
             args[at] = f"127.0.0.1:{dist_port}"  # a free port where a pod has its own network
             log = open(tmp_path / f"pod-{index}.log", "w")
-            procs.append(subprocess.Popen(container["command"] + args, env={**os.environ, **env}, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(subprocess.Popen(container["command"] + args, env={**os.environ, **STAND_INS, **env},
+                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + 240
         while not _ready(port):
             assert all(p.poll() is None for p in procs), (tmp_path / "pod-0.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "not ready in time"
             time.sleep(0.1)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-        reply = client.chat.completions.create(model=parent.spec.model.name, max_tokens=6,
+        reply = client.chat.completions.create(model=parent.spec.model.name, max_tokens=3,
                                                messages=[{"role": "user", "content": "Hello!"}])
         assert reply.choices[0].message.content
         assert "4 ranks ready (tensor parallel, 2 node(s))" in (tmp_path / "pod-0.log").read_text()
