@@ -57,12 +57,21 @@ def test_prompts_longer_than_many_windows_match_hf(v4):
     check_parity(hf, path, prompts(0, [5, 17, 40, 70, 100], VOCAB))
 
 
+@pytest.fixture(scope="module")
+def chunked(v4):
+    """The chunked prefill's prompts and HF's references for them, the same at either budget."""
+    hf, _ = v4
+    batch = prompts(1, [45, 30, 61], VOCAB)
+    return batch, test_hf_parity.references(hf, batch)
+
+
 @pytest.mark.parametrize("budget", [5, 7])
-def test_chunked_prefill_across_window_boundaries_matches_hf(v4, budget):
+def test_chunked_prefill_across_window_boundaries_matches_hf(v4, chunked, budget):
     hf, path = v4
+    batch, refs = chunked
     # chunks of 5 or 7 tokens start and end inside CSA (4) and HCA (8) windows: each resumes the open
     # pooling state its block carries
-    check_parity(hf, path, prompts(1, [45, 30, 61], VOCAB), max_num_batched_tokens=budget, block_size=8)
+    check_parity(hf, path, batch, refs=refs, max_num_batched_tokens=budget, block_size=8)
 
 
 def test_preemption_matches_hf(v4):

@@ -19,17 +19,24 @@ NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def check_parity(hf, path, batch, **engine_args):
+def references(hf, batch):
+    """HF's logits over each prompt and its greedy continuation: what check_parity holds the engine to."""
+    return [(hf_logits(hf, ids), hf_greedy(hf, ids, NEW_TOKENS)) for ids in batch]
+
+
+def check_parity(hf, path, batch, refs=None, **engine_args):
+    """refs: `references(hf, batch)` where a test already has them (hf is then not needed)."""
     # the reference path, on the CPU whatever the machine: on a GPU the Triton kernels' float32 dots run
     # in TF32 (~3e-4), and test_fast_path.py holds them to the reference path instead
     engine_args.setdefault("device", "cpu")
     llm = LLM(str(path), dtype="float32", **engine_args)
-    for ids, ours in zip(batch, llm.score(batch)):
-        ref = hf_logits(hf, ids)
+    if refs is None:
+        refs = references(hf, batch)
+    for ours, (ref, _) in zip(llm.score(batch), refs, strict=True):
         assert (ours - ref).abs().max().item() <= 1e-4
     outs = llm.generate(batch, GREEDY)
-    for ids, out in zip(batch, outs):
-        assert out.token_ids == hf_greedy(hf, ids, NEW_TOKENS)
+    for out, (_, tokens) in zip(outs, refs, strict=True):
+        assert out.token_ids == tokens
         assert out.finish_reason == "length"
     assert llm.engine.kv_cache_usage == 0.0
     return llm

@@ -23,8 +23,8 @@ PARALLEL = {
 }
 
 
-def check_parity(hf, path, batch, **engine_args):
-    llm = test_hf_parity.check_parity(hf, path, batch, **engine_args)
+def check_parity(path, batch, refs, **engine_args):
+    llm = test_hf_parity.check_parity(None, path, batch, refs, **engine_args)
     llm.engine.shutdown()  # the other ranks' processes go now, not when the test session ends
     return llm
 
@@ -34,34 +34,64 @@ def parallel(request):
     return PARALLEL[request.param]
 
 
-def test_mixed_batch_and_chunked_prefill_match_hf(tmp_path, parallel):
-    hf = build_hf_model(seed=1, rope_parameters=YARN)
-    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
+@pytest.fixture(scope="module")
+def made() -> dict:
+    """The oracles made so far, by test."""
+    return {}
+
+
+@pytest.fixture
+def oracle(made, tmp_path_factory, request):
+    """oracle(make) -> (checkpoint, prompts, HF's references) of this test; make(directory) -> (HF model,
+    its checkpoint there, prompts) runs at the test's first layout only: the same seed, config and prompts
+    give the others the same oracle."""
+
+    def get(make):
+        name = request.function.__name__
+        if name not in made:
+            hf, path, batch = make(tmp_path_factory.mktemp(name))
+            made[name] = path, batch, test_hf_parity.references(hf, batch)
+        return made[name]
+
+    return get
+
+
+def test_mixed_batch_and_chunked_prefill_match_hf(oracle, parallel):
+    def make(where):
+        hf = build_hf_model(seed=1, rope_parameters=YARN)
+        return hf, save_hf_checkpoint(hf, where / "ckpt"), prompts(0, [5, 17, 33, 64])
+
     # a 7-token budget splits the longer prompts into chunks over their cached prefix, mixed with decodes
-    check_parity(hf, path, prompts(0, [5, 17, 33, 64]), max_num_batched_tokens=7, block_size=4, **parallel)
+    check_parity(*oracle(make), max_num_batched_tokens=7, block_size=4, **parallel)
 
 
-def test_preemption_matches_hf(tmp_path, parallel):
-    hf = build_hf_model(seed=3)
-    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
-    llm = check_parity(hf, path, prompts(2, [20, 24, 28, 18]), num_kv_blocks=30, block_size=4,
-                       enable_prefix_caching=False, **parallel)
+def test_preemption_matches_hf(oracle, parallel):
+    def make(where):
+        hf = build_hf_model(seed=3)
+        return hf, save_hf_checkpoint(hf, where / "ckpt"), prompts(2, [20, 24, 28, 18])
+
+    llm = check_parity(*oracle(make), num_kv_blocks=30, block_size=4, enable_prefix_caching=False, **parallel)
     assert llm.engine.scheduler.num_preemptions > 0
 
 
-def test_sharded_checkpoint_and_prefix_cache_match_hf(tmp_path, parallel):
-    hf = build_hf_model(seed=4, q_lora_rank=None)
-    path = save_hf_checkpoint(hf, tmp_path / "ckpt", max_shard_size="40KB")
-    batch = prompts(3, [11, 40])
-    llm = check_parity(hf, path, batch + [batch[1] + [7, 8, 9]], block_size=4, **parallel)
+def test_sharded_checkpoint_and_prefix_cache_match_hf(oracle, parallel):
+    def make(where):
+        hf = build_hf_model(seed=4, q_lora_rank=None)
+        batch = prompts(3, [11, 40])
+        return hf, save_hf_checkpoint(hf, where / "ckpt", max_shard_size="40KB"), batch + [batch[1] + [7, 8, 9]]
+
+    llm = check_parity(*oracle(make), block_size=4, **parallel)
     assert llm.engine.block_manager.hash_to_block  # the third prompt reused the second's blocks
 
 
-def test_fp8_block_scaled_weights_match_hf(tmp_path, parallel):
-    hf = build_hf_model(seed=5, rope_parameters=YARN)
-    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
-    quantize_hf_checkpoint(hf, path, (8, 8))  # blocks that tile every projection's slice at TP=4
-    check_parity(hf, path, prompts(4, [13, 29]), **parallel)
+def test_fp8_block_scaled_weights_match_hf(oracle, parallel):
+    def make(where):
+        hf = build_hf_model(seed=5, rope_parameters=YARN)
+        path = save_hf_checkpoint(hf, where / "ckpt")
+        quantize_hf_checkpoint(hf, path, (8, 8))  # blocks that tile every projection's slice at TP=4
+        return hf, path, prompts(4, [13, 29])
+
+    check_parity(*oracle(make), **parallel)
 
 
 def test_fp8_blocks_that_do_not_tile_a_rank_slice_are_refused(tmp_path):
