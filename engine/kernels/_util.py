@@ -81,6 +81,21 @@ def wait_for_inputs(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@triton.jit
+def last_program(Counter, programs):
+    """Whether this program is the last of `programs` to get here, each having stored its part of a
+    result before: then every part is visible to it, and it may finish the result in the same launch
+    (a norm, a top-k) instead of a kernel after. Counter: an int32 zero, left zero again for the next
+    launch (a CUDA graph replays the same one). The barrier orders every thread's stores before the
+    release; the atomic's acquire makes the other programs' stores visible (load them past L1)."""
+    tl.debug_barrier()
+    done = tl.atomic_add(Counter, 1, sem="acq_rel", scope="gpu")
+    last = done == programs - 1
+    if last:
+        tl.store(Counter, 0)
+    return last
+
+
 def interpreted(t: torch.Tensor) -> bool:
     """Kernels on CPU tensors run in Triton's interpreter."""
     return not t.is_cuda

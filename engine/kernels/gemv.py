@@ -79,10 +79,11 @@ def gemv_rows(w_ptrs, x_ptrs, scales, mask_n, K, USE_FP8: tl.constexpr, GROUP_K:
 
 
 @triton.jit
-def _gemv_kernel(X, W, WS, Out, N, K, rows_per_group, stride_xm, stride_xg, stride_wn, stride_wsn, stride_om,
-                 USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
-                 PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, WAIT_FIRST: tl.constexpr, PREFETCH: tl.constexpr):
-    row, pid_n = tl.program_id(0), tl.program_id(1)
+def gemv_block(X, W, WS, Out, row, pid_n, N, K, rows_per_group, stride_xm, stride_xg, stride_wn, stride_wsn,
+               stride_om, USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
+               PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, WAIT_FIRST: tl.constexpr, PREFETCH: tl.constexpr):
+    """One program's outputs [pid_n * BLOCK_N, +BLOCK_N) of x's row `row`, stored to Out in its dtype (the
+    body of `_gemv_kernel`, for kernels that do more in the same launch)."""
     wait_for_inputs(WAIT_FIRST)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, GROUPS)[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
@@ -91,6 +92,34 @@ def _gemv_kernel(X, W, WS, Out, N, K, rows_per_group, stride_xm, stride_xg, stri
     x = X + row * stride_xm + ((pid_n * BLOCK_N) // rows_per_group) * stride_xg  # block-diagonal: the rows' group of x
     y = gemv_rows(w_ptrs, x + offs_k, scales, offs_n < N, K, USE_FP8, GROUP_K, GROUPS, PRE_ROUND, BLOCK_N, PREFETCH)
     tl.store(Out + row * stride_om + offs_n, y.to(Out.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def _gemv_kernel(X, W, WS, Out, N, K, rows_per_group, stride_xm, stride_xg, stride_wn, stride_wsn, stride_om,
+                 USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
+                 PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, WAIT_FIRST: tl.constexpr, PREFETCH: tl.constexpr):
+    gemv_block(X, W, WS, Out, tl.program_id(0), tl.program_id(1), N, K, rows_per_group, stride_xm, stride_xg, stride_wn,
+               stride_wsn, stride_om, USE_FP8, GROUP_N, GROUP_K, GROUPS, PRE_ROUND, BLOCK_N, WAIT_FIRST, PREFETCH)
+
+
+def tile(n: int, k: int, x: torch.Tensor, block: tuple[int, int] | None = None, rows_per_group: int | None = None,
+         config: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+    """(BLOCK_N, K groups per step, num_warps) for an [n, k] weight (FP8: `block`, its scale block) times
+    rows of x, whose groups are rows_per_group rows of the weight (None: one group)."""
+    block_n, k_groups, warps = config or (INTERPRETED_CONFIG if interpreted(x) else CONFIG["fp8" if block else "bf16"])
+    group_k = block[1] if block else 128
+    if config is None and not interpreted(x):
+        # a K shorter than one step (MLA's absorptions: K = 128 and 512 a head) would leave most of the
+        # tile masked: fewer K groups per step, as many more rows per program
+        while k_groups > 1 and (k_groups // 2) * group_k >= k:
+            k_groups, block_n = k_groups // 2, block_n * 2
+        block_n = max(1, min(block_n, triton.next_power_of_2(n) // 64))  # enough programs for small N (router)
+    if block:
+        while block[0] % block_n:  # a program's rows must sit in one scale block
+            block_n //= 2
+    while rows_per_group is not None and rows_per_group % block_n:  # and in one group
+        block_n //= 2
+    return block_n, k_groups, warps
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
@@ -129,19 +158,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
               f"weight_scale must be [{-(-n // block[0])}, {-(-k // block[1])}], got {tuple(weight_scale.shape)}")
     else:
         check(weight.dtype in (x.dtype, torch.float32), f"weight ({weight.dtype}) must match x ({x.dtype}) or be float32")
-    block_n, k_groups, warps = config or (INTERPRETED_CONFIG if interpreted(x) else CONFIG["fp8" if fp8 else "bf16"])
+    block_n, k_groups, warps = tile(n, k, x, block if fp8 else None, rows_per_group if groups > 1 else None, config)
     group_k = block[1] if fp8 else 128
-    if config is None and not interpreted(x):
-        # a K shorter than one step (MLA's absorptions: K = 128 and 512 a head) would leave most of the
-        # tile masked: fewer K groups per step, as many more rows per program
-        while k_groups > 1 and (k_groups // 2) * group_k >= k:
-            k_groups, block_n = k_groups // 2, block_n * 2
-        block_n = max(1, min(block_n, triton.next_power_of_2(n) // 64))  # enough programs for small N (router)
-    if fp8:
-        while block[0] % block_n:  # a program's rows must sit in one scale block
-            block_n //= 2
-    while groups > 1 and rows_per_group % block_n:  # and in one group
-        block_n //= 2
     out = torch.empty(num_rows, n, dtype=out_dtype or x.dtype, device=x.device)
     if num_rows == 0:
         return out

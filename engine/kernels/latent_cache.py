@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._util import check, check_last_contiguous, interpreted, pdl, pow2, wait_for_inputs
+from engine.kernels.gemv import PREFETCH, gemv_block, tile
 from engine.kernels.rotary import rotate_heads_
 from engine.layers.fp8_latent import FP8_MAX as _FP8_MAX, MIN_SCALE as _MIN_SCALE, FP8LatentLayout
 
@@ -32,12 +33,11 @@ def _e4m3_grid(x):
 
 
 @triton.jit
-def _latent_write_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt,
-                         stride_qh, stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads,
-                         LORA: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_D: tl.constexpr, FP8: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr):
-    t = tl.program_id(0)
-    wait_for_inputs(PDL)
+def _write_token(t, KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt, stride_qh,
+                 stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads, LORA: tl.constexpr,
+                 HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                 FP8: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """Token t's latent row into its cache slot, its queries' rope parts rotated in place."""
     slot = tl.load(Slots + t).to(tl.int64)
     blk, tok = slot // page, slot % page
     # c_kv's and k_pe's rows: one row (k_pe a view LORA values in), or (FP8) in their sections of the block
@@ -77,6 +77,39 @@ def _latent_write_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slo
     tl.store(rrow + 2 * offs_d + 1, (kb * cos + ka * sin).to(k1.dtype).to(out), mask=mask_d)
     rotate_heads_(Q + t * stride_qt, stride_qh, num_heads, cos, sin, offs_d, mask_d, BLOCK_H)
 
+
+@triton.jit
+def _latent_write_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt,
+                         stride_qh, stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads,
+                         LORA: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_D: tl.constexpr, FP8: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr):
+    t = tl.program_id(0)
+    wait_for_inputs(PDL)
+    _write_token(t, KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt, stride_qh,
+                 stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads, LORA, HALF, BLOCK_C,
+                 BLOCK_H, BLOCK_D, FP8, EXACT_CAST)
+
+
+@triton.jit
+def _write_absorb_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, QN, W, QLat, eps, stride_kv,
+                         stride_qt, stride_qh, stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page,
+                         num_heads, nope, rows, num_gemv, stride_w, LORA: tl.constexpr, HALF: tl.constexpr,
+                         BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+                         EXACT_CAST: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         WAIT_FIRST: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    # programs [0, num_gemv): the absorption's GEMV (`gemv` with one group a head: BLOCK_N rows of
+    # W_UK^T, all of one head, times that head's q_nope); the last program: the token's latent write
+    pid = tl.program_id(0)
+    if pid < num_gemv:
+        gemv_block(QN, W, W, QLat, 0, pid, rows, nope, LORA, 0, stride_qh, stride_w, 0, 0, False, 1, GROUP_K, GROUPS,
+                   False, BLOCK_N, WAIT_FIRST, PREFETCH)
+    else:
+        wait_for_inputs(PDL)
+        _write_token(0, KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt,
+                     stride_qh, stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads, LORA,
+                     HALF, BLOCK_C, BLOCK_H, BLOCK_D, FP8, EXACT_CAST)
+
+
 def write_latent_(kv_cache: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                   q_pe: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
@@ -86,6 +119,44 @@ def write_latent_(kv_cache: torch.Tensor, kv: torch.Tensor, norm_weight: torch.T
     uint8 (`engine.layers.fp8_latent`: c_kv quantized per token into its block's sections, k_pe in kv's
     dtype); cos/sin_cache:
     [max_position, rope // 2] float32."""
+    args, consts = _write_args(kv_cache, kv, norm_weight, eps, q_pe, positions, cos_cache, sin_cache, slot_mapping)
+    if kv.shape[0]:
+        on = pdl(kv)
+        _latent_write_kernel[(kv.shape[0],)](*args, **consts, PDL=on, launch_pdl=on)
+
+
+def write_latent_absorbed_(kv_cache: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                           q_nope: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+                           sin_cache: torch.Tensor, slot_mapping: torch.Tensor, w_uk_t: torch.Tensor) -> torch.Tensor:
+    """`write_latent_` for one token, its queries' absorption through W_UK in the same launch ->
+    q_latent [1, H, kv_lora], what `gemv(q_nope, w_uk_t, groups=H)` gives (the same programs, the same
+    bits). q_nope [1, H, nope] (a strided view is fine), w_uk_t [H * kv_lora, nope]
+    (`layers.attention.AbsorbWeights`). The two are independent (q_nope is not rotated): one launch, the
+    write beside the GEMV's programs, instead of two in a row at every decode layer."""
+    args, consts = _write_args(kv_cache, kv, norm_weight, eps, q_pe, positions, cos_cache, sin_cache, slot_mapping)
+    check(kv.shape[0] == 1 and q_nope.shape[:2] == q_pe.shape[:2] and q_nope.stride(-1) == 1,
+          f"one token's q_nope [1, H, nope] contiguous in nope, got {tuple(q_nope.shape)}")
+    check(q_nope.stride(0) == q_pe.stride(0) and q_nope.stride(1) == q_pe.stride(1),
+          "q_nope and q_pe must be views of one query tensor")
+    num_heads, nope = q_nope.shape[1], q_nope.shape[2]
+    lora = consts["LORA"]
+    check(w_uk_t.shape == (num_heads * lora, nope) and w_uk_t.dtype == q_nope.dtype and w_uk_t.is_contiguous(),
+          f"w_uk_t must be [{num_heads * lora}, {nope}] in q's dtype, contiguous")
+    rows = num_heads * lora
+    block_n, k_groups, warps = tile(rows, nope, q_nope, None, lora)
+    q_latent = torch.empty(1, num_heads, lora, dtype=q_nope.dtype, device=q_nope.device)
+    num_gemv = triton.cdiv(rows, block_n)
+    on = pdl(kv)
+    _write_absorb_kernel[(num_gemv + 1,)](
+        *args[:10], q_nope, w_uk_t, q_latent, *args[10:], nope, rows, num_gemv, w_uk_t.stride(0), **consts,
+        GROUP_K=128, GROUPS=k_groups, BLOCK_N=block_n, WAIT_FIRST=on and not PREFETCH["bf16"],
+        PREFETCH=on and PREFETCH["bf16"], PDL=on, launch_pdl=on, num_warps=warps)
+    return q_latent
+
+
+def _write_args(kv_cache, kv, norm_weight, eps, q_pe, positions, cos_cache, sin_cache, slot_mapping
+                ) -> tuple[tuple, dict]:
+    """The write's contract checked -> (its kernels' arguments, constants)."""
     check(kv.dim() == 2 and q_pe.dim() == 3, "kv must be [T, kv_lora + rope] and q_pe [T, H, rope]")
     num_tokens, width = kv.shape
     rope = q_pe.shape[2]
@@ -106,14 +177,12 @@ def write_latent_(kv_cache: torch.Tensor, kv: torch.Tensor, norm_weight: torch.T
           "rope parts and cos/sin caches do not match")
     check_last_contiguous("kv", kv)
     check_last_contiguous("q_pe", q_pe)
-    if num_tokens:
-        num_heads = q_pe.shape[1]
-        on = pdl(kv)
-        _latent_write_kernel[(num_tokens,)](
-            kv, norm_weight, q_pe, positions, cos_cache, sin_cache, cache, cache_r, cache_s, slot_mapping, eps,
+    num_heads = q_pe.shape[1]
+    args = (kv, norm_weight, q_pe, positions, cos_cache, sin_cache, cache, cache_r, cache_s, slot_mapping, eps,
             kv.stride(0), q_pe.stride(0), q_pe.stride(1), cos_cache.stride(0), cache.stride(0), cache.stride(1),
-            cache_r.stride(0), cache_r.stride(1), cache_s.stride(0), kv_cache.shape[1], num_heads, LORA=lora, HALF=rope // 2, BLOCK_C=pow2(lora), BLOCK_H=min(16, pow2(num_heads, 1)),
-            BLOCK_D=pow2(rope // 2, 1), FP8=fp8, EXACT_CAST=interpreted(kv), PDL=on, launch_pdl=on)
+            cache_r.stride(0), cache_r.stride(1), cache_s.stride(0), kv_cache.shape[1], num_heads)
+    return args, dict(LORA=lora, HALF=rope // 2, BLOCK_C=pow2(lora), BLOCK_H=min(16, pow2(num_heads, 1)),
+                      BLOCK_D=pow2(rope // 2, 1), FP8=fp8, EXACT_CAST=interpreted(kv))
 
 
 @triton.jit

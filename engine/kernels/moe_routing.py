@@ -7,22 +7,19 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, pdl, pow2, wait_for_inputs
+from engine.kernels._util import check, last_program, pdl, pow2, wait_for_inputs
+from engine.kernels.gemv import PREFETCH, gemv_block, tile
 
 SCORING = {"sigmoid": 0, "softmax": 1}
 GROUPING = {"none": 0, "noaux_tc": 1, "group_limited_greedy": 2}  # group score: best two summed | best one
 
 
 @triton.jit
-def _route_kernel(Logits, Bias, WeightsOut, IdsOut, stride_l, num_experts, scaling,
-                  SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPING: tl.constexpr, N_GROUP: tl.constexpr,
-                  TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    row = tl.program_id(0)
-    wait_for_inputs(PDL)
-    offs = tl.arange(0, BLOCK_E)
-    mask = offs < num_experts
-    logits = tl.load(Logits + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
+def _route_row(logits, offs, mask, Bias, WeightsOut, IdsOut, row, num_experts, scaling,
+               SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPING: tl.constexpr, N_GROUP: tl.constexpr,
+               TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
+               BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token's float32 logits [BLOCK_E] (-inf past num_experts) -> its top-k weights and ids, stored."""
     if SCORING == 0:
         scores = 1.0 / (1.0 + tl.exp(-logits))
     else:
@@ -65,6 +62,53 @@ def _route_kernel(Logits, Bias, WeightsOut, IdsOut, stride_l, num_experts, scali
     tl.store(IdsOut + row * TOP_K + offs_k, ids, mask=mk)
 
 
+@triton.jit
+def _route_kernel(Logits, Bias, WeightsOut, IdsOut, stride_l, num_experts, scaling,
+                  SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPING: tl.constexpr, N_GROUP: tl.constexpr,
+                  TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    wait_for_inputs(PDL)
+    offs = tl.arange(0, BLOCK_E)
+    mask = offs < num_experts
+    logits = tl.load(Logits + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    _route_row(logits, offs, mask, Bias, WeightsOut, IdsOut, row, num_experts, scaling, SCORING, HAS_BIAS, GROUPING,
+               N_GROUP, TOPK_GROUP, TOP_K, NORM, BLOCK_E, BLOCK_G, BLOCK_K)
+
+
+@triton.jit
+def _router_kernel(X, W, Logits, Counter, Bias, WeightsOut, IdsOut, num_experts, K, stride_x, stride_w, scaling,
+                   num_blocks, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPING: tl.constexpr,
+                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, NORM: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr,
+                   GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, WAIT_FIRST: tl.constexpr, PREFETCH: tl.constexpr):
+    # one program per (token, BLOCK_N experts): the router's GEMV; the last of a token's programs to
+    # finish routes the token (no second launch)
+    row = tl.program_id(0)
+    gemv_block(X, W, W, Logits, row, tl.program_id(1), num_experts, K, num_experts, stride_x, 0, stride_w, 0,
+               num_experts, False, 1, GROUP_K, GROUPS, False, BLOCK_N, WAIT_FIRST, PREFETCH)
+    if last_program(Counter + row, num_blocks):
+        offs = tl.arange(0, BLOCK_E)
+        mask = offs < num_experts
+        logits = tl.load(Logits + row * num_experts + offs, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        _route_row(logits, offs, mask, Bias, WeightsOut, IdsOut, row, num_experts, scaling, SCORING, HAS_BIAS,
+                   GROUPING, N_GROUP, TOPK_GROUP, TOP_K, NORM, BLOCK_E, BLOCK_G, BLOCK_K)
+
+
+def _rule(num_experts: int, bias: torch.Tensor | None, top_k: int, scoring_func: str, topk_method: str, n_group: int,
+          topk_group: int, norm_topk_prob: bool) -> dict:
+    """The routing rule's checks and its kernels' constants."""
+    check(scoring_func in SCORING, f"unsupported scoring_func {scoring_func!r}")
+    grouping = topk_method if n_group > 1 and topk_method in GROUPING else "none"
+    check(num_experts % n_group == 0, f"{num_experts} experts do not split into {n_group} groups")
+    check(0 < top_k <= num_experts, f"top_k={top_k} must be in [1, {num_experts}]")
+    if bias is not None:
+        check(bias.shape == (num_experts,) and bias.dtype == torch.float32, "bias must be float32 [E]")
+    return dict(SCORING=SCORING[scoring_func], HAS_BIAS=bias is not None, GROUPING=GROUPING[grouping], N_GROUP=n_group,
+                TOPK_GROUP=topk_group, TOP_K=top_k, NORM=norm_topk_prob and top_k > 1, BLOCK_E=pow2(num_experts),
+                BLOCK_G=pow2(n_group, 2), BLOCK_K=pow2(top_k, 2))
+
+
 def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_func: str, topk_method: str,
           n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float
           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,22 +117,44 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_f
     check(logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(-1) == 1,
           "router logits must be [T, E] float32, contiguous in E")
     num_tokens, num_experts = logits.shape
-    check(scoring_func in SCORING, f"unsupported scoring_func {scoring_func!r}")
-    grouping = topk_method if n_group > 1 and topk_method in GROUPING else "none"
-    check(num_experts % n_group == 0, f"{num_experts} experts do not split into {n_group} groups")
-    check(0 < top_k <= num_experts, f"top_k={top_k} must be in [1, {num_experts}]")
-    if bias is not None:
-        check(bias.shape == (num_experts,) and bias.dtype == torch.float32, "bias must be float32 [E]")
+    rule = _rule(num_experts, bias, top_k, scoring_func, topk_method, n_group, topk_group, norm_topk_prob)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     if num_tokens:
         on = pdl(logits)
         _route_kernel[(num_tokens,)](
             logits, bias if bias is not None else logits, weights, ids, logits.stride(0), num_experts,
-            routed_scaling_factor, SCORING=SCORING[scoring_func], HAS_BIAS=bias is not None,
-            GROUPING=GROUPING[grouping], N_GROUP=n_group, TOPK_GROUP=topk_group, TOP_K=top_k,
-            NORM=norm_topk_prob and top_k > 1, BLOCK_E=pow2(num_experts), BLOCK_G=pow2(n_group, 2),
-            BLOCK_K=pow2(top_k, 2), PDL=on, launch_pdl=on)
+            routed_scaling_factor, **rule, PDL=on, launch_pdl=on)
+    return weights, ids
+
+
+def route_tokens(x: torch.Tensor, weight: torch.Tensor, counter: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                 scoring_func: str, topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool,
+                 routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router of a few tokens in one launch: logits = x [T, hidden] times weight [E, hidden] float32
+    (x widened in the kernel, a GEMV per token), then `route`'s rule, run by the last of each token's
+    programs to finish (`_util.last_program`): one launch a MoE layer fewer than `gemv` then `route`.
+    counter: int32 zeros, one a token at least, this router's own (each launch leaves them zero)."""
+    check(x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.float32, torch.bfloat16, torch.float16),
+          "x must be float [T, hidden] with contiguous rows")
+    num_tokens, hidden = x.shape
+    num_experts = weight.shape[0]
+    check(weight.dtype == torch.float32 and weight.shape == (num_experts, hidden) and weight.is_contiguous(),
+          f"the router's weight must be float32 [E, {hidden}], contiguous")
+    check(counter.dtype == torch.int32 and counter.numel() >= num_tokens, f"counter must be int32 of >= {num_tokens}")
+    rule = _rule(num_experts, bias, top_k, scoring_func, topk_method, n_group, topk_group, norm_topk_prob)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
+    if num_tokens:
+        block_n, k_groups, warps = tile(num_experts, hidden, x)
+        on = pdl(x)
+        blocks = triton.cdiv(num_experts, block_n)
+        _router_kernel[(num_tokens, blocks)](
+            x, weight, logits, counter, bias if bias is not None else weight, weights, ids, num_experts, hidden,
+            x.stride(0), weight.stride(0), routed_scaling_factor, blocks, **rule, GROUP_K=128, GROUPS=k_groups,
+            BLOCK_N=block_n, WAIT_FIRST=on and not PREFETCH["bf16"], PREFETCH=on and PREFETCH["bf16"], launch_pdl=on,
+            num_warps=warps)
     return weights, ids
 
 

@@ -220,16 +220,19 @@ def mla_prefill_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv
 
 
 def mla_decode_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv_lora_rank, v_head_dim,
-                    softmax_scale, absorb: AbsorbWeights | None = None) -> torch.Tensor:
+                    softmax_scale, absorb: AbsorbWeights | None = None, q_latent: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """`mla_decode` through the Triton split-KV kernel; the absorptions are batched GEMMs per head (GEMVs
-    for one token, given `absorb`)."""
+    for one token, given `absorb`; q_latent: one token's query absorption already made, by the latent
+    write's launch)."""
     first = meta.num_prefills
     return _absorbed_attention(q_nope, q_pe, kv_cache, meta.block_tables[first:], meta.context_lens[first:], w_kv_b,
-                               v_head_dim, softmax_scale, absorb)
+                               v_head_dim, softmax_scale, absorb, q_latent)
 
 
 def _absorbed_attention(q_nope, q_pe, kv_cache, block_tables, context_lens, w_kv_b, v_head_dim,
-                        softmax_scale, absorb: AbsorbWeights | None = None) -> torch.Tensor:
+                        softmax_scale, absorb: AbsorbWeights | None = None,
+                        q_latent: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per row of block_tables / context_lens, weight-absorbed -> [B, H, v]."""
     from engine.kernels.mla_decode import mla_decode_attention
 
@@ -238,7 +241,8 @@ def _absorbed_attention(q_nope, q_pe, kv_cache, block_tables, context_lens, w_kv
     if absorb is not None and batch == 1:  # one token: the absorptions as GEMVs, one group a head
         from engine.kernels.gemv import gemv
 
-        q_latent = gemv(q_nope, absorb.w_uk_t, groups=num_heads).view(1, num_heads, kv_lora_rank)
+        if q_latent is None:
+            q_latent = gemv(q_nope, absorb.w_uk_t, groups=num_heads).view(1, num_heads, kv_lora_rank)
         out = mla_decode_attention(q_latent, q_pe.to(q_latent.dtype), kv_cache, block_tables.int(),
                                    context_lens.int(), softmax_scale)
         return gemv(out.view(1, -1), absorb.w_uv, groups=num_heads).view(1, num_heads, v_head_dim)

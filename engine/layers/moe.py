@@ -36,10 +36,24 @@ class Gate(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(n, dtype=torch.float32), requires_grad=False)
         else:
             self.register_parameter("e_score_correction_bias", None)
+        self.route_counter: torch.Tensor | None = None  # the one-launch router's, see fuse()
+
+    def fuse(self) -> None:
+        """For the fast path: the counters with which the last of a token's GEMV programs finds it may
+        route the token (`kernels.moe_routing.route_tokens`)."""
+        self.route_counter = torch.zeros(self.gemv_max_tokens, dtype=torch.int32, device=self.weight.device)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k])."""
-        if self.use_kernels and x.dim() == 2 and x.shape[0] <= self.gemv_max_tokens and x.stride(-1) == 1:
+        few = self.use_kernels and x.dim() == 2 and x.shape[0] <= self.gemv_max_tokens and x.stride(-1) == 1
+        if few and self.route_counter is not None and self.route_counter.device == x.device:
+            from engine.kernels.moe_routing import route_tokens
+
+            # logits and top-k in one launch
+            return route_tokens(x, self.weight, self.route_counter, self.e_score_correction_bias, self.top_k,
+                                self.scoring_func, self.topk_method, self.n_group, self.topk_group,
+                                self.norm_topk_prob, self.routed_scaling_factor)
+        if few:
             from engine.kernels.gemv import gemv
 
             logits = gemv(x, self.weight, out_dtype=torch.float32)  # x widened in the kernel: one launch, not three

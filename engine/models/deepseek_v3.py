@@ -96,12 +96,22 @@ class MLA(nn.Module):
         q = q.view(num_tokens, self.num_heads, -1)  # [T, H, nope + rope]
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         # kv: [T, kv_lora + rope]
+        # one token's absorptions as GEMVs on the GPU; Triton's interpreter (tests on CPU) pays ~100 ms a
+        # layer for them against 0.05 for the batched GEMMs
+        absorb = self.absorb if self.use_kernels and x.is_cuda else None
+        q_latent = None
         if self.use_kernels:
-            from engine.kernels.latent_cache import write_latent_
+            from engine.kernels.latent_cache import write_latent_, write_latent_absorbed_
 
-            # kv norm, rope on q_pe and k_pe, cache write: one launch (rotates q_pe in place)
-            write_latent_(self.kv_cache, kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, q_pe, positions,
-                          self.rotary.cos_cache, self.rotary.sin_cache, meta.slot_mapping)
+            # kv norm, rope on q_pe and k_pe, cache write: one launch (rotates q_pe in place); one decoding
+            # token's query absorption in the same launch
+            kv_norm = (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
+            rope = (self.rotary.cos_cache, self.rotary.sin_cache, meta.slot_mapping)
+            if absorb is not None and num_tokens == 1 and not meta.num_prefills:
+                q_latent = write_latent_absorbed_(self.kv_cache, kv, *kv_norm, q_nope, q_pe, positions, *rope,
+                                                  absorb.w_uk_t)
+            else:
+                write_latent_(self.kv_cache, kv, *kv_norm, q_pe, positions, *rope)
         else:
             c_kv, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
             c_kv = self.kv_a_layernorm(c_kv)
@@ -111,11 +121,9 @@ class MLA(nn.Module):
         n = meta.num_prefill_tokens
         args = (self.kv_cache, meta, self.kv_b_proj.weight, self.kv_lora_rank, self.v_head_dim, self.softmax_scale)
         prefill, decode = (mla_prefill_fast, mla_decode_fast) if self.use_kernels else (mla_prefill, mla_decode)
-        # one token's absorptions as GEMVs on the GPU; Triton's interpreter (tests on CPU) pays ~100 ms a
-        # layer for them against 0.05 for the batched GEMMs
-        kw = {"absorb": self.absorb if x.is_cuda else None} if self.use_kernels else {}
+        kw = {"absorb": absorb} if self.use_kernels else {}
         if not meta.num_prefills:  # decode-only steps (every CUDA-graph step) skip the copy into `out`
-            out = decode(q_nope, q_pe, *args, **kw)
+            out = decode(q_nope, q_pe, *args, **(kw if q_latent is None else dict(kw, q_latent=q_latent)))
         elif not meta.num_decodes:
             out = prefill(q_nope, q_pe, *args, **kw)
         else:

@@ -117,11 +117,11 @@ def launch_all() -> None:
     from engine.kernels.fp8_gemm import FP8, fp8_block_gemm_tma, fp8_linear, per_token_group_quant
     from engine.kernels.fused_moe import HALF_TMA_CONFIG, TMA_CONFIGS, fused_experts, fused_experts_tma
     from engine.kernels.gemv import gemv
-    from engine.kernels.latent_cache import gather_latent, write_latent_
+    from engine.kernels.latent_cache import gather_latent, write_latent_, write_latent_absorbed_
     from engine.kernels.mla_decode import mla_decode_attention
     from engine.kernels.mla_prefill import mla_prefill_attention
     from engine.kernels.moe_gemv import SharedExperts, moe_gemv
-    from engine.kernels.moe_routing import route
+    from engine.kernels.moe_routing import route, route_tokens
     from engine.kernels.rms_norm import rms_norm
     from engine.kernels.sampling import greedy, noise_keys, sample
     from engine.layers.fp8_latent import FP8LatentLayout
@@ -142,12 +142,20 @@ def launch_all() -> None:
             fp8_row = FP8LatentLayout(lora, rope, torch.bfloat16).token_bytes  # --kv-cache-dtype fp8
             write_latent_(_empty(64, page, fp8_row, dtype=torch.uint8), kv, _empty(lora), 1e-6, q[..., nope:], pos,
                           cos, sin, pos)
+            if tokens == 1:  # one decoding token's write with its query absorption
+                for cache in (_empty(64, page, lora + rope), _empty(64, page, fp8_row, dtype=torch.uint8)):
+                    write_latent_absorbed_(cache, kv, _empty(lora), 1e-6, q[..., :nope], q[..., nope:], pos, cos,
+                                           sin, pos, _empty(heads * lora, nope))
             if tokens > 1:  # the prefill paths' read of an FP8 cache
                 gather_latent(_empty(64, page, fp8_row, dtype=torch.uint8), pos, lora, rope, torch.bfloat16)
             ids = torch.randint(0, experts, (tokens, experts)).argsort(-1)[:, :top_k].to(i32).contiguous()
             route(_empty(tokens, experts, dtype=f32), _empty(experts, dtype=f32) if fp8 else None, top_k,
                   "sigmoid" if fp8 else "softmax", "noaux_tc" if fp8 else "group_limited_greedy", 8,
                   4 if fp8 else 3, fp8, 2.5)
+            if tokens == 1:  # the router of a few tokens in one launch
+                route_tokens(x, _empty(experts, hidden, dtype=f32), torch.zeros(8, dtype=i32),
+                             _empty(experts, dtype=f32) if fp8 else None, top_k, "sigmoid" if fp8 else "softmax",
+                             "noaux_tc" if fp8 else "group_limited_greedy", 8, 4 if fp8 else 3, fp8, 2.5)
             weights = _empty(tokens, top_k, dtype=f32)
             wdtype = FP8 if fp8 else torch.bfloat16
             ids = ids % 16  # sixteen experts stand in for all: the count changes no compiled code

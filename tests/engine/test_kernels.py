@@ -86,6 +86,38 @@ def test_write_latent_is_norm_rope_and_cache_write(dtype):
     assert rows[untouched].isnan().all()  # nothing but the slots is written
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_write_latent_absorbed_is_the_write_and_the_absorption_gemv(fp8):
+    """One decoding token's latent write with its query absorption in the same launch: the cache row, the
+    rotated q_pe and q_latent are bit for bit what `write_latent_` and then `gemv(q_nope, W_UK^T,
+    groups=heads)` give; q_nope is left as it was."""
+    from engine.kernels.gemv import gemv
+    from engine.kernels.latent_cache import write_latent_, write_latent_absorbed_
+    from engine.layers.fp8_latent import FP8LatentLayout
+
+    g = torch.Generator().manual_seed(36)
+    heads, nope, lora, rope, blocks, page = 3, 16, 32, 8, 6, 4
+    dtype = torch.bfloat16
+    q = torch.randn(1, heads, nope + rope, generator=g).to(DEV, dtype)
+    kv = torch.randn(1, lora + rope, generator=g).to(DEV, dtype)
+    weight = (1 + 0.1 * torch.randn(lora, generator=g)).to(DEV, dtype)
+    w_uk_t = (torch.randn(heads * lora, nope, generator=g) * 0.2).to(DEV, dtype)
+    cos, sin = torch.randn(50, rope // 2, generator=g).to(DEV), torch.randn(50, rope // 2, generator=g).to(DEV)
+    pos, slots = torch.tensor([17], device=DEV), torch.tensor([9], device=DEV)
+    width = FP8LatentLayout(lora, rope, dtype).token_bytes if fp8 else lora + rope
+    caches = [torch.zeros(blocks, page, width, dtype=torch.uint8 if fp8 else dtype, device=DEV) for _ in range(2)]
+    qs = [q.clone(), q.clone()]
+    write_latent_(caches[0], kv, weight, 1e-6, qs[0][..., nope:], pos, cos, sin, slots)
+    want = gemv(qs[0][..., :nope], w_uk_t, groups=heads).view(1, heads, lora)
+    got = write_latent_absorbed_(caches[1], kv, weight, 1e-6, qs[1][..., :nope], qs[1][..., nope:], pos, cos, sin,
+                                 slots, w_uk_t)
+    assert torch.equal(caches[0], caches[1]) and torch.equal(qs[0], qs[1]) and torch.equal(got, want)
+    assert torch.equal(qs[1][..., :nope], q[..., :nope])
+    with pytest.raises(ValueError, match="w_uk_t"):
+        write_latent_absorbed_(caches[1], kv, weight, 1e-6, qs[1][..., :nope], qs[1][..., nope:], pos, cos, sin,
+                               slots, w_uk_t[:-1])
+
+
 # -- MLA decode ------------------------------------------------------------------------------------
 def _paged_cache(num_blocks, page, width, dtype, g):
     return torch.randn(num_blocks, page, width, generator=g).to(DEV, dtype)
@@ -466,6 +498,31 @@ def test_route_matches_gate(case):
     a, b = want_ids.sort(1), ids.long().sort(1)
     assert torch.equal(a.values, b.values)
     assert torch.allclose(want_w.gather(1, a.indices), w.gather(1, b.indices), atol=1e-6)
+
+
+@pytest.mark.parametrize("case", [(72, 6, 8, 3, "sigmoid", "noaux_tc"), (80, 6, 1, 1, "softmax", "greedy"),
+                                  (16, 4, 4, 2, "softmax", "group_limited_greedy")])
+def test_router_in_one_launch_chooses_as_the_gate(case):
+    """The Gate's fast path for a few tokens (`route_tokens`: the logits GEMV, each token routed by the last
+    of its programs to finish) chooses the reference Gate's experts and weights, launch after launch:
+    each leaves its counters at zero. 72 and 80 experts take several programs a token, compiled or
+    interpreted."""
+    from engine.kernels.moe_routing import route_tokens
+
+    num_experts, top_k, n_group, topk_group, scoring, method = case
+    gate = _gate(*case, seed=14)
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(15)).to(DEV)
+    want_w, want_ids = gate(x)
+    gate.use_kernels = True
+    gate.fuse()
+    for _ in range(2):
+        w, ids = gate(x)
+        a, b = want_ids.sort(1), ids.long().sort(1)
+        assert torch.equal(a.values, b.values)
+        assert torch.allclose(want_w.gather(1, a.indices), w.gather(1, b.indices), atol=1e-6)
+        assert torch.equal(gate.route_counter, torch.zeros_like(gate.route_counter))
+    with pytest.raises(ValueError, match="counter"):
+        route_tokens(x, gate.weight, gate.route_counter[:2], None, top_k, scoring, method, n_group, topk_group, True, 1.0)
 
 
 def test_align_by_expert_covers_every_pair_once():

@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-KERNELS = {"_rms_norm_kernel", "_latent_write_kernel", "_gather_kernel", "_route_kernel", "_moe_gemm_kernel",
+KERNELS = {"_rms_norm_kernel", "_latent_write_kernel", "_write_absorb_kernel", "_gather_kernel", "_route_kernel",
+           "_router_kernel", "_moe_gemm_kernel",
            "_up_kernel", "_down_kernel", "_split_kernel", "_merge_kernel", "_prefill_kernel", "_draw_split_kernel",
            "_group_quant_kernel", "_block_gemm_kernel", "_gemv_kernel", "_sum_kernel", "_align_kernel",
            "_chunk_count_kernel", "_chunk_place_kernel",
@@ -17,8 +18,8 @@ KERNELS = {"_rms_norm_kernel", "_latent_write_kernel", "_gather_kernel", "_route
            "_down_fp4_words_kernel",
            "_dequant_kernel", "_greedy_kernel", "_decode_rows_kernel", "_accept_kernel", "_advance_kernel",
            "_noise_keys_kernel", "_nucleus_split_kernel", "_draw_finish_kernel"}
-PDL_KERNELS = {"_rms_norm_kernel", "_gemv_kernel", "_latent_write_kernel", "_split_kernel", "_merge_kernel",
-               "_route_kernel", "_up_kernel", "_down_kernel", "_sum_kernel", "_greedy_kernel"}
+PDL_KERNELS = {"_rms_norm_kernel", "_gemv_kernel", "_latent_write_kernel", "_write_absorb_kernel", "_split_kernel",
+               "_merge_kernel", "_route_kernel", "_router_kernel", "_up_kernel", "_down_kernel", "_sum_kernel", "_greedy_kernel"}
 
 
 def test_every_kernel_compiles_for_hopper_within_its_shared_memory():
