@@ -96,6 +96,19 @@ def last_program(Counter, programs):
     return last
 
 
+@triton.jit
+def prefetch_l2(Base, nbytes, LINES: tl.constexpr):
+    """Ask L2 for the first nbytes (at most LINES * 128) at Base: one `prefetch.global.L2` a 128-byte line,
+    fire and forget (no register holds the data, nothing waits for it). Before `wait_for_inputs` it starts
+    a kernel's reads of what was written two or more launches back (an old cache row) while the kernel
+    ahead finishes; L2 is where the GPU's memory is coherent, so a line the kernel ahead rewrites is never
+    stale. GPU only (inline PTX)."""
+    offs = tl.arange(0, LINES) * 128
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+                              "=r,l,r", [Base.to(tl.pointer_type(tl.int8)) + offs, (offs < nbytes).to(tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
 def interpreted(t: torch.Tensor) -> bool:
     """Kernels on CPU tensors run in Triton's interpreter."""
     return not t.is_cuda

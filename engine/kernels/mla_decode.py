@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, check_last_contiguous, interpreted, mma, pdl, pow2, wait_for_inputs
+from engine.kernels._util import (check, check_float, check_last_contiguous, interpreted, mma, pdl, pow2, prefetch_l2,
+                                  wait_for_inputs)
 from engine.layers.fp8_latent import FP8LatentLayout, dequantized
 
 LOG2E = 1.4426950408889634
@@ -117,15 +118,31 @@ def _split_kernel(QL, QP, Cache, CacheR, CacheS, Tables, Lens, MidO, MidLse, Out
                   KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MIN_CHUNK: tl.constexpr,
                   DIRECT: tl.constexpr, ONE_PAGE: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
-                  RELOAD: tl.constexpr, ACC_T: tl.constexpr, PDL: tl.constexpr):
+                  RELOAD: tl.constexpr, ACC_T: tl.constexpr, PDL: tl.constexpr, L2_TILES: tl.constexpr,
+                  LINES_C: tl.constexpr, LINES_R: tl.constexpr):
     # head blocks of one slice are neighbours in launch order: they run together and share its tiles in L2
     hb, s, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    wait_for_inputs(PDL)
+    if L2_TILES == 0:
+        wait_for_inputs(PDL)
+    # (with L2_TILES, read before waiting: the lengths and tables were written launches back)
     ctx = tl.load(Lens + b)
     # this slice: a whole number of tiles, at least MIN_CHUNK tokens
     chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
     start = s * chunk
     end = tl.minimum(start + chunk, ctx)
+    if L2_TILES > 0:
+        # the slice's first tiles asked of L2 while the kernel ahead (the new token's latent write) ends;
+        # each tile lies in one page (ONE_PAGE), its c_kv rows (and an FP8 cache's k_pe rows) contiguous
+        for i in tl.static_range(L2_TILES):
+            n0 = start + i * BLOCK_N
+            page = tl.load(Tables + b * stride_tb + n0 // PAGE, mask=n0 < end, other=0).to(tl.int64)
+            rows = tl.minimum(end - n0, BLOCK_N)
+            prefetch_l2(Cache + page * stride_cb + (n0 % PAGE) * stride_ct,
+                        rows * stride_ct * (Cache.dtype.element_ty.primitive_bitwidth // 8), LINES_C)
+            if FP8:
+                prefetch_l2(CacheR + page * stride_rb + (n0 % PAGE) * stride_rt,
+                            rows * stride_rt * (CacheR.dtype.element_ty.primitive_bitwidth // 8), LINES_R)
+        wait_for_inputs(PDL)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
     # an empty slice reads nothing (masked loads move no bytes) and writes only its -inf log-sum-exp
@@ -184,6 +201,8 @@ def _merge_kernel(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_ob,
     tl.store(Out + b * stride_ob + h * stride_oh + offs_c, res.to(Out.dtype.element_ty), mask=mask_c)
 
 
+# tiles of its slice each split program asks of L2 before it waits for the kernel ahead (under PDL)
+L2_PREFETCH_TILES = 2
 MAX_SPLITS = 128
 # every slice count default_num_splits gives (powers of two): each is one merge variant to warm up
 SPLIT_CHOICES = tuple(1 << i for i in range(MAX_SPLITS.bit_length()))
@@ -294,6 +313,10 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     mid_lse = torch.empty(shape[:3], dtype=torch.float32, device=q_latent.device)
     grid = (triton.cdiv(num_heads, block_h), num_splits, batch)
     on = pdl(q_latent)
+    one_page = kv_cache.shape[1] % cfg["block_n"] == 0
+    # tiles asked of L2 before waiting for the kernel ahead (PDL, a tile within one page)
+    l2_tiles = cfg.get("l2_tiles", L2_PREFETCH_TILES) if on and one_page else 0
+    lines = lambda t: pow2(triton.cdiv(cfg["block_n"] * t.stride(1) * t.element_size(), 128), 1)
     _split_kernel[grid](q_latent, q_pe, cache, cache_r, cache_s, block_tables, context_lens, mid_o, mid_lse, out,
                         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
                         cache.stride(0), cache.stride(1), cache_r.stride(0), cache_r.stride(1), cache_s.stride(0),
@@ -302,9 +325,9 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
                         num_heads, num_splits, softmax_scale * LOG2E,
                         KV_LORA=kv_lora, ROPE=rope, BLOCK_C=block_c, BLOCK_R=pow2(rope), BLOCK_H=block_h,
                         BLOCK_N=cfg["block_n"], PAGE=kv_cache.shape[1], MIN_CHUNK=cfg["min_chunk"], DIRECT=direct,
-                        ONE_PAGE=kv_cache.shape[1] % cfg["block_n"] == 0,
-                        UPCAST=interpreted(kv_cache), FP8=fp8, RELOAD=cfg["reload"] and fp8,
-                        ACC_T=cfg.get("acc_t", False), PDL=on, launch_pdl=on, num_warps=cfg["num_warps"],
+                        ONE_PAGE=one_page, UPCAST=interpreted(kv_cache), FP8=fp8, RELOAD=cfg["reload"] and fp8,
+                        ACC_T=cfg.get("acc_t", False), PDL=on, L2_TILES=l2_tiles, LINES_C=lines(cache),
+                        LINES_R=lines(cache_r), launch_pdl=on, num_warps=cfg["num_warps"],
                         num_stages=cfg["num_stages"])
     if not direct:
         # columns per merge program: 32 where the sequences' heads are few (measured on an H200 at 16
