@@ -1,7 +1,8 @@
 """MLA's new-token bookkeeping in one launch: normalize the compressed KV, rotate the shared rope key and
 the queries' rope parts, write the latent row [c_kv | k_pe] into its paged cache slot (into an FP8 cache's
-block sections, c_kv quantized on the way). And the way back for the prefill paths: the latent rows of
-given slots of an FP8 cache, decoded in one launch (`gather_latent`).
+block sections, c_kv quantized on the way). For one decoding token the same launch also absorbs the
+queries through W_UK (`write_latent_absorbed_`), the two jobs independent. And the way back for the
+prefill paths: the latent rows of given slots of an FP8 cache, decoded in one launch (`gather_latent`).
 
 The unfused path takes four launches per layer for this (kv_a_layernorm, rope, concatenation, cache
 write), each moving a few kilobytes at decode: pure launch latency. Rounding follows the reference

@@ -1,5 +1,6 @@
-"""MoE token routing on the GPU: the router's top-k in one kernel, then the sort of (token, expert)
-pairs by expert that the grouped GEMMs consume. Neither reads anything back to the host, so both run
+"""MoE token routing on the GPU: the router's top-k in one kernel (for a few tokens, in the router's
+own GEMV launch: `route_tokens`), then the sort of (token, expert) pairs by expert that the grouped
+GEMMs consume. Neither reads anything back to the host, so both run
 inside a CUDA graph.
 """
 
