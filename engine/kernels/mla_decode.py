@@ -110,12 +110,21 @@ def _attend_tile(q, qp, kv, kv2, kp, mask_n, sc, m_i, l_i, acc, scale_log2, UPCA
     return m_new, l_i, acc
 
 
+@triton.jit
+def _slice(ctx, s, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """Slice s of a context of ctx tokens -> [start, end): a whole number of tiles, at least MIN_CHUNK
+    tokens (empty past the context)."""
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    start = s * chunk
+    return start, tl.minimum(start + chunk, ctx)
+
+
 # neither the table's width (it follows the step's longest sequence) nor the slice count (it follows
 # the batch) makes a compiled variant of its own
-@triton.jit(do_not_specialize=["stride_tb", "num_splits"])
+@triton.jit(do_not_specialize=["stride_tb", "table_width", "num_splits"])
 def _split_kernel(QL, QP, Cache, CacheR, CacheS, Tables, Lens, MidO, MidLse, Out,
                   stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb,
-                  stride_tb,
+                  stride_tb, table_width, num_pages,
                   stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2,
                   KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MIN_CHUNK: tl.constexpr,
@@ -124,27 +133,26 @@ def _split_kernel(QL, QP, Cache, CacheR, CacheS, Tables, Lens, MidO, MidLse, Out
                   LINES_C: tl.constexpr, LINES_R: tl.constexpr):
     # head blocks of one slice are neighbours in launch order: they run together and share its tiles in L2
     hb, s, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if L2_TILES == 0:
-        wait_for_inputs(PDL)
-    # (with L2_TILES, read before waiting: the lengths and tables were written launches back)
-    ctx = tl.load(Lens + b)
-    # this slice: a whole number of tiles, at least MIN_CHUNK tokens
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
-    start = s * chunk
-    end = tl.minimum(start + chunk, ctx)
     if L2_TILES > 0:
-        # the slice's first tiles asked of L2 while the kernel ahead (the new token's latent write) ends;
-        # each tile lies in one page (ONE_PAGE), its c_kv rows (and an FP8 cache's k_pe rows) contiguous
+        # the slice's first tiles asked of L2 while the kernel ahead (the new token's latent write) ends.
+        # The length and table read before waiting only aim the prefetch: where the kernel ahead wrote
+        # them (an eager step's cast), they may be stale, so the table is read within its width, the page
+        # clamped into the cache, and the length read again after the wait for the work itself. Each
+        # tile lies in one page (ONE_PAGE), its c_kv rows (and an FP8 cache's k_pe rows) contiguous.
+        start, end = _slice(tl.load(Lens + b), s, num_splits, BLOCK_N, MIN_CHUNK)
         for i in tl.static_range(L2_TILES):
             n0 = start + i * BLOCK_N
-            page = tl.load(Tables + b * stride_tb + n0 // PAGE, mask=n0 < end, other=0).to(tl.int64)
+            page = tl.load(Tables + b * stride_tb + n0 // PAGE, mask=(n0 < end) & (n0 // PAGE < table_width), other=0)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
             rows = tl.minimum(end - n0, BLOCK_N)
             prefetch_l2(Cache + page * stride_cb + (n0 % PAGE) * stride_ct,
                         rows * stride_ct * (Cache.dtype.element_ty.primitive_bitwidth // 8), LINES_C)
             if FP8:
                 prefetch_l2(CacheR + page * stride_rb + (n0 % PAGE) * stride_rt,
                             rows * stride_rt * (CacheR.dtype.element_ty.primitive_bitwidth // 8), LINES_R)
-        wait_for_inputs(PDL)
+    wait_for_inputs(PDL)
+    ctx = tl.load(Lens + b)
+    start, end = _slice(ctx, s, num_splits, BLOCK_N, MIN_CHUNK)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
     # an empty slice reads nothing (masked loads move no bytes) and writes only its -inf log-sum-exp
@@ -322,7 +330,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     _split_kernel[grid](q_latent, q_pe, cache, cache_r, cache_s, block_tables, context_lens, mid_o, mid_lse, out,
                         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
                         cache.stride(0), cache.stride(1), cache_r.stride(0), cache_r.stride(1), cache_s.stride(0),
-                        block_tables.stride(0),
+                        block_tables.stride(0), block_tables.shape[1], kv_cache.shape[0],
                         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), out.stride(0), out.stride(1),
                         num_heads, num_splits, softmax_scale * LOG2E,
                         KV_LORA=kv_lora, ROPE=rope, BLOCK_C=block_c, BLOCK_R=pow2(rope), BLOCK_H=block_h,
