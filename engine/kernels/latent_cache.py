@@ -92,9 +92,9 @@ def _latent_write_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slo
 
 
 @triton.jit
-def _write_absorb_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, QN, W, QLat, eps, stride_kv,
-                         stride_qt, stride_qh, stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page,
-                         num_heads, nope, rows, num_gemv, stride_w, LORA: tl.constexpr, HALF: tl.constexpr,
+def _write_absorb_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt,
+                         stride_qh, stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads,
+                         QN, W, QLat, nope, rows, num_gemv, stride_w, LORA: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
                          EXACT_CAST: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
                          WAIT_FIRST: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
@@ -149,7 +149,7 @@ def write_latent_absorbed_(kv_cache: torch.Tensor, kv: torch.Tensor, norm_weight
     num_gemv = triton.cdiv(rows, block_n)
     on = pdl(kv)
     _write_absorb_kernel[(num_gemv + 1,)](
-        *args[:10], q_nope, w_uk_t, q_latent, *args[10:], nope, rows, num_gemv, w_uk_t.stride(0), **consts,
+        *args, q_nope, w_uk_t, q_latent, nope, rows, num_gemv, w_uk_t.stride(0), **consts,
         GROUP_K=128, GROUPS=k_groups, BLOCK_N=block_n, WAIT_FIRST=on and not PREFETCH["bf16"],
         PREFETCH=on and PREFETCH["bf16"], PDL=on, launch_pdl=on, num_warps=warps)
     return q_latent

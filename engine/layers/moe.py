@@ -18,9 +18,10 @@ class Gate(nn.Module):
     """Token -> top-k experts. Scores and weights are computed in float32 (the checkpoint keeps them so)."""
 
     use_kernels = False
-    # the router's logits for up to this many tokens in one GEMV launch instead of a cast and a float32
-    # GEMM: 1.7-2.0 vs 6-10 us on an H200 at 1-4 tokens (V2-Lite's router; V3's 6.1-6.3 vs 9-20 us;
-    # benchmarks/gemv_configs.py); 8 is the MoE GEMV's own limit, not measured for the router
+    # the router of up to this many tokens as one GEMV launch that routes too (`route_tokens`) instead of
+    # a cast, a float32 GEMM and the routing kernel: the GEMV alone 1.7-2.0 vs 6-10 us on an H200 at 1-4
+    # tokens (V2-Lite's router; V3's 6.1-6.3 vs 9-20 us; benchmarks/gemv_configs.py); 8 is the MoE GEMV's
+    # own limit, not measured for the router
     gemv_max_tokens = 8
 
     def __init__(self, cfg: ModelConfig):
@@ -45,20 +46,16 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k])."""
-        few = self.use_kernels and x.dim() == 2 and x.shape[0] <= self.gemv_max_tokens and x.stride(-1) == 1
-        if few and self.route_counter is not None and self.route_counter.device == x.device:
+        counter = self.route_counter
+        if (self.use_kernels and x.dim() == 2 and x.shape[0] <= self.gemv_max_tokens and x.stride(-1) == 1
+                and counter is not None and counter.device == x.device):
             from engine.kernels.moe_routing import route_tokens
 
             # logits and top-k in one launch
-            return route_tokens(x, self.weight, self.route_counter, self.e_score_correction_bias, self.top_k,
+            return route_tokens(x, self.weight, counter, self.e_score_correction_bias, self.top_k,
                                 self.scoring_func, self.topk_method, self.n_group, self.topk_group,
                                 self.norm_topk_prob, self.routed_scaling_factor)
-        if few:
-            from engine.kernels.gemv import gemv
-
-            logits = gemv(x, self.weight, out_dtype=torch.float32)  # x widened in the kernel: one launch, not three
-        else:
-            logits = F.linear(x.float(), self.weight)
+        logits = F.linear(x.float(), self.weight)
         if self.use_kernels:
             from engine.kernels.moe_routing import route  # first use: Triton picks compiled or interpreted then
 

@@ -181,10 +181,9 @@ def launch_all() -> None:
                     fused_experts_tma(x, w13, w2, weights, ids, *scales, block, cfg[1:])
             if not fp8 and tokens == 4096:  # bf16 experts' TMA kernels (chosen on the card by shape)
                 fused_experts_tma(x, w13, w2, weights, ids, None, None, None, HALF_TMA_CONFIG[1:])
-            if tokens == 1:  # projections and the router of one token
+            if tokens == 1:  # projections of one token
                 w, ws = _empty(1536, hidden, dtype=wdtype), _empty(12, hidden // 128, dtype=f32) if fp8 else None
                 gemv(x, w, ws, block if fp8 else None)
-                gemv(x, _empty(experts, hidden, dtype=f32), out_dtype=f32)
             lens = torch.full((min(tokens, 64),), 1024, dtype=i32)
             for cache in (_empty(64 * 16, page, lora + rope), _empty(64 * 16, page, fp8_row, dtype=torch.uint8)):
                 mla_decode_attention(_empty(len(lens), heads, lora), _empty(len(lens), heads, rope), cache,
