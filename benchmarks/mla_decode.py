@@ -49,8 +49,8 @@ TILE_SWEEP = {
     "merge cm64 w8": dict(merge_cm=64, merge_warps=8),
     "merge cm16 w2": dict(merge_cm=16, merge_warps=2),
 }
-# the FP8 cache (default: the e4m3 tile loaded twice, eight warps): loaded once (its load left
-# synchronous), the transposed accumulator (`acc_t`: the tile as the wgmma's register operand), pipeline
+# the FP8 cache (default at 16 heads a program: the e4m3 tile loaded twice and widened for each product,
+# eight warps; at 64: decoded once): loaded once (its load left synchronous), the transposed accumulator (`acc_t`: the tile as the wgmma's register operand), pipeline
 # depth, four warps, 128-token tiles (one load: two would take 288 KB), 32-token tiles
 FP8_SWEEP = {
     "default": {},
@@ -65,9 +65,17 @@ FP8_SWEEP = {
     # from batch 5 at 16 heads a program
     "n32 w4 s2": dict(block_n=32, min_chunk=32, num_warps=4, num_stages=2),
     "n32 w4 s5": dict(block_n=32, min_chunk=32, num_warps=4, num_stages=5),
+    # the tile decoded once (scaled) before both products: Triton stages the decoded tile through shared
+    # memory, so the second product reads it with ldmatrix.trans (the default at 64 heads a program)
+    "decode once": dict(dequant=True, reload=False),
+    "decode once w4": dict(dequant=True, reload=False, num_warps=4),
+    "decode once s3": dict(dequant=True, reload=False, num_stages=3),
+    "decode once n32 w4": dict(dequant=True, reload=False, block_n=32, min_chunk=32, num_warps=4),
+    "widened twice": dict(dequant=False, reload=True),
 }
 HEAD_BLOCK_SWEEP = {"default": {}, "h32": dict(block_h=32), "h16": dict(block_h=16)}
-SPLIT_SWEEP = ("default", "n64 s2 w8", "n32 s3")  # the variants also timed at other slice counts
+# the variants also timed at other slice counts
+SPLIT_SWEEP = ("default", "n64 s2 w8", "n32 s3", "decode once", "decode once w4", "decode once n32 w4")
 
 
 def _ints(text: str) -> list[int]:
@@ -124,7 +132,7 @@ def measure(batch: int, context: int, heads: int, variants: dict, split_sweep: l
     q, q_pe, caches, tables, lens = make_case(batch, context, heads, copies, kv=kv)
     rows = []
     runs = [(name, tiles, s) for name, tiles in variants.items()
-            for s in [None] + (split_sweep if name in SPLIT_SWEEP and kv == "bf16" else [])]
+            for s in [None] + (split_sweep if name in SPLIT_SWEEP else [])]
     if baseline is not None:
         runs.insert(0, ("before", None, None))
     for name, tiles, s in runs:

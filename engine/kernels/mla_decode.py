@@ -21,11 +21,12 @@ programmatic dependent launch each split program asks L2 for its slice's first t
 for the kernel ahead (the new token's latent write): measured 1 % faster at one stream of V2-Lite.
 
 An FP8 latent cache (`engine.layers.fp8_latent`, each block's c_kv, k_pe and scales in sections of
-their own, each one wide load) is read as e4m3 c_kv widened in registers (the tile loaded twice, so
-both loads are pipelined: `_attend_tile`), the per-token scale folded into the scores and the
-probabilities, k_pe as stored. At 16 heads a program it runs two stages on eight warps at batch 1-4
-and 32-token tiles on four warps from batch 5: still 1.3-1.5x slower a call than bf16 on an H200
-(docs/perf.md).
+their own, each one wide load) is read two ways (`_attend_tile`). At 16 heads a program: e4m3 c_kv
+widened in registers for each product (the tile loaded twice, so both loads are pipelined), the
+per-token scale folded into the scores and the probabilities, k_pe as stored; two stages on eight
+warps at batch 1-4, 32-token tiles on four warps from batch 5: still 1.3-1.5x slower a call than bf16
+on an H200 (docs/perf.md). At 64 heads a program (V3's 128): the tile decoded once into shared
+memory, then the bf16 cache's products (1.3-1.5x faster than widening it for each).
 
 Bytes: context_len * 576 * elem per sequence and head block (FP8: context_len * 644 at V3's shapes);
 FLOPs: 4 * heads * context_len * 544.
@@ -79,7 +80,7 @@ def _load_tile(Cache, CacheR, CacheS, Tables, b, stride_tb, stride_cb, stride_ct
 
 @triton.jit
 def _attend_tile(q, qp, kv, kv2, kp, mask_n, sc, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr, FP8: tl.constexpr,
-                 ACC_T: tl.constexpr):
+                 ACC_T: tl.constexpr, DEQUANT: tl.constexpr):
     """Online softmax over one tile for every head of the program: -> (m_i, l_i, acc), acc [BLOCK_H, BLOCK_C]
     or (ACC_T) its transpose [BLOCK_C, BLOCK_H]. kv2 is kv, or the same tile loaded again.
 
@@ -88,8 +89,15 @@ def _attend_tile(q, qp, kv, kv2, kp, mask_n, sc, m_i, l_i, acc, scale_log2, UPCA
     no transposing shared-memory load: a tile with two uses goes through registers twice and the
     pipeliner leaves its load synchronous. Hence RELOAD (a second load, from L2, for the second product:
     both loads pipelined) and ACC_T (acc^T += kv^T @ p^T: the tile as the wgmma's register operand,
-    M = BLOCK_C instead of BLOCK_H rows)."""
-    if FP8:
+    M = BLOCK_C instead of BLOCK_H rows). Or DEQUANT: the tile decoded once, each row times its scale;
+    the per-row product keeps Triton from moving the widening past the products' layout conversions, so
+    the decoded tile is staged in shared memory as a bf16 one is, and the second product reads it
+    transposed with ldmatrix (one load, no byte-wide shared loads; then both products are the bf16
+    cache's)."""
+    if FP8 and DEQUANT:  # the rows as the prefill path decodes them (scaled in float32, rounded to q's dtype)
+        kv = (kv.to(tl.float32) * sc[:, None]).to(q.dtype)
+        kv2 = kv
+    if FP8 and not DEQUANT:
         qk = mma(q, tl.trans(kv).to(q.dtype), UPCAST) * sc[None, :]
     else:
         qk = mma(q.to(kv.dtype), tl.trans(kv), UPCAST)
@@ -99,7 +107,7 @@ def _attend_tile(q, qp, kv, kv2, kp, mask_n, sc, m_i, l_i, acc, scale_log2, UPCA
     p = tl.exp2(qk - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if FP8:
+    if FP8 and not DEQUANT:
         pv, v = (p * sc[None, :]).to(q.dtype), kv2.to(q.dtype)
     else:
         pv, v = p.to(kv.dtype), kv2
@@ -130,7 +138,7 @@ def _split_kernel(QL, QP, Cache, CacheR, CacheS, Tables, Lens, MidO, MidLse, Out
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MIN_CHUNK: tl.constexpr,
                   DIRECT: tl.constexpr, ONE_PAGE: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
                   RELOAD: tl.constexpr, ACC_T: tl.constexpr, PDL: tl.constexpr, L2_TILES: tl.constexpr,
-                  LINES_C: tl.constexpr, LINES_R: tl.constexpr):
+                  LINES_C: tl.constexpr, LINES_R: tl.constexpr, DEQUANT: tl.constexpr):
     # head blocks of one slice are neighbours in launch order: they run together and share its tiles in L2
     hb, s, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if L2_TILES > 0:
@@ -175,7 +183,8 @@ def _split_kernel(QL, QP, Cache, CacheR, CacheS, Tables, Lens, MidO, MidLse, Out
         kv, kv2, kp, mask_n, sc = _load_tile(Cache, CacheR, CacheS, Tables, b, stride_tb, stride_cb, stride_ct, stride_rb,
                                         stride_rt, stride_sb, n0, end, offs_t, offs_c, offs_r, mask_c, mask_r, PAGE,
                                         ONE_PAGE, FP8, RELOAD)
-        m_i, l_i, acc = _attend_tile(q, qp, kv, kv2, kp, mask_n, sc, m_i, l_i, acc, scale_log2, UPCAST, FP8, ACC_T)
+        m_i, l_i, acc = _attend_tile(q, qp, kv, kv2, kp, mask_n, sc, m_i, l_i, acc, scale_log2, UPCAST, FP8, ACC_T,
+                                     DEQUANT)
     if ACC_T:
         acc = tl.trans(acc)
     has = l_i > 0
@@ -264,11 +273,14 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
     would need 288 KB), the transposed accumulator 4-5x. At 16 heads a block (the sweep, 16k and 32k):
     two stages at batch 1 (13 % faster than five), and from batch 5 32-token tiles on four warps (two
     stages, 56 KB, no spills: two programs an SM again; 21 % faster at batch 64); at 64 heads a block
-    (V3's 128) 32-token tiles lost 2.5-3x."""
+    (V3's 128) 32-token tiles lost 2.5-3x, and the tile decoded once (DEQUANT, one load) won: 33 vs 43 us
+    at batch 1 and 16k, 1.22 vs 1.80 ms at batch 64. At 16 heads it lost (batch 64: 629 vs 498 us)."""
     block_n = 64 if block_c * max(elem, 2) <= 1024 else 32
     stages = 5 if deep and block_h <= 16 and block_c * max(elem, 2) <= 1024 and not fp8 else 2
     if fp8 and block_h <= 16 and not deep:
         return dict(block_n=32, num_stages=2, num_warps=4, min_chunk=32, block_h=block_h, reload=True)
+    if fp8 and block_h > 16:  # the tile decoded once, into shared memory (`_attend_tile`)
+        return dict(block_n=block_n, num_stages=stages, num_warps=8, min_chunk=block_n, block_h=block_h, dequant=True)
     # eight warps where one program has the SM: 3-5 % faster at batch 1 from 1k to 128k (two runs, two days)
     return dict(block_n=block_n, num_stages=stages, num_warps=4 if block_h <= 16 and not fp8 and not deep else 8,
                 min_chunk=block_n, block_h=block_h, reload=fp8)
@@ -335,9 +347,9 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
                         num_heads, num_splits, softmax_scale * LOG2E,
                         KV_LORA=kv_lora, ROPE=rope, BLOCK_C=block_c, BLOCK_R=pow2(rope), BLOCK_H=block_h,
                         BLOCK_N=cfg["block_n"], PAGE=kv_cache.shape[1], MIN_CHUNK=cfg["min_chunk"], DIRECT=direct,
-                        ONE_PAGE=one_page, UPCAST=interpreted(kv_cache), FP8=fp8, RELOAD=cfg["reload"] and fp8,
+                        ONE_PAGE=one_page, UPCAST=interpreted(kv_cache), FP8=fp8, RELOAD=cfg.get("reload", False) and fp8,
                         ACC_T=cfg.get("acc_t", False), PDL=on, L2_TILES=l2_tiles, LINES_C=lines(cache),
-                        LINES_R=lines(cache_r), launch_pdl=on, num_warps=cfg["num_warps"],
+                        LINES_R=lines(cache_r), DEQUANT=fp8 and cfg.get("dequant", False), launch_pdl=on, num_warps=cfg["num_warps"],
                         num_stages=cfg["num_stages"])
     if not direct:
         # columns per merge program: 32 where the sequences' heads are few (measured on an H200 at 16

@@ -205,10 +205,13 @@ def _fp8_decode_case(lens, heads, kv_lora, rope, page, dtype, seed):
     return (q_latent, q_pe, fp8, tables, lens_t), cache
 
 
-# the tile read once or twice (`reload`), the accumulator as is or transposed (`acc_t`)
+# the tile read once or twice (`reload`), the accumulator as is or transposed (`acc_t`), decoded once
+# before both products (`dequant`)
 @pytest.mark.parametrize("num_splits,page,block_n,variant", [(1, 4, 16, {}), (3, 16, 16, dict(reload=False)),
                                                              (4, 32, 16, dict(acc_t=True)),
-                                                             (3, 16, 16, dict(reload=False, acc_t=True))])
+                                                             (3, 16, 16, dict(reload=False, acc_t=True)),
+                                                             (3, 16, 16, dict(dequant=True)),
+                                                             (1, 32, 16, dict(dequant=True))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mla_decode_fp8_cache_matches_its_dequantized_reference(num_splits, page, block_n, variant, dtype):
     from engine.layers.fp8_latent import FP8LatentLayout
