@@ -48,6 +48,12 @@ TILE_SWEEP = {
     "merge cm32 w2": dict(merge_cm=32, merge_warps=2),
     "merge cm64 w8": dict(merge_cm=64, merge_warps=8),
     "merge cm16 w2": dict(merge_cm=16, merge_warps=2),
+    # the transposed accumulator (acc^T += kv^T @ p^T): the second product a wgmma over the tile in
+    # shared memory, M = the 512 latent columns, N = the heads (the default from batch 5)
+    "acc_t": dict(acc_t=True),
+    "no acc_t": dict(acc_t=False),
+    "acc_t s3": dict(acc_t=True, num_stages=3),
+    "acc_t w8": dict(acc_t=True, num_warps=8),
 }
 # the FP8 cache (default at 16 heads a program: the e4m3 tile loaded twice and widened for each product,
 # eight warps; at 64: decoded once): loaded once (its load left synchronous), the transposed accumulator (`acc_t`: the tile as the wgmma's register operand), pipeline
@@ -72,6 +78,10 @@ FP8_SWEEP = {
     "decode once s3": dict(dequant=True, reload=False, num_stages=3),
     "decode once n32 w4": dict(dequant=True, reload=False, block_n=32, min_chunk=32, num_warps=4),
     "widened twice": dict(dequant=False, reload=True),
+    # decoded once, and the transposed accumulator: the second product a wgmma over the decoded tile
+    "decode once acc_t": dict(dequant=True, reload=False, acc_t=True),
+    "decode once acc_t w4": dict(dequant=True, reload=False, acc_t=True, num_warps=4),
+    "decode once acc_t n32 w4": dict(dequant=True, reload=False, acc_t=True, block_n=32, min_chunk=32, num_warps=4),
 }
 HEAD_BLOCK_SWEEP = {"default": {}, "h32": dict(block_h=32), "h16": dict(block_h=16)}
 # the variants also timed at other slice counts

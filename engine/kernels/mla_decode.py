@@ -16,7 +16,9 @@ each head. With one slice the first kernel writes the output itself (one launch)
 Two regimes (measured on an H200, benchmarks/mla_decode.py): with a few sequences, one program per
 SM on eight warps, each streaming its tiles through a five-stage pipeline; from batch 5, two programs
 per SM (two stages each), which hide each other's latency. The tile's products take M = 16 heads, so a program
-is bound by its own latency more than by the bytes: more programs in flight is what pays. Under
+is bound by its own latency more than by the bytes: more programs in flight is what pays. From batch 5
+the accumulator is kept transposed ([kv_lora, heads]), so the second product is a wgmma over the tile in
+shared memory with M = kv_lora (batch 64 at 16k-32k: 12 % faster, the copy ceiling). Under
 programmatic dependent launch each split program asks L2 for its slice's first tiles before it waits
 for the kernel ahead (the new token's latent write): measured 1 % faster at one stream of V2-Lite.
 
@@ -274,7 +276,13 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
     two stages at batch 1 (13 % faster than five), and from batch 5 32-token tiles on four warps (two
     stages, 56 KB, no spills: two programs an SM again; 21 % faster at batch 64); at 64 heads a block
     (V3's 128) 32-token tiles lost 2.5-3x, and the tile decoded once (DEQUANT, one load) won: 33 vs 43 us
-    at batch 1 and 16k, 1.22 vs 1.80 ms at batch 64. At 16 heads it lost (batch 64: 629 vs 498 us)."""
+    at batch 1 and 16k, 1.22 vs 1.80 ms at batch 64. At 16 heads it lost (batch 64: 629 vs 498 us).
+
+    bf16 at 16 heads a block from batch 5: the transposed accumulator (acc^T += kv^T @ p^T, ACC_T), so
+    the second product is a wgmma that reads the tile from shared memory, M = the 512 latent columns
+    (untransposed it is mma.sync with M = 16, the tile through registers): at batch 64 293 vs 333 us at
+    16k and 570 vs 646 at 32k (4.1-4.2 TB/s), 4 % slower at 1k; at batch 8 within 2 %. At batch 1 (the
+    deep tiles) it was no faster, and over the FP8 tile slower."""
     block_n = 64 if block_c * max(elem, 2) <= 1024 else 32
     stages = 5 if deep and block_h <= 16 and block_c * max(elem, 2) <= 1024 and not fp8 else 2
     if fp8 and block_h <= 16 and not deep:
@@ -283,7 +291,7 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
         return dict(block_n=block_n, num_stages=stages, num_warps=8, min_chunk=block_n, block_h=block_h, dequant=True)
     # eight warps where one program has the SM: 3-5 % faster at batch 1 from 1k to 128k (two runs, two days)
     return dict(block_n=block_n, num_stages=stages, num_warps=4 if block_h <= 16 and not fp8 and not deep else 8,
-                min_chunk=block_n, block_h=block_h, reload=fp8)
+                min_chunk=block_n, block_h=block_h, reload=fp8, acc_t=block_h <= 16 and not fp8 and not deep)
 
 
 def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
