@@ -49,30 +49,33 @@ TILE_SWEEP = {
     "merge cm64 w8": dict(merge_cm=64, merge_warps=8),
     "merge cm16 w2": dict(merge_cm=16, merge_warps=2),
     # the transposed accumulator (acc^T += kv^T @ p^T): the second product a wgmma over the tile in
-    # shared memory, M = the 512 latent columns, N = the heads (the default from batch 5)
+    # shared memory, M = the 512 latent columns, N = the heads (the default from batch 5, so every variant
+    # above takes it there unless it says acc_t=False)
     "acc_t": dict(acc_t=True),
     "no acc_t": dict(acc_t=False),
     "acc_t s3": dict(acc_t=True, num_stages=3),
     "acc_t w8": dict(acc_t=True, num_warps=8),
 }
-# the FP8 cache (default at 16 heads a program: the e4m3 tile loaded twice and widened for each product,
-# eight warps; at 64: decoded once): loaded once (its load left synchronous), the transposed accumulator (`acc_t`: the tile as the wgmma's register operand), pipeline
-# depth, four warps, 128-token tiles (one load: two would take 288 KB), 32-token tiles
+# the FP8 cache (default at up to 16 heads a program: the e4m3 tile loaded twice and widened for each
+# product, eight warps; above 16: decoded once; the widening variants say dequant=False so they time
+# the same path at every head count): loaded once (its load left synchronous), the transposed
+# accumulator (`acc_t`: the tile as the wgmma's register operand), pipeline depth, four warps,
+# 128-token tiles (one load: two would take 288 KB), 32-token tiles
 FP8_SWEEP = {
     "default": {},
-    "one load s2": dict(reload=False, num_stages=2),
-    "reload s2": dict(num_stages=2),
-    "reload s5": dict(num_stages=5),
-    "reload w4": dict(num_warps=4),
-    "acc_t": dict(acc_t=True),
-    "one load acc_t s2": dict(reload=False, acc_t=True, num_stages=2),
-    "n128 one load s2": dict(block_n=128, min_chunk=128, reload=False, num_stages=2),
+    "one load s2": dict(dequant=False, reload=False, num_stages=2),
+    "reload s2": dict(dequant=False, num_stages=2),
+    "reload s5": dict(dequant=False, num_stages=5),
+    "reload w4": dict(dequant=False, num_warps=4),
+    "acc_t": dict(dequant=False, acc_t=True),
+    "one load acc_t s2": dict(dequant=False, reload=False, acc_t=True, num_stages=2),
+    "n128 one load s2": dict(dequant=False, block_n=128, min_chunk=128, reload=False, num_stages=2),
     # 32-token tiles keep four warps free of spills (ptxas, sm_90), so two programs fit an SM: the default
     # from batch 5 at 16 heads a program
-    "n32 w4 s2": dict(block_n=32, min_chunk=32, num_warps=4, num_stages=2),
-    "n32 w4 s5": dict(block_n=32, min_chunk=32, num_warps=4, num_stages=5),
+    "n32 w4 s2": dict(dequant=False, block_n=32, min_chunk=32, num_warps=4, num_stages=2),
+    "n32 w4 s5": dict(dequant=False, block_n=32, min_chunk=32, num_warps=4, num_stages=5),
     # the tile decoded once (scaled) before both products: Triton stages the decoded tile through shared
-    # memory, so the second product reads it with ldmatrix.trans (the default at 64 heads a program)
+    # memory, so the second product reads it with ldmatrix.trans (the default above 16 heads a program)
     "decode once": dict(dequant=True, reload=False),
     "decode once w4": dict(dequant=True, reload=False, num_warps=4),
     "decode once s3": dict(dequant=True, reload=False, num_stages=3),

@@ -16,19 +16,21 @@ each head. With one slice the first kernel writes the output itself (one launch)
 Two regimes (measured on an H200, benchmarks/mla_decode.py): with a few sequences, one program per
 SM on eight warps, each streaming its tiles through a five-stage pipeline; from batch 5, two programs
 per SM (two stages each), which hide each other's latency. The tile's products take M = 16 heads, so a program
-is bound by its own latency more than by the bytes: more programs in flight is what pays. From batch 5
-the accumulator is kept transposed ([kv_lora, heads]), so the second product is a wgmma over the tile in
-shared memory with M = kv_lora (batch 64 at 16k-32k: 12 % faster, the copy ceiling). Under
+is bound by its own latency more than by the bytes: more programs in flight is what pays. Over bf16
+rows at up to 16 heads a program, from batch 5 the accumulator is kept transposed ([kv_lora, heads]),
+so the second product is a wgmma over the tile in shared memory with M = kv_lora (batch 64 at 16k-32k:
+12 % faster, the copy ceiling). Under
 programmatic dependent launch each split program asks L2 for its slice's first tiles before it waits
 for the kernel ahead (the new token's latent write): measured 1 % faster at one stream of V2-Lite.
 
 An FP8 latent cache (`engine.layers.fp8_latent`, each block's c_kv, k_pe and scales in sections of
-their own, each one wide load) is read two ways (`_attend_tile`). At 16 heads a program: e4m3 c_kv
-widened in registers for each product (the tile loaded twice, so both loads are pipelined), the
+their own, each one wide load) is read two ways (`_attend_tile`). At up to 16 heads a program: e4m3
+c_kv widened in registers for each product (the tile loaded twice, so both loads are pipelined), the
 per-token scale folded into the scores and the probabilities, k_pe as stored; two stages on eight
-warps at batch 1-4, 32-token tiles on four warps from batch 5: still 1.3-1.5x slower a call than bf16
-on an H200 (docs/perf.md). At 64 heads a program (V3's 128): the tile decoded once into shared
-memory, then the bf16 cache's products (1.3-1.5x faster than widening it for each).
+warps at batch 1-4, 32-token tiles on four warps from batch 5: still slower a call than bf16 on an
+H200 (1.2-1.3x at batch 1, 1.7x at batch 64 at 16k-32k; docs/perf.md). At more than 16 heads a
+program (V3's 128 heads: 64): the tile decoded once into shared memory, then the bf16 cache's
+products (1.3-1.5x faster than widening it for each at 64 heads a program; 32 not measured).
 
 Bytes: context_len * 576 * elem per sequence and head block (FP8: context_len * 644 at V3's shapes);
 FLOPs: 4 * heads * context_len * 544.
@@ -54,8 +56,7 @@ def _load_tile(Cache, CacheR, CacheS, Tables, b, stride_tb, stride_cb, stride_ct
     """Tokens [n0, n0 + BLOCK_N) of one sequence, those before `end`: (c_kv [BLOCK_N, BLOCK_C],
     k_pe [BLOCK_N, BLOCK_R], valid [BLOCK_N], c_kv's scale [BLOCK_N]). A token's c_kv and k_pe are each
     contiguous and 16-byte aligned: in one 576-wide row (bf16), or in their sections of the block (FP8:
-    512 bytes of e4m3 a token, widened to the queries' dtype (exact); its per-token scale applied by the
-    caller to the scores and the probabilities)."""
+    512 bytes of e4m3 a token and its per-token scale, both decoded by the caller, `_attend_tile`)."""
     offs_n = n0 + offs_t
     mask_n = offs_n < end
     if ONE_PAGE:  # the tile lies in one page: one table entry, rows at a fixed stride
@@ -266,9 +267,9 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
     (measured at batch 1: 2.9 vs 2.5 TB/s at 128k); else two stages (94 KB: two programs per SM). Slices
     of at least one tile (64 tokens: at batch 1 and 1k-16k context, 1.3-2x faster than 256).
 
-    FP8 (elem 1): the e4m3 tile loaded twice (`_attend_tile`, RELOAD), so that both loads are pipelined;
-    its two 32 KB copies take the shared memory of one bf16 tile, so the bf16 tile shapes fit as they are
-    (sm_90 compile: 94 KB at two stages, 168 KB at five). Eight warps: the widened tile is a register
+    FP8 (elem 1) at up to 16 heads a program: the e4m3 tile loaded twice (`_attend_tile`, RELOAD), so
+    that both loads are pipelined; its two 32 KB copies take the shared memory of one bf16 tile, so the
+    bf16 tile shapes fit as they are (sm_90 compile: 94 KB at two stages, 168 KB at five). Eight warps: the widened tile is a register
     operand of both products (the bf16 one stays in shared memory), and four warps hold it only by
     spilling (ptxas: 1,096 bytes at four, none at eight): measured 1.6-1.9x faster with eight at batch 1,
     2.9x at 64 (benchmarks/mla_decode.py --sweep, docs/perf.md). 128-token tiles lost 2x (one load; two
@@ -276,7 +277,8 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
     two stages at batch 1 (13 % faster than five), and from batch 5 32-token tiles on four warps (two
     stages, 56 KB, no spills: two programs an SM again; 21 % faster at batch 64); at 64 heads a block
     (V3's 128) 32-token tiles lost 2.5-3x, and the tile decoded once (DEQUANT, one load) won: 33 vs 43 us
-    at batch 1 and 16k, 1.22 vs 1.80 ms at batch 64. At 16 heads it lost (batch 64: 629 vs 498 us).
+    at batch 1 and 16k, 1.22 vs 1.80 ms at batch 64; it is taken above 16 heads a block (32 not timed).
+    At 16 heads it lost (batch 64: 629 vs 498 us).
 
     bf16 at 16 heads a block from batch 5: the transposed accumulator (acc^T += kv^T @ p^T, ACC_T), so
     the second product is a wgmma that reads the tile from shared memory, M = the 512 latent columns
@@ -287,8 +289,10 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
     stages = 5 if deep and block_h <= 16 and block_c * max(elem, 2) <= 1024 and not fp8 else 2
     if fp8 and block_h <= 16 and not deep:
         return dict(block_n=32, num_stages=2, num_warps=4, min_chunk=32, block_h=block_h, reload=True)
-    if fp8 and block_h > 16:  # the tile decoded once, into shared memory (`_attend_tile`)
-        return dict(block_n=block_n, num_stages=stages, num_warps=8, min_chunk=block_n, block_h=block_h, dequant=True)
+    if fp8 and block_h > 16:  # the tile decoded once, into shared memory (`_attend_tile`); reload is unused
+        # there, and kept so that an override dequant=False gives the path as it was before
+        return dict(block_n=block_n, num_stages=stages, num_warps=8, min_chunk=block_n, block_h=block_h, dequant=True,
+                    reload=True)
     # eight warps where one program has the SM: 3-5 % faster at batch 1 from 1k to 128k (two runs, two days)
     return dict(block_n=block_n, num_stages=stages, num_warps=4 if block_h <= 16 and not fp8 and not deep else 8,
                 min_chunk=block_n, block_h=block_h, reload=fp8, acc_t=block_h <= 16 and not fp8 and not deep)
@@ -305,7 +309,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     Never reads context_lens on the host, so a CUDA graph can replay it with new lengths. num_splits:
     slices per sequence (default from the batch and the SM count); tiles: override of `_tiles`
     (block_n, num_stages, num_warps, min_chunk, block_h, reload; acc_t: the transposed accumulator of
-    `_attend_tile`; merge_cm, merge_warps: the merge's columns a program and warps), for benchmarks and tests."""
+    `_attend_tile`; dequant: an FP8 tile decoded once; l2_tiles: tiles asked of L2 before the wait;
+    merge_cm, merge_warps: the merge's columns a program and warps), for benchmarks and tests."""
     check(q_latent.dim() == 3 and q_pe.dim() == 3 and kv_cache.dim() == 3, "q_latent, q_pe, kv_cache must be 3-D")
     batch, num_heads, kv_lora = q_latent.shape
     rope = q_pe.shape[2]

@@ -184,8 +184,31 @@ def test_mla_decode_slice_count_fills_the_chip_at_batch_one():
             assert n in SPLIT_CHOICES and n <= MAX_SPLITS and n * programs <= max(2 * 132, programs)
 
 
+def test_mla_decode_default_tiles_by_batch_and_heads():
+    """The defaults each path takes, run as chosen (no overrides): bf16 rows from batch 5 at up to 16
+    heads a program keep the accumulator transposed; an FP8 cache above 16 heads a program decodes each
+    tile once."""
+    from engine.kernels.mla_decode import _tiles
+
+    assert not _tiles(512, 16, 2, deep=True).get("acc_t") and _tiles(512, 16, 2, deep=False)["acc_t"]
+    assert not _tiles(512, 64, 2, deep=False)["acc_t"] and not _tiles(512, 16, 1, deep=False, fp8=True).get("acc_t")
+    assert _tiles(512, 64, 1, deep=False, fp8=True)["dequant"] and _tiles(512, 32, 1, deep=True, fp8=True)["dequant"]
+    assert not _tiles(512, 16, 1, deep=True, fp8=True).get("dequant")
+    # six sequences at one head block: two programs an SM, so the transposed accumulator
+    args = _decode_case([0, 1, 9, 33, 70, 130], heads=5, kv_lora=32, rope=8, page=4, dtype=torch.float32, seed=12)
+    out = torch.full_like(args[0], float("nan"))
+    mla_decode_attention(*args, 0.3, out=out)
+    assert rel_err(out, reference_mla_decode_attention(*args, 0.3)) < F32_TOL
+    # 20 heads: a block of 32, so an FP8 cache's tiles are decoded once
+    fp8_args, _ = _fp8_decode_case([0, 5, 77, 130], heads=20, kv_lora=32, rope=8, page=4, dtype=torch.float32, seed=13)
+    out = torch.full_like(fp8_args[0], float("nan"))
+    mla_decode_attention(*fp8_args, 0.3, out=out)
+    assert rel_err(out, reference_mla_decode_attention(*fp8_args, 0.3)) < F32_TOL
+
+
+# batch 6 at 16 heads takes the two-programs-an-SM tiles and the transposed accumulator
 @gpu
-@pytest.mark.parametrize("heads,lens", [(16, [1, 700, 4096]), (128, [3000, 17])])
+@pytest.mark.parametrize("heads,lens", [(16, [1, 700, 4096]), (16, [1, 700, 4096, 63, 2000, 17]), (128, [3000, 17])])
 def test_mla_decode_deepseek_shapes(heads, lens):
     args = _decode_case(lens, heads=heads, kv_lora=512, rope=64, page=64, dtype=torch.bfloat16, seed=5)
     out = mla_decode_attention(*args, 192**-0.5)
