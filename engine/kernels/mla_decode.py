@@ -286,16 +286,17 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
     16k and 570 vs 646 at 32k (4.1-4.2 TB/s), 4 % slower at 1k; at batch 8 within 2 %. At batch 1 (the
     deep tiles) it was no faster, and over the FP8 tile slower."""
     block_n = 64 if block_c * max(elem, 2) <= 1024 else 32
-    stages = 5 if deep and block_h <= 16 and block_c * max(elem, 2) <= 1024 and not fp8 else 2
-    if fp8 and block_h <= 16 and not deep:
-        return dict(block_n=32, num_stages=2, num_warps=4, min_chunk=32, block_h=block_h, reload=True)
-    if fp8 and block_h > 16:  # the tile decoded once, into shared memory (`_attend_tile`); reload is unused
-        # there, and kept so that an override dequant=False gives the path as it was before
-        return dict(block_n=block_n, num_stages=stages, num_warps=8, min_chunk=block_n, block_h=block_h, dequant=True,
-                    reload=True)
-    # eight warps where one program has the SM: 3-5 % faster at batch 1 from 1k to 128k (two runs, two days)
-    return dict(block_n=block_n, num_stages=stages, num_warps=4 if block_h <= 16 and not fp8 and not deep else 8,
-                min_chunk=block_n, block_h=block_h, reload=fp8, acc_t=block_h <= 16 and not fp8 and not deep)
+    few_heads = block_h <= 16
+    tile = dict(block_n=block_n, num_stages=2, num_warps=8, min_chunk=block_n, block_h=block_h)
+    if fp8 and not few_heads:  # decoded once (reload unused there: kept so that dequant=False is the widening)
+        return dict(tile, dequant=True, reload=True)
+    if fp8 and not deep:
+        return dict(tile, block_n=32, num_warps=4, min_chunk=32, reload=True)
+    if fp8:
+        return dict(tile, reload=True)
+    if deep:  # eight warps where one program has the SM: 3-5 % faster at batch 1 from 1k to 128k
+        return dict(tile, num_stages=5 if few_heads and block_c * elem <= 1024 else 2)
+    return dict(tile, num_warps=4, acc_t=True)  # two programs an SM (at most 16 heads a block)
 
 
 def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

@@ -191,7 +191,7 @@ def test_mla_decode_default_tiles_by_batch_and_heads():
     from engine.kernels.mla_decode import _tiles
 
     assert not _tiles(512, 16, 2, deep=True).get("acc_t") and _tiles(512, 16, 2, deep=False)["acc_t"]
-    assert not _tiles(512, 64, 2, deep=False)["acc_t"] and not _tiles(512, 16, 1, deep=False, fp8=True).get("acc_t")
+    assert not _tiles(512, 64, 2, deep=True).get("acc_t") and not _tiles(512, 16, 1, deep=False, fp8=True).get("acc_t")
     assert _tiles(512, 64, 1, deep=False, fp8=True)["dequant"] and _tiles(512, 32, 1, deep=True, fp8=True)["dequant"]
     assert not _tiles(512, 16, 1, deep=True, fp8=True).get("dequant")
     # six sequences at one head block: two programs an SM, so the transposed accumulator
