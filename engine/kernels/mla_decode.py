@@ -19,9 +19,9 @@ per SM (two stages each), which hide each other's latency. The tile's products t
 is bound by its own latency more than by the bytes: more programs in flight is what pays. Over bf16
 rows at up to 16 heads a program, from batch 5 the accumulator is kept transposed ([kv_lora, heads]),
 so the second product is a wgmma over the tile in shared memory with M = kv_lora (batch 64 at 16k-32k:
-12 % faster, the copy ceiling). Under
-programmatic dependent launch each split program asks L2 for its slice's first tiles before it waits
-for the kernel ahead (the new token's latent write): measured 1 % faster at one stream of V2-Lite.
+12 % faster, the copy ceiling). Under programmatic dependent launch each split program asks L2 for
+its slice's first tiles before it waits for the kernel ahead (the new token's latent write): measured
+1 % faster at one stream of V2-Lite.
 
 An FP8 latent cache (`engine.layers.fp8_latent`, each block's c_kv, k_pe and scales in sections of
 their own, each one wide load) is read two ways (`_attend_tile`). At up to 16 heads a program: e4m3
@@ -269,10 +269,10 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
 
     FP8 (elem 1) at up to 16 heads a program: the e4m3 tile loaded twice (`_attend_tile`, RELOAD), so
     that both loads are pipelined; its two 32 KB copies take the shared memory of one bf16 tile, so the
-    bf16 tile shapes fit as they are (sm_90 compile: 94 KB at two stages, 168 KB at five). Eight warps: the widened tile is a register
-    operand of both products (the bf16 one stays in shared memory), and four warps hold it only by
-    spilling (ptxas: 1,096 bytes at four, none at eight): measured 1.6-1.9x faster with eight at batch 1,
-    2.9x at 64 (benchmarks/mla_decode.py --sweep, docs/perf.md). 128-token tiles lost 2x (one load; two
+    bf16 tile shapes fit as they are (sm_90 compile: 94 KB at two stages, 168 KB at five). Eight warps:
+    the widened tile is a register operand of both products (the bf16 one stays in shared memory), and
+    four warps hold it only by spilling (ptxas: 1,096 bytes at four, none at eight): measured 1.6-1.9x
+    faster with eight at batch 1, 2.9x at 64 (benchmarks/mla_decode.py --sweep, docs/perf.md). 128-token tiles lost 2x (one load; two
     would need 288 KB), the transposed accumulator 4-5x. At 16 heads a block (the sweep, 16k and 32k):
     two stages at batch 1 (13 % faster than five), and from batch 5 32-token tiles on four warps (two
     stages, 56 KB, no spills: two programs an SM again; 21 % faster at batch 64); at 64 heads a block
@@ -287,13 +287,13 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
     deep tiles) it was no faster, and over the FP8 tile slower."""
     block_n = 64 if block_c * max(elem, 2) <= 1024 else 32
     few_heads = block_h <= 16
-    tile = dict(block_n=block_n, num_stages=2, num_warps=8, min_chunk=block_n, block_h=block_h)
-    if fp8 and not few_heads:  # decoded once (reload unused there: kept so that dequant=False is the widening)
-        return dict(tile, dequant=True, reload=True)
+    tile = dict(block_n=block_n, num_stages=2, num_warps=8, min_chunk=block_n, block_h=block_h, reload=fp8)
+    if fp8 and not few_heads:
+        return dict(tile, dequant=True)
     if fp8 and not deep:
-        return dict(tile, block_n=32, num_warps=4, min_chunk=32, reload=True)
+        return dict(tile, block_n=32, num_warps=4, min_chunk=32)
     if fp8:
-        return dict(tile, reload=True)
+        return tile
     if deep:  # eight warps where one program has the SM: 3-5 % faster at batch 1 from 1k to 128k
         return dict(tile, num_stages=5 if few_heads and block_c * elem <= 1024 else 2)
     return dict(tile, num_warps=4, acc_t=True)  # two programs an SM (at most 16 heads a block)
@@ -348,6 +348,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     mid_o = torch.empty(shape, dtype=torch.float32, device=q_latent.device)
     mid_lse = torch.empty(shape[:3], dtype=torch.float32, device=q_latent.device)
     grid = (triton.cdiv(num_heads, block_h), num_splits, batch)
+    dequant = fp8 and cfg.get("dequant", False)  # a decoded tile has one use: no second load
     on = pdl(q_latent)
     one_page = kv_cache.shape[1] % cfg["block_n"] == 0
     # tiles asked of L2 before waiting for the kernel ahead (PDL, a tile within one page)
@@ -361,10 +362,10 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
                         num_heads, num_splits, softmax_scale * LOG2E,
                         KV_LORA=kv_lora, ROPE=rope, BLOCK_C=block_c, BLOCK_R=pow2(rope), BLOCK_H=block_h,
                         BLOCK_N=cfg["block_n"], PAGE=kv_cache.shape[1], MIN_CHUNK=cfg["min_chunk"], DIRECT=direct,
-                        ONE_PAGE=one_page, UPCAST=interpreted(kv_cache), FP8=fp8, RELOAD=cfg.get("reload", False) and fp8,
-                        ACC_T=cfg.get("acc_t", False), PDL=on, L2_TILES=l2_tiles, LINES_C=lines(cache),
-                        LINES_R=lines(cache_r), DEQUANT=fp8 and cfg.get("dequant", False), launch_pdl=on, num_warps=cfg["num_warps"],
-                        num_stages=cfg["num_stages"])
+                        ONE_PAGE=one_page, UPCAST=interpreted(kv_cache), FP8=fp8,
+                        RELOAD=fp8 and cfg.get("reload", False) and not dequant, ACC_T=cfg.get("acc_t", False),
+                        DEQUANT=dequant, PDL=on, L2_TILES=l2_tiles, LINES_C=lines(cache), LINES_R=lines(cache_r),
+                        launch_pdl=on, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if not direct:
         # columns per merge program: 32 where the sequences' heads are few (measured on an H200 at 16
         # heads: 0.5-1.2 us faster than 16 at batch 1, 1.5-2 us than 64 at batch 8; one stream of
