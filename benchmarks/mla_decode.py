@@ -218,6 +218,8 @@ def main() -> int:
             if not args.sweep:
                 return {"default": {}}
             every = FP8_SWEEP if kv == "fp8" else TILE_SWEEP if heads <= 16 else HEAD_BLOCK_SWEEP
+            if args.variants:  # variants named are timed at any head count
+                every = {**(FP8_SWEEP if kv == "fp8" else TILE_SWEEP), **HEAD_BLOCK_SWEEP}
             return {k: v for k, v in every.items() if not args.variants or k in args.variants}
 
         if args.check:

@@ -24,13 +24,14 @@ its slice's first tiles before it waits for the kernel ahead (the new token's la
 1 % faster at one stream of V2-Lite.
 
 An FP8 latent cache (`engine.layers.fp8_latent`, each block's c_kv, k_pe and scales in sections of
-their own, each one wide load) is read two ways (`_attend_tile`). At up to 16 heads a program: e4m3
+their own, each one wide load) is read two ways (`_attend_tile`). At up to 32 heads a program: e4m3
 c_kv widened in registers for each product (the tile loaded twice, so both loads are pipelined), the
 per-token scale folded into the scores and the probabilities, k_pe as stored; two stages on eight
 warps at batch 1-4, 32-token tiles on four warps from batch 5: still slower a call than bf16 on an
-H200 (1.2-1.3x at batch 1, 1.7x at batch 64 at 16k-32k; docs/perf.md). At more than 16 heads a
-program (V3's 128 heads: 64): the tile decoded once into shared memory, then the bf16 cache's
-products (1.3-1.5x faster than widening it for each at 64 heads a program; 32 not measured).
+H200 (1.2-1.3x at batch 1, 1.7x at batch 64 at 16k-32k at 16 heads; docs/perf.md). At 64 heads a
+program (V3's 128 heads on one GPU): the tile decoded once into shared memory, then the bf16 cache's
+products (1.3-1.5x faster than widening it for each there; at 32 heads a program, V3 over four ranks,
+1.3-1.4x slower, so there the tile is widened as at 16).
 
 Bytes: context_len * 576 * elem per sequence and head block (FP8: context_len * 644 at V3's shapes);
 FLOPs: 4 * heads * context_len * 544.
@@ -235,9 +236,13 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def block_heads(num_heads: int) -> int:
-    """Heads per program: the M of its products, at most 64 (one warpgroup's tile)."""
-    return min(64, pow2(num_heads))
+def block_heads(num_heads: int, fp8: bool = False) -> int:
+    """Heads per program: the M of its products, at most 64 (one warpgroup's tile). Over bf16 rows, 32
+    heads (V3 over four ranks) run as two programs of 16 a slice, the second reading the tile from L2:
+    the 16-head tiles are the tuned ones (measured 12-21 % faster than one program of 32 at batch 1-64
+    and 16k-32k); over FP8 rows one program of 32 was faster (two of 16: 5-13 % slower)."""
+    block = min(64, pow2(num_heads))
+    return 16 if block == 32 and not fp8 else block
 
 
 def programs_per_sm(batch: int, num_heads: int, sms: int = 132, block_h: int | None = None) -> int:
@@ -267,7 +272,7 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
     (measured at batch 1: 2.9 vs 2.5 TB/s at 128k); else two stages (94 KB: two programs per SM). Slices
     of at least one tile (64 tokens: at batch 1 and 1k-16k context, 1.3-2x faster than 256).
 
-    FP8 (elem 1) at up to 16 heads a program: the e4m3 tile loaded twice (`_attend_tile`, RELOAD), so
+    FP8 (elem 1) at up to 32 heads a program: the e4m3 tile loaded twice (`_attend_tile`, RELOAD), so
     that both loads are pipelined; its two 32 KB copies take the shared memory of one bf16 tile, so the
     bf16 tile shapes fit as they are (sm_90 compile: 94 KB at two stages, 168 KB at five). Eight warps:
     the widened tile is a register operand of both products (the bf16 one stays in shared memory), and
@@ -277,8 +282,9 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
     two stages at batch 1 (13 % faster than five), and from batch 5 32-token tiles on four warps (two
     stages, 56 KB, no spills: two programs an SM again; 21 % faster at batch 64); at 64 heads a block
     (V3's 128) 32-token tiles lost 2.5-3x, and the tile decoded once (DEQUANT, one load) won: 33 vs 43 us
-    at batch 1 and 16k, 1.22 vs 1.80 ms at batch 64; it is taken above 16 heads a block (32 not timed).
-    At 16 heads it lost (batch 64: 629 vs 498 us).
+    at batch 1 and 16k, 1.22 vs 1.80 ms at batch 64; it is taken at 64 heads a block. At 16 and 32 it
+    lost (16, batch 64: 629 vs 498 us; 32: 29.7 vs 22.9 us at batch 1 and 16k, 1.19 vs 0.84 ms at batch
+    64, 1.3-1.4x at every batch and context measured).
 
     bf16 at 16 heads a block from batch 5: the transposed accumulator (acc^T += kv^T @ p^T, ACC_T), so
     the second product is a wgmma that reads the tile from shared memory, M = the 512 latent columns
@@ -288,7 +294,7 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
     block_n = 64 if block_c * max(elem, 2) <= 1024 else 32
     few_heads = block_h <= 16
     tile = dict(block_n=block_n, num_stages=2, num_warps=8, min_chunk=block_n, block_h=block_h, reload=fp8)
-    if fp8 and not few_heads:
+    if fp8 and block_h > 32:
         return dict(tile, dequant=True)
     if fp8 and not deep:
         return dict(tile, block_n=32, num_warps=4, min_chunk=32)
@@ -332,7 +338,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     check(block_tables.shape[0] == batch and context_lens.shape == (batch,), "one block table and length per sequence")
     check(block_tables.stride(-1) == 1, "block_tables must be contiguous in its last dimension")
     sms = num_sms(q_latent.device)
-    block_h = (tiles or {}).get("block_h") or block_heads(num_heads)
+    block_h = (tiles or {}).get("block_h") or block_heads(num_heads, fp8)
     deep = programs_per_sm(batch, num_heads, sms, block_h) == 1
     cfg = dict(_tiles(pow2(kv_lora), block_h, kv_cache.element_size(), deep, fp8), **(tiles or {}))
     if num_splits is None:

@@ -14,6 +14,7 @@ their real rows and columns; expert counts are cut, since they change no compile
 import argparse
 import contextlib
 import importlib
+import itertools
 import sys
 from collections.abc import Callable, Iterator
 from unittest import mock
@@ -185,8 +186,11 @@ def launch_all() -> None:
                 w, ws = _empty(1536, hidden, dtype=wdtype), _empty(12, hidden // 128, dtype=f32) if fp8 else None
                 gemv(x, w, ws, block if fp8 else None)
             lens = torch.full((min(tokens, 64),), 1024, dtype=i32)
-            for cache in (_empty(64 * 16, page, lora + rope), _empty(64 * 16, page, fp8_row, dtype=torch.uint8)):
-                mla_decode_attention(_empty(len(lens), heads, lora), _empty(len(lens), heads, rope), cache,
+            # V3's heads on one GPU, and over four ranks (32 a rank: another tile choice)
+            for h, cache in itertools.product((heads, 32) if heads == 128 else (heads,),
+                                              (_empty(64 * 16, page, lora + rope),
+                                               _empty(64 * 16, page, fp8_row, dtype=torch.uint8))):
+                mla_decode_attention(_empty(len(lens), h, lora), _empty(len(lens), h, rope), cache,
                                      torch.zeros(len(lens), 16, dtype=i32), lens, 0.1)
             cu = torch.tensor([0, tokens], dtype=i32)
             mla_prefill_attention(q[..., :nope], q[..., nope:], _empty(tokens, heads, nope), _empty(tokens, rope),

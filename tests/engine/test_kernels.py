@@ -173,6 +173,7 @@ def test_mla_decode_slice_count_fills_the_chip_at_batch_one():
     from engine.kernels.mla_decode import MAX_SPLITS, SPLIT_CHOICES, default_num_splits
 
     assert default_num_splits(1, 16, 132) == 128 and default_num_splits(1, 128, 132) == 64  # two head blocks
+    assert default_num_splits(1, 32, 132) == 64  # bf16: two head blocks of 16
     # from batch 5 two programs share an SM (measured faster there), so twice the slices
     assert default_num_splits(4, 16, 132) == 32 and default_num_splits(8, 16, 132) == 32
     assert default_num_splits(64, 16, 132) == 4
@@ -186,21 +187,25 @@ def test_mla_decode_slice_count_fills_the_chip_at_batch_one():
 
 def test_mla_decode_default_tiles_by_batch_and_heads():
     """The defaults each path takes, run as chosen (no overrides): bf16 rows from batch 5 at up to 16
-    heads a program keep the accumulator transposed; an FP8 cache above 16 heads a program decodes each
-    tile once."""
-    from engine.kernels.mla_decode import _tiles
+    heads a program keep the accumulator transposed; an FP8 cache at 64 heads a program decodes each
+    tile once, at 32 widens it (measured faster there)."""
+    from engine.kernels.mla_decode import _tiles, block_heads
+
+    # 32 heads: two programs of 16 over bf16 rows, one of 32 over FP8 ones
+    assert block_heads(32) == 16 and block_heads(32, fp8=True) == 32 and block_heads(128) == 64 == block_heads(128, True)
 
     assert not _tiles(512, 16, 2, deep=True).get("acc_t") and _tiles(512, 16, 2, deep=False)["acc_t"]
     assert not _tiles(512, 64, 2, deep=True).get("acc_t") and not _tiles(512, 16, 1, deep=False, fp8=True).get("acc_t")
-    assert _tiles(512, 64, 1, deep=False, fp8=True)["dequant"] and _tiles(512, 32, 1, deep=True, fp8=True)["dequant"]
+    assert _tiles(512, 64, 1, deep=False, fp8=True)["dequant"] and _tiles(512, 64, 1, deep=True, fp8=True)["dequant"]
     assert not _tiles(512, 16, 1, deep=True, fp8=True).get("dequant")
+    assert not _tiles(512, 32, 1, deep=True, fp8=True).get("dequant")
     # six sequences at one head block: two programs an SM, so the transposed accumulator
     args = _decode_case([0, 1, 9, 33, 70, 130], heads=5, kv_lora=32, rope=8, page=4, dtype=torch.float32, seed=12)
     out = torch.full_like(args[0], float("nan"))
     mla_decode_attention(*args, 0.3, out=out)
     assert rel_err(out, reference_mla_decode_attention(*args, 0.3)) < F32_TOL
-    # 20 heads: a block of 32, so an FP8 cache's tiles are decoded once
-    fp8_args, _ = _fp8_decode_case([0, 5, 77, 130], heads=20, kv_lora=32, rope=8, page=4, dtype=torch.float32, seed=13)
+    # 40 heads: a block of 64, so an FP8 cache's tiles are decoded once
+    fp8_args, _ = _fp8_decode_case([0, 5, 77, 130], heads=40, kv_lora=32, rope=8, page=4, dtype=torch.float32, seed=13)
     out = torch.full_like(fp8_args[0], float("nan"))
     mla_decode_attention(*fp8_args, 0.3, out=out)
     assert rel_err(out, reference_mla_decode_attention(*fp8_args, 0.3)) < F32_TOL
@@ -208,7 +213,8 @@ def test_mla_decode_default_tiles_by_batch_and_heads():
 
 # batch 6 at 16 heads takes the two-programs-an-SM tiles and the transposed accumulator
 @gpu
-@pytest.mark.parametrize("heads,lens", [(16, [1, 700, 4096]), (16, [1, 700, 4096, 63, 2000, 17]), (128, [3000, 17])])
+@pytest.mark.parametrize("heads,lens", [(16, [1, 700, 4096]), (16, [1, 700, 4096, 63, 2000, 17]), (32, [3000, 17]),
+                                       (128, [3000, 17])])
 def test_mla_decode_deepseek_shapes(heads, lens):
     args = _decode_case(lens, heads=heads, kv_lora=512, rope=64, page=64, dtype=torch.bfloat16, seed=5)
     out = mla_decode_attention(*args, 192**-0.5)
@@ -355,8 +361,11 @@ def test_gather_latent_decodes_the_slots_as_the_reference(dtype, lora, rope, pag
         gather_latent(latent, slots, lora, rope, dtype)
 
 
-@gpu  # at 16 heads: batches of up to four take the deep tiles, from five the 32-token ones (`_tiles`)
-@pytest.mark.parametrize("heads,lens", [(16, [1, 700, 4096]), (16, [1, 700, 4096, 63, 2000, 17]), (128, [3000, 17])])
+# at 16 heads: batches of up to four take the deep tiles, from five the 32-token ones (`_tiles`); 32 heads
+# (V3 over four ranks) widen the tile, 128 decode it once
+@gpu
+@pytest.mark.parametrize("heads,lens", [(16, [1, 700, 4096]), (16, [1, 700, 4096, 63, 2000, 17]), (32, [3000, 17]),
+                                       (128, [3000, 17])])
 def test_mla_decode_fp8_deepseek_shapes(heads, lens):
     args, _ = _fp8_decode_case(lens, heads=heads, kv_lora=512, rope=64, page=64, dtype=torch.bfloat16, seed=5)
     out = mla_decode_attention(*args, 192**-0.5)
