@@ -37,6 +37,9 @@ SWEEP = {
     "n64 s4": dict(num_stages=4),
     "n128 s2": dict(block_n=128, num_stages=2),
     "m64 n64 w4 s3": dict(block_m=64, num_warps=4),
+    # the tiles before the diagonal read through pointers by every thread, not by the TMA unit (the
+    # default's descriptors; the variants above all take them)
+    "no tma": dict(tma=False),
 }
 
 

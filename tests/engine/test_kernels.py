@@ -401,6 +401,26 @@ def test_mla_prefill_unmasked_tiles_match_masked_ones():
     assert rel_err(split, masked) < F32_TOL
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_prefill_tma_tiles_match_pointer_ones(dtype):
+    """The unmasked tiles read through TMA descriptors (DeepSeek's default on the GPU) give what the
+    pointer loads give; a k_pe whose base is not 16-byte aligned gets no descriptor and falls back."""
+    from engine.kernels.mla_prefill import _descriptors, _tiles
+
+    assert _tiles(192, on_cpu=False)["tma"] and not _tiles(192, on_cpu=True)["tma"]
+    args = _prefill_case([150, 40], [187, 40], heads=2, nope=16, rope=8, vdim=16, dtype=dtype, seed=10)
+    assert _descriptors(args[2], args[3], args[4], 32) is not None
+    tma = mla_prefill_attention(*args, max_seqlen_q=150, softmax_scale=0.3, tiles=dict(tma=True))
+    plain = mla_prefill_attention(*args, max_seqlen_q=150, softmax_scale=0.3, tiles=dict(tma=False))
+    tol = F32_TOL if dtype == torch.float32 else 2e-2
+    assert rel_err(tma, reference_mla_prefill_attention(*args, 0.3)) < tol and rel_err(tma, plain) < tol
+    k_pe = torch.randn(args[3].shape[0], 9, dtype=dtype, device=DEV)[:, 1:]  # base 2-4 bytes past alignment
+    assert _descriptors(args[2], k_pe, args[4], 32) is None
+    moved = (*args[:3], k_pe, *args[4:])
+    out = mla_prefill_attention(*moved, max_seqlen_q=150, softmax_scale=0.3, tiles=dict(tma=True))
+    assert rel_err(out, reference_mla_prefill_attention(*moved, 0.3)) < tol
+
+
 @pytest.mark.parametrize("q_lens", [[3, 5], [16, 17]])  # absorbed (all chunks <= 16 tokens) / plain
 def test_mla_prefill_fast_paths_match_the_reference_layer(q_lens):
     from engine.layers.attention import AttentionMetadata, mla_prefill, mla_prefill_fast
