@@ -201,7 +201,7 @@ def _descriptors(k_nope, k_pe, v, block_n):
         cols = (heads - 1) * (t.stride(1) if t.dim() == 3 else 0) + t.shape[-1]
         size = t.element_size()
         if (t.data_ptr() % 16 or (t.stride(0) * size) % 16 or (t.dim() == 3 and (t.stride(1) * size) % 16)
-                or t.shape[-1] * size < 16):  # a TMA box row is at least 16 bytes
+                or not (16 <= t.shape[-1] * size and t.shape[-1] <= 256)):  # a TMA box row: 16 B to 256 values
             return None
         return TensorDescriptor(t, [t.shape[0], cols], [t.stride(0), 1], [block_n, t.shape[-1]])
 
