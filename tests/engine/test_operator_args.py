@@ -1,6 +1,16 @@
 """The seam operator -> engine: for every example fleet, the engine container's command, args and env
-exactly as the operator renders them start `deepseek-engine serve` on this machine (no GPU: every rank
-a process, gloo) and answer a chat completion through the official openai client.
+exactly as the operator renders them.
+
+One rendered replica of each kind starts `deepseek-engine serve` on this machine (no GPU: every rank a
+process, gloo) and answers a chat completion through the official openai client: one GPU (external-redis.yaml
+given one GPU: its API key, its extraArgs' MTP drafts, its external directory), tensor parallel
+(gb300-four-gpus.yaml: four ranks, the RDMA transport, the managed directory) and multi-node
+(two-replicas-managed-redis.yaml over two nodes). Every example's rendered command, started or not, goes
+through the engine's own command line (`engine.cli.main`'s parser, the environment's defaults) and
+configuration (`settings_from_args`, `engine_config`) as at a start, and each rendered value is checked to
+arrive there. Of the examples not started, eight-gpus-rdma.yaml and external-redis.yaml render exactly a
+started command but for the tensor-parallel degree (checked so); the other two differ from the started ones
+only in values the parse test checks (the model's name, the degree, --max-model-len, the tcp transport).
 
 Only what a cluster provides is stood in for: the model path (deepseek-tiny), the downward API (pod
 name, pod IP = loopback), the Secrets' values, the Secret volumes (a local file holding what the
@@ -24,6 +34,7 @@ import pytest
 import redis as redis_lib
 import yaml
 
+from engine.config import SpeculativeConfig
 from engine.kv.auth import PeerAuth
 from fleet.manifests import build_children
 from fleet.validation import validate
@@ -31,6 +42,16 @@ from tests.engine.conftest_server import free_port
 from tests.redis_server import RedisServer
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+# The rendered replicas started here, one of each kind but multi-node (its own test below): id -> (example,
+# changes to its spec, the tensor-parallel degree it renders).
+STARTED = {
+    "external-redis.yaml-on-one-gpu": ("external-redis.yaml", {"gpusPerReplica": 1}, 1),
+    "gb300-four-gpus.yaml": ("gb300-four-gpus.yaml", {}, 4),
+}
+# Examples not started whose rendered command and env names are a started one's but for the tensor-parallel
+# degree (checked in the parse test, as every example's degree is).
+SAME_BUT_DEGREE = {"external-redis.yaml": "external-redis.yaml-on-one-gpu",
+                   "eight-gpus-rdma.yaml": "gb300-four-gpus.yaml"}
 PASSWORD = "kv-secret"
 API_KEY = "sk-fleet-key"
 TRANSFER_SECRET = "generated-kv-transfer-secret-0123456789"
@@ -95,9 +116,14 @@ def localize(args: list[str], env: dict[str, str], redis_port: int, api_key_file
     return out
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_rendered_engine_command_serves_a_chat_completion(path: Path, tmp_path: Path) -> None:
-    (doc,) = yaml.safe_load_all(path.read_text())
+def example(name: str, **spec) -> dict:
+    (doc,) = yaml.safe_load_all((EXAMPLES[0].parent / name).read_text())
+    doc["spec"].update(spec)
+    return doc
+
+
+def render(doc: dict) -> tuple:
+    """(the validated parent, its children, the engine container, the env the kubelet gives it)."""
     parent = validate({**doc, "metadata": {**doc["metadata"], "namespace": "ns"}})
     managed = parent.spec.kv_cache.directory.managed
     children = build_children(parent, kv_password=PASSWORD if managed else None, transfer_secret=TRANSFER_SECRET,
@@ -106,12 +132,21 @@ def test_rendered_engine_command_serves_a_chat_completion(path: Path, tmp_path: 
     assert container["command"] == ["deepseek-engine"]
     env = kubelet_env(container, {"POD_NAME": f"{doc['metadata']['name']}-0", "POD_IP": "127.0.0.1",
                                   "DEEPSEEK_KV_DIRECTORY_PASSWORD": PASSWORD})
+    return parent, children, container, env
+
+
+@pytest.mark.parametrize("case", STARTED)
+def test_rendered_engine_command_serves_a_chat_completion(case: str, tmp_path: Path) -> None:
+    name, changes, degree = STARTED[case]
+    doc = example(name, **changes)
+    parent, children, container, env = render(doc)
     redis = RedisServer(tmp_path, port=free_port(), password=PASSWORD).start()
     key_file = tmp_path / "api-key"
     key_file.write_text(API_KEY + "\n")
     port = free_port()
     args = localize(container["args"], env, redis.port, key_file, port, kubelet_secret_file(children, tmp_path))
     tp = int(args[args.index("--tensor-parallel-size") + 1])
+    assert tp == degree
     log = open(tmp_path / "engine.log", "w")
     proc = subprocess.Popen(container["command"] + args, env={**os.environ, **STAND_INS, **env}, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -145,6 +180,61 @@ def test_rendered_engine_command_serves_a_chat_completion(path: Path, tmp_path: 
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(60) == 0
         redis.stop()
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_rendered_engine_command_parses_into_the_engine_config_it_renders(
+        path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line `deepseek-engine` parses (the rendered env as the flags' defaults), then the
+    server's settings and the engine's configuration a start builds from it: every rendered value arrives."""
+    import engine.cli
+    import engine.server.launch as launch
+
+    doc = example(path.name)
+    _, children, container, env = render(doc)
+    key_file = tmp_path / "api-key"
+    key_file.write_text(API_KEY + "\n")
+    args = localize(container["args"], env, 6379, key_file, 8000, kubelet_secret_file(children, tmp_path))
+    at = args.index("--kv-transfer-port") + 1
+    args[at] = container["args"][at]  # nothing binds it here: as rendered
+    for name, value in {**STAND_INS, **env}.items():
+        monkeypatch.setenv(name, value)
+    parsed = []
+    monkeypatch.setattr(launch, "run", lambda namespace: parsed.append(namespace) or 0)
+    assert engine.cli.main(args) == 0
+    (namespace,) = parsed
+    assert namespace.command == "serve"
+    settings, config = launch.settings_from_args(namespace), launch.engine_config(namespace)
+
+    spec = doc["spec"]
+    assert config.model == "deepseek-tiny" and settings.served_model_name == spec["model"]["name"]
+    assert settings.port == 8000
+    assert config.tensor_parallel_size == spec["engine"].get("tensorParallelSize", spec["gpusPerReplica"])
+    assert config.nnodes == 1 and config.node_rank == 0
+    assert config.max_model_len == spec["engine"].get("maxModelLen")
+    assert settings.api_key == (API_KEY if "apiKeySecretRef" in spec["engine"] else None)
+    extra = spec["engine"].get("extraArgs", [])
+    want = SpeculativeConfig.parse(extra[extra.index("--speculative-config") + 1]) if extra else None
+    assert config.speculative_config == want
+    # the fleet: this pod's name and address, the transport, the secret the operator generated, the directory
+    # URL with the password from its Secret (and the host the stand-in put there)
+    assert config.replica_id == env["POD_NAME"] and config.advertise_host == "127.0.0.1"
+    assert config.kv_transport == spec.get("kvCache", {}).get("transport", "tcp") and config.kv_transfer_port == 8100
+    assert config.kv_secret == TRANSFER_SECRET.encode()
+    url = next(v for v in env.values() if v.startswith("redis://"))
+    assert config.kv_directory == url and url.startswith(f"redis://:{PASSWORD}@127.0.0.1:6379/")
+    assert config.kv_cache_memory == 64 << 20  # the stand-in's variable: nothing rendered overrides it
+
+    if path.name in SAME_BUT_DEGREE:  # what a started replica ran, but for the degree checked above
+        started, changes, _ = STARTED[SAME_BUT_DEGREE[path.name]]
+        _, _, other, _ = render(example(started, **changes))
+
+        def but_degree(rendered: list[str]) -> list[str]:
+            at = rendered.index("--tensor-parallel-size") + 1
+            return rendered[:at] + rendered[at + 1:]
+
+        assert but_degree(container["args"]) == but_degree(other["args"])
+        assert [e["name"] for e in container["env"]] == [e["name"] for e in other["env"]]
 
 
 def _ready(port: int) -> bool:
