@@ -471,13 +471,16 @@ async def eventually(check: Callable[[], Any], *, timeout: float = 10.0, what: s
 
 
 async def quiet(cluster: Cluster, *, settle: float = 0.6, timeout: float = 10.0) -> None:
-    """Wait until no mutating request has arrived for `settle` seconds."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    seen = -1
-    while asyncio.get_running_loop().time() < deadline:
+    """Wait until no mutating request has arrived for `settle` seconds (counted from the last one seen, looked
+    for every 50 ms: from `settle` to `settle` + 50 ms after it, where polling every `settle` took up to twice)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    seen, since = len(cluster.writes()), loop.time()
+    while loop.time() < deadline:
+        await asyncio.sleep(0.05)
         count = len(cluster.writes())
-        if count == seen:
+        if count != seen:
+            seen, since = count, loop.time()
+        elif loop.time() - since >= settle:
             return
-        seen = count
-        await asyncio.sleep(settle)
     raise AssertionError("the operator never settled")
