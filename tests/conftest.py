@@ -17,6 +17,25 @@ def redis_server(tmp_path):
     server.stop()
 
 
+# Modules whose tests start engine servers or rank processes, and so keep more than one core busy themselves.
+# They run after the others (mostly one thread, or waiting on an emulated API server or a timeout), beside
+# which the interpreted kernel tests' process (below) has a core of its own for most of its minutes; in
+# collection order it took a core from the servers early on, and one of the two cores stood idle through the
+# single-threaded rest. Among them first those whose single server mostly generates alone (the interpreted
+# process finishing beside them), last those that start two and three servers at once.
+LAST = ("tests/engine/test_server_", "tests/engine/test_parallel.py", "tests/engine/test_parallel_server.py",
+        "tests/engine/test_operator_args.py", "tests/e2e/test_kv_fleet.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules of LAST after the rest, in LAST's order; each module's tests in their own order (no test
+    depends on the order of tests)."""
+    def rank(item) -> int:
+        return next((i + 1 for i, prefix in enumerate(LAST) if item.nodeid.startswith(prefix)), 0)
+
+    items.sort(key=rank)
+
+
 def pytest_collection_finish(session):
     """The interpreted kernel tests run in a process of their own for minutes: start it now, beside the
     rest of the run, and check its result last. The image install checks' virtualenvs start now too."""
