@@ -1,4 +1,5 @@
 import os
+import signal
 
 # Tests run several engines, servers and clients at once on a few cores: one OpenMP thread each, or
 # their spinning workers starve one another (and every subprocess inherits this).
@@ -25,6 +26,40 @@ def redis_server(tmp_path):
 # process finishing beside them), last those that start two and three servers at once.
 LAST = ("tests/engine/test_server_", "tests/engine/test_parallel.py", "tests/engine/test_parallel_server.py",
         "tests/engine/test_operator_args.py", "tests/e2e/test_kv_fleet.py")
+
+
+@pytest.fixture(scope="session")
+def early_servers():
+    """Servers started ahead of the tests that use them, by module name: {module: {name: server}}. A module's
+    fixtures pop theirs (tests/engine/conftest_server.py's module_servers); any left at the end, whose module
+    never ran (a run stopped early), are killed."""
+    started: dict[str, dict] = {}
+    yield started
+    for servers in started.values():
+        for server in servers.values():
+            server.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def start_the_next_servers(request, early_servers):
+    """A module with a `start_servers(session, tmp_path_factory) -> {name: server}` function gets its servers
+    started (not waited for) when the module before it that has one begins (the first such module: when the
+    run begins): a start takes seconds of mostly one core, which that module's tests leave idle for much of
+    their time, instead of its own tests waiting for it."""
+    items = request.session.items
+    modules = [getattr(item, "module", None) for item in items]
+    if request.module not in modules:
+        yield
+        return
+    after = len(modules) - modules[::-1].index(request.module)
+    for module in (request.module, next((m for m in modules[after:] if hasattr(m, "start_servers")), None)):
+        if module is not None and hasattr(module, "start_servers") and module.__name__ not in early_servers:
+            try:
+                early_servers[module.__name__] = module.start_servers(request.session,
+                                                                      request.getfixturevalue("tmp_path_factory"))
+            except Exception:  # noqa: BLE001 - the module itself starts them again, and fails there
+                pass
+    yield
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -31,10 +31,42 @@ CONTRACT_METRICS = {
 }
 
 
+_TINY: dict[int, Path] = {}
+
+
+def tiny_checkpoint_in(factory: pytest.TempPathFactory) -> Path:
+    """The session's small random DeepSeek-V3-format checkpoint, float32: made once, whichever asks first."""
+    if id(factory) not in _TINY:
+        _TINY[id(factory)] = make_random_checkpoint(factory.mktemp("tiny-ckpt"), seed=0)
+    return _TINY[id(factory)]
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small random DeepSeek-V3-format checkpoint, float32."""
-    return make_random_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), seed=0)
+    """A small random DeepSeek-V3-format checkpoint, float32 (every module importing this shares one)."""
+    return tiny_checkpoint_in(tmp_path_factory)
+
+
+def module_servers(request: pytest.FixtureRequest) -> dict[str, "ServerProcess"]:
+    """The servers of the requesting module's `start_servers(session, tmp_path_factory)` that no fixture has
+    taken yet (a fixture pops its own): started while an earlier module ran (`start_the_next_servers` in
+    tests/conftest.py), else now, all of the module's at once."""
+    started = request.getfixturevalue("early_servers")
+    name = request.module.__name__
+    if name not in started:
+        started[name] = request.module.start_servers(request.session, request.getfixturevalue("tmp_path_factory"))
+    return started[name]
+
+
+def selected_items(session: pytest.Session, module: str) -> list[pytest.Item]:
+    """The tests of `module` (its __name__) this run selected."""
+    return [item for item in session.items if getattr(getattr(item, "module", None), "__name__", None) == module]
+
+
+def selected_params(session: pytest.Session, module: str, fixture: str) -> set:
+    """The params of the parametrized `fixture` that the selected tests of `module` use."""
+    return {item.callspec.params[fixture] for item in selected_items(session, module)
+            if fixture in getattr(getattr(item, "callspec", None), "params", {})}
 
 
 def free_port() -> int:

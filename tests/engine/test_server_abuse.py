@@ -6,13 +6,17 @@ import time
 import httpx
 import pytest
 
-from tests.engine.conftest_server import MODEL_NAME, ServerProcess, tiny_checkpoint  # noqa: F401
+from tests.engine.conftest_server import MODEL_NAME, ServerProcess, module_servers, tiny_checkpoint_in
+
+
+def start_servers(session, tmp_path_factory) -> dict[str, ServerProcess]:
+    return {"server": ServerProcess(tiny_checkpoint_in(tmp_path_factory), tmp_path_factory.mktemp("log") / "server.log",
+                                    "--max-waiting-requests", "4", "--max-request-body-size", "6MiB")}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):  # noqa: F811
-    proc = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("log") / "server.log",
-                         "--max-waiting-requests", "4", "--max-request-body-size", "6MiB")
+def server(request):
+    proc = module_servers(request).pop("server")
     try:
         yield proc.wait_ready()
     finally:

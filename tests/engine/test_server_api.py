@@ -11,18 +11,32 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.conftest_server import API_KEY, CONTRACT_METRICS, MODEL_NAME, ServerProcess, tiny_checkpoint  # noqa: F401
+from tests.engine.conftest_server import (  # noqa: F401
+    API_KEY,
+    CONTRACT_METRICS,
+    MODEL_NAME,
+    ServerProcess,
+    module_servers,
+    selected_params,
+    tiny_checkpoint,
+    tiny_checkpoint_in,
+)
 
 HELLO = [{"role": "user", "content": "Hello! Who are you?"}]
 
 
-@pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "async"])
-def server(tiny_checkpoint, tmp_path_factory, request):
+def start_servers(session, tmp_path_factory) -> dict[str, ServerProcess]:
     # every API behaviour also with async scheduling (a GPU's default), against the same offline oracle
     key_file = tmp_path_factory.mktemp("secrets") / "api-key"
     key_file.write_text(API_KEY + "\n")
-    log = tmp_path_factory.mktemp("log") / "server.log"
-    proc = ServerProcess(tiny_checkpoint, log, "--api-key-file", str(key_file), "--async-scheduling", request.param)
+    return {mode: ServerProcess(tiny_checkpoint_in(tmp_path_factory), tmp_path_factory.mktemp("log") / "server.log",
+                                "--api-key-file", str(key_file), "--async-scheduling", mode)
+            for mode in selected_params(session, __name__, "server")}
+
+
+@pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "async"])
+def server(request):
+    proc = module_servers(request).pop(request.param)
     try:
         yield proc.wait_ready()
     finally:

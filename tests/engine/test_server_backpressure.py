@@ -6,16 +6,20 @@ import httpx
 import openai
 import pytest
 
-from tests.engine.conftest_server import MODEL_NAME, ServerProcess, tiny_checkpoint, wait_for  # noqa: F401
+from tests.engine.conftest_server import MODEL_NAME, ServerProcess, module_servers, tiny_checkpoint_in, wait_for
+
+
+def start_servers(session, tmp_path_factory) -> dict[str, ServerProcess]:
+    # One request runs at a time and one may wait: the third concurrent request is refused.
+    return {"server": ServerProcess(
+        tiny_checkpoint_in(tmp_path_factory), tmp_path_factory.mktemp("log") / "server.log",
+        "--max-num-seqs", "1", "--max-waiting-requests", "1",
+    )}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
-    # One request runs at a time and one may wait: the third concurrent request is refused.
-    proc = ServerProcess(
-        tiny_checkpoint, tmp_path_factory.mktemp("log") / "server.log",
-        "--max-num-seqs", "1", "--max-waiting-requests", "1",
-    )  # fmt: skip
+def server(request):
+    proc = module_servers(request).pop("server")
     try:
         yield proc.wait_ready()
     finally:

@@ -5,13 +5,18 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from tests.engine.conftest_server import ServerProcess, tiny_checkpoint  # noqa: F401
+from tests.engine.conftest_server import ServerProcess, module_servers, tiny_checkpoint_in
+
+
+def start_servers(session, tmp_path_factory) -> dict[str, ServerProcess]:
+    # short generations: a case asking for 100k tokens would otherwise run for minutes on a CPU
+    return {"server": ServerProcess(tiny_checkpoint_in(tmp_path_factory), tmp_path_factory.mktemp("log") / "server.log",
+                                    "--max-model-len", "64")}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):  # noqa: F811
-    # short generations: a case asking for 100k tokens would otherwise run for minutes on a CPU
-    proc = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("log") / "server.log", "--max-model-len", "64")
+def server(request):
+    proc = module_servers(request).pop("server")
     try:
         yield proc.wait_ready()
     finally:

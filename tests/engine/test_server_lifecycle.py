@@ -24,13 +24,17 @@ from tests.engine.conftest_server import (  # noqa: F401
     SERVE,
     ServerProcess,
     free_port,
+    module_servers,
+    selected_items,
     tiny_checkpoint,
+    tiny_checkpoint_in,
     wait_for,
 )
 
 SPAWN = multiprocessing.get_context("spawn")  # the engine process is spawned; its events must be too
-# The servers of this module's tests, by the test that uses each: all started when the first test starts, so
-# their start-ups overlap one another and the tests before theirs; each serves its own test alone.
+# The servers of this module's tests, by the test that uses each: all started at once, ahead of the module
+# (start_servers), so their start-ups overlap one another and the tests before theirs; each serves its own
+# test alone.
 SERVERS = {
     "test_sigterm_drains_streams_then_exits_0[off]": ("--drain-timeout", "120", "--async-scheduling", "off"),
     "test_sigterm_drains_streams_then_exits_0[on]": ("--drain-timeout", "120", "--async-scheduling", "on"),
@@ -39,22 +43,22 @@ SERVERS = {
 }
 
 
-@pytest.fixture(scope="module")
-def started(tiny_checkpoint, tmp_path_factory, request):  # noqa: F811
-    """The servers of the tests this run selected, started at once (SIGKILLed at the end, if still up)."""
-    chosen = {item.name for item in request.session.items if item.module is request.module}
+def start_servers(session, tmp_path_factory) -> dict[str, ServerProcess]:
+    """The servers of the tests this run selected."""
+    chosen = {item.name for item in selected_items(session, __name__)}
     logs = tmp_path_factory.mktemp("servers")
-    servers = {name: ServerProcess(tiny_checkpoint, logs / f"{i}.log", *args)
-               for i, (name, args) in enumerate(SERVERS.items()) if name in chosen}
-    yield servers
-    for server in servers.values():
-        server.stop(signal.SIGKILL)
+    return {name: ServerProcess(tiny_checkpoint_in(tmp_path_factory), logs / f"{i}.log", *args)
+            for i, (name, args) in enumerate(SERVERS.items()) if name in chosen}
 
 
 @pytest.fixture
-def server(started, request) -> ServerProcess:
-    """This test's own server, ready."""
-    return started[request.node.name].wait_ready()
+def server(request) -> ServerProcess:
+    """This test's own server, ready (SIGKILLed at the end, if still up)."""
+    proc = module_servers(request).pop(request.node.name)
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop(signal.SIGKILL)
 
 
 def stream_body(max_tokens: int) -> dict:

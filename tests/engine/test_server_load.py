@@ -7,14 +7,26 @@ import httpx
 import openai
 import pytest
 
-from tests.engine.conftest_server import MODEL_NAME, ServerProcess, tiny_checkpoint, wait_for  # noqa: F401
+from tests.engine.conftest_server import (
+    MODEL_NAME,
+    ServerProcess,
+    module_servers,
+    selected_params,
+    tiny_checkpoint_in,
+    wait_for,
+)
+
+
+def start_servers(session, tmp_path_factory) -> dict[str, ServerProcess]:
+    # with async scheduling (a GPU's default) aborts and ends also meet steps still in flight
+    return {mode: ServerProcess(tiny_checkpoint_in(tmp_path_factory), tmp_path_factory.mktemp("log") / "server.log",
+                                "--async-scheduling", mode)
+            for mode in selected_params(session, __name__, "server")}
 
 
 @pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "async"])
-def server(tiny_checkpoint, tmp_path_factory, request):
-    # with async scheduling (a GPU's default) aborts and ends also meet steps still in flight
-    proc = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("log") / "server.log",
-                         "--async-scheduling", request.param)
+def server(request):
+    proc = module_servers(request).pop(request.param)
     try:
         yield proc.wait_ready()
     finally:

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from engine.server.tool_format import MARKERS
-from tests.engine.conftest_server import MODEL_NAME, ServerProcess
+from tests.engine.conftest_server import MODEL_NAME, ServerProcess, module_servers
 
 WEATHER = {
     "type": "function",
@@ -62,9 +62,13 @@ DESCRIBE = [{"role": "user", "content": "Describe a person."}]
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
 
+def start_servers(session, tmp_path_factory) -> dict[str, ServerProcess]:
+    return {"server": ServerProcess(Path("deepseek-tiny"), tmp_path_factory.mktemp("log") / "server.log")}
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = ServerProcess(Path("deepseek-tiny"), tmp_path_factory.mktemp("log") / "server.log")
+def server(request):
+    proc = module_servers(request).pop("server")
     try:
         yield proc.wait_ready()
     finally:
