@@ -5,7 +5,8 @@ One rendered replica of each kind starts `deepseek-engine serve` on this machine
 process, gloo) and answers a chat completion through the official openai client: one GPU (external-redis.yaml
 given one GPU: its API key, its extraArgs' MTP drafts, its external directory), tensor parallel
 (gb300-four-gpus.yaml: four ranks, the RDMA transport, the managed directory) and multi-node
-(two-replicas-managed-redis.yaml over two nodes). Every example's rendered command, started or not, goes
+(two-replicas-managed-redis.yaml over two nodes); their processes start ahead of the module, while an
+earlier module runs (start_servers). Every example's rendered command, started or not, goes
 through the engine's own command line (`engine.cli.main`'s parser, the environment's defaults) and
 configuration (`settings_from_args`, `engine_config`) as at a start, and each rendered value is checked to
 arrive there. Of the examples not started, eight-gpus-rdma.yaml and external-redis.yaml render exactly a
@@ -26,7 +27,9 @@ import re
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -38,7 +41,7 @@ from engine.config import SpeculativeConfig
 from engine.kv.auth import PeerAuth
 from fleet.manifests import build_children
 from fleet.validation import validate
-from tests.engine.conftest_server import free_port
+from tests.engine.conftest_server import free_port, module_servers, selected_items, selected_params
 from tests.redis_server import RedisServer
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
@@ -135,27 +138,108 @@ def render(doc: dict) -> tuple:
     return parent, children, container, env
 
 
-@pytest.mark.parametrize("case", STARTED)
-def test_rendered_engine_command_serves_a_chat_completion(case: str, tmp_path: Path) -> None:
-    name, changes, degree = STARTED[case]
-    doc = example(name, **changes)
-    parent, children, container, env = render(doc)
-    redis = RedisServer(tmp_path, port=free_port(), password=PASSWORD).start()
-    key_file = tmp_path / "api-key"
-    key_file.write_text(API_KEY + "\n")
-    port = free_port()
-    args = localize(container["args"], env, redis.port, key_file, port, kubelet_secret_file(children, tmp_path))
-    tp = int(args[args.index("--tensor-parallel-size") + 1])
-    assert tp == degree
-    log = open(tmp_path / "engine.log", "w")
-    proc = subprocess.Popen(container["command"] + args, env={**os.environ, **STAND_INS, **env}, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+@dataclass
+class Replica:
+    """A rendered replica started here: its pods' processes (the leader's first) with the args and env each
+    got, its redis-server, its HTTP port, the directory of its logs and mounts."""
+
+    parent: Any
+    pods: list[tuple[subprocess.Popen, list[str], dict[str, str]]]
+    redis: RedisServer
+    port: int
+    tmp: Path
+
+    def launch(self, container: dict, args: list[str], env: dict[str, str], log: str) -> None:
+        with open(self.tmp / log, "w") as out:
+            self.pods.append((subprocess.Popen(container["command"] + args, env={**os.environ, **STAND_INS, **env},
+                                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True), args, env))
+
+    def wait_ready(self, log: str) -> None:
         deadline = time.monotonic() + 240
-        while not _ready(port):
-            assert proc.poll() is None, (tmp_path / "engine.log").read_text()[-3000:]
+        while not _ready(self.port):
+            assert all(proc.poll() is None for proc, _, _ in self.pods), (self.tmp / log).read_text()[-3000:]
             assert time.monotonic() < deadline, "not ready in time"
             time.sleep(0.1)
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        for proc, _, _ in self.pods:
+            if proc.poll() is None:
+                os.killpg(proc.pid, sig)
+        self.redis.stop()
+
+
+def start_replica(case: str, tmp: Path) -> Replica:
+    """STARTED[case] rendered, and its one pod started on the rendered command, args and env."""
+    name, changes, _ = STARTED[case]
+    parent, children, container, env = render(example(name, **changes))
+    replica = Replica(parent, [], RedisServer(tmp, port=free_port(), password=PASSWORD).start(), free_port(), tmp)
+    try:
+        key_file = tmp / "api-key"
+        key_file.write_text(API_KEY + "\n")
+        args = localize(container["args"], env, replica.redis.port, key_file, replica.port,
+                        kubelet_secret_file(children, tmp))
+        replica.launch(container, args, env, "engine.log")
+    except BaseException:
+        replica.stop()
+        raise
+    return replica
+
+
+def start_multi_node(tmp: Path) -> Replica:
+    """gpusPerNode below gpusPerReplica: the LeaderWorkerSet the operator renders, its leader's and worker's
+    commands started with the env the LWS controller adds (LWS_WORKER_INDEX, LWS_LEADER_ADDRESS)."""
+    doc = example("two-replicas-managed-redis.yaml", gpusPerReplica=4, gpusPerNode=2)
+    doc["spec"]["engine"].pop("tensorParallelSize", None)
+    parent = validate({**doc, "metadata": {**doc["metadata"], "namespace": "ns"}})
+    children = build_children(parent, kv_password=PASSWORD, transfer_secret=TRANSFER_SECRET, replicas=1)
+    (lws,) = [c for c in children if c["kind"] == "LeaderWorkerSet"]
+    group = lws["spec"]["leaderWorkerTemplate"]
+    templates = [group.get("leaderTemplate") or group["workerTemplate"], group["workerTemplate"]]
+    replica = Replica(parent, [], RedisServer(tmp, port=free_port(), password=PASSWORD).start(), free_port(), tmp)
+    dist_port = free_port()
+    try:
+        for index, template in enumerate(templates):
+            (container,) = [c for c in template["spec"]["containers"] if "serve" in (c.get("args") or [])]
+            env = kubelet_env(container, {"POD_NAME": f"v3-0-{index}", "POD_IP": "127.0.0.1",
+                                          "DEEPSEEK_KV_DIRECTORY_PASSWORD": PASSWORD})
+            env.update(LWS_WORKER_INDEX=str(index), LWS_LEADER_ADDRESS="127.0.0.1")
+            args = localize(container["args"], env, replica.redis.port, tmp / "no-key", replica.port,
+                            kubelet_secret_file(children, tmp))
+            at = args.index("--dist-init-addr") + 1
+            assert args[at] == "127.0.0.1:29500" and args[args.index("--node-rank") + 1] == str(index)
+            args[at] = f"127.0.0.1:{dist_port}"  # a free port where a pod has its own network
+            replica.launch(container, args, env, f"pod-{index}.log")
+    except BaseException:
+        replica.stop()
+        raise
+    return replica
+
+
+def start_servers(session, tmp_path_factory) -> dict[str, Replica]:
+    """The replicas of the tests this run selected, started at once (ahead of the module: tests/conftest.py's
+    start_the_next_servers), each for its own test."""
+    started: dict[str, Replica] = {}
+    try:
+        for case in selected_params(session, __name__, "case"):
+            started[case] = start_replica(case, tmp_path_factory.mktemp("replica"))
+        if any(item.name == "test_a_rendered_multi_node_replica_serves_across_its_pods"
+               for item in selected_items(session, __name__)):
+            started["multi-node"] = start_multi_node(tmp_path_factory.mktemp("multi-node"))
+    except BaseException:
+        for replica in started.values():
+            replica.stop()
+        raise
+    return started
+
+
+@pytest.mark.parametrize("case", STARTED)
+def test_rendered_engine_command_serves_a_chat_completion(case: str, request: pytest.FixtureRequest) -> None:
+    replica = module_servers(request).pop(case)
+    ((proc, args, env),), parent, port, tmp_path = replica.pods, replica.parent, replica.port, replica.tmp
+    try:
+        tp = int(args[args.index("--tensor-parallel-size") + 1])
+        assert tp == STARTED[case][2]
+        replica.wait_ready("engine.log")
         key = API_KEY if "--api-key-file" in args else "unused"
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key)
         # three tokens: the prefill, then decode steps on every rank (where the MTP layer drafts, its
@@ -179,7 +263,7 @@ def test_rendered_engine_command_serves_a_chat_completion(case: str, tmp_path: P
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(60) == 0
-        redis.stop()
+        replica.redis.stop()
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -245,42 +329,16 @@ def _ready(port: int) -> bool:
 
 
 
-def test_a_rendered_multi_node_replica_serves_across_its_pods(tmp_path: Path) -> None:
+def test_a_rendered_multi_node_replica_serves_across_its_pods(request: pytest.FixtureRequest) -> None:
     """gpusPerNode below gpusPerReplica: the operator renders a LeaderWorkerSet; its leader's and worker's
     commands, with the env the LWS controller adds (LWS_WORKER_INDEX, LWS_LEADER_ADDRESS), form one
     replica of 4 ranks over 2 "nodes" here and answer through the leader."""
-    (doc,) = yaml.safe_load_all((EXAMPLES[0].parent / "two-replicas-managed-redis.yaml").read_text())
-    doc["spec"].update(gpusPerReplica=4, gpusPerNode=2)
-    doc["spec"]["engine"].pop("tensorParallelSize", None)
-    parent = validate({**doc, "metadata": {**doc["metadata"], "namespace": "ns"}})
-    children = build_children(parent, kv_password=PASSWORD, transfer_secret=TRANSFER_SECRET, replicas=1)
-    (lws,) = [c for c in children if c["kind"] == "LeaderWorkerSet"]
-    group = lws["spec"]["leaderWorkerTemplate"]
-    templates = [group.get("leaderTemplate") or group["workerTemplate"], group["workerTemplate"]]
-    redis = RedisServer(tmp_path, port=free_port(), password=PASSWORD).start()
-    port, dist_port = free_port(), free_port()
-    procs = []
+    replica = module_servers(request).pop("multi-node")
+    procs, tmp_path = [proc for proc, _, _ in replica.pods], replica.tmp
     try:
-        for index, template in enumerate(templates):
-            (container,) = [c for c in template["spec"]["containers"] if "serve" in (c.get("args") or [])]
-            env = kubelet_env(container, {"POD_NAME": f"v3-0-{index}", "POD_IP": "127.0.0.1",
-                                          "DEEPSEEK_KV_DIRECTORY_PASSWORD": PASSWORD})
-            env.update(LWS_WORKER_INDEX=str(index), LWS_LEADER_ADDRESS="127.0.0.1")
-            args = localize(container["args"], env, redis.port, tmp_path / "no-key", port,
-                            kubelet_secret_file(children, tmp_path))
-            at = args.index("--dist-init-addr") + 1
-            assert args[at] == "127.0.0.1:29500" and args[args.index("--node-rank") + 1] == str(index)
-            args[at] = f"127.0.0.1:{dist_port}"  # a free port where a pod has its own network
-            log = open(tmp_path / f"pod-{index}.log", "w")
-            procs.append(subprocess.Popen(container["command"] + args, env={**os.environ, **STAND_INS, **env},
-                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + 240
-        while not _ready(port):
-            assert all(p.poll() is None for p in procs), (tmp_path / "pod-0.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "not ready in time"
-            time.sleep(0.1)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-        reply = client.chat.completions.create(model=parent.spec.model.name, max_tokens=3,
+        replica.wait_ready("pod-0.log")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{replica.port}/v1", api_key="unused")
+        reply = client.chat.completions.create(model=replica.parent.spec.model.name, max_tokens=3,
                                                messages=[{"role": "user", "content": "Hello!"}])
         assert reply.choices[0].message.content
         assert "4 ranks ready (tensor parallel, 2 node(s))" in (tmp_path / "pod-0.log").read_text()
@@ -291,4 +349,4 @@ def test_a_rendered_multi_node_replica_serves_across_its_pods(tmp_path: Path) ->
         assert procs[0].wait(60) == 0
         for p in procs[1:]:
             p.wait(60)
-        redis.stop()
+        replica.redis.stop()
