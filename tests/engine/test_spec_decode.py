@@ -621,16 +621,27 @@ def test_on_the_gpu_graphs_give_the_plain_tokens(tiny_prompts, k):
         tiny_prompts[:3], GREEDY)] and 3 in replays
 
 
-def test_served_with_the_flag_through_the_official_client(tmp_path, tiny_prompts, plain_tokens):
+def start_servers(session, tmp_path_factory) -> dict:
+    """The server of the test below, if the run selected it: started ahead of the module (tests/conftest.py)."""
+    from tests.engine.conftest_server import ServerProcess, selected_items
+
+    if not any(item.name == "test_served_with_the_flag_through_the_official_client"
+               for item in selected_items(session, __name__)):
+        return {}
+    return {"server": ServerProcess(resolve_model_path("deepseek-tiny"), tmp_path_factory.mktemp("log") / "server.log",
+                                    "--speculative-config", json.dumps(spec(2)))}
+
+
+def test_served_with_the_flag_through_the_official_client(request, tiny_prompts, plain_tokens):
     """`deepseek-engine serve --speculative-config ...` answers the official client with the plain greedy
     text, streamed and whole, counts drafts in /metrics and logs each request's accepted length."""
     import openai
 
-    from tests.engine.conftest_server import MODEL_NAME, ServerProcess
+    from tests.engine.conftest_server import MODEL_NAME, module_servers
 
-    server = ServerProcess(resolve_model_path("deepseek-tiny"), tmp_path / "server.log",
-                           "--speculative-config", json.dumps(spec(2))).wait_ready()
+    server = module_servers(request).pop("server")
     try:
+        server.wait_ready()
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
         whole = client.completions.create(model=MODEL_NAME, prompt=tiny_prompts[0], max_tokens=40, temperature=0)
         stream = client.completions.create(model=MODEL_NAME, prompt=tiny_prompts[1], max_tokens=40, temperature=0,
