@@ -2,11 +2,19 @@
 official openai client: a conversation's next turn lands on another replica."""
 
 import signal
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
-from tests.engine.conftest_server import MODEL_NAME, ServerProcess, tiny_checkpoint, wait_for  # noqa: F401
+from tests.engine.conftest_server import (  # noqa: F401
+    MODEL_NAME,
+    ServerProcess,
+    tiny_checkpoint,
+    tiny_checkpoint_in,
+    wait_for,
+)
 from tests.engine.test_kv_reuse import CorruptingProxy
 from tests.redis_server import RedisServer
 
@@ -17,20 +25,98 @@ HISTORY = [
 FOLLOW_UP = {"role": "user", "content": "And what happens when a pod is deleted?"}
 
 
+def start_replicas(checkpoint: Path, redis: RedisServer, logs: Path, replicas, first: int = 0) -> list[ServerProcess]:
+    """("a", ("b", *extra), ...) -> a server for each, not waited for (their start-ups overlap)."""
+    started = []
+    for replica in replicas:
+        name, *extra = (replica,) if isinstance(replica, str) else replica
+        started.append(ServerProcess(
+            checkpoint, logs / f"{name}-{first + len(started)}.log", "--kv-directory", redis.url,
+            "--replica-id", name, "--advertise-host", "127.0.0.1", "--kv-transfer-port", "0",
+            "--kv-min-prefix-tokens", "16", *extra))
+    return started
+
+
+def first_fleet(*replicas: str | tuple[str, ...]):
+    """A test's first replicas, ("a", ("b", *extra), ...): they and the test's redis-server are started while
+    the test before it runs (`ahead`), and the test gets them ready as its `replicas`."""
+    def mark(test):
+        test.first_fleet = replicas
+        return test
+
+    return mark
+
+
+@dataclass
+class Fleet:
+    """A test's redis-server and first replicas, started ahead of it."""
+
+    redis: RedisServer
+    servers: list[ServerProcess]
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        for server in self.servers:
+            server.stop(sig)
+        self.redis.stop()
+
+
+def start_fleet(replicas, checkpoint: Path, where: Path) -> Fleet:
+    redis = RedisServer(where).start()
+    try:
+        return Fleet(redis, start_replicas(checkpoint, redis, where, replicas))
+    except BaseException:
+        redis.stop()
+        raise
+
+
+@pytest.fixture(autouse=True)
+def ahead(request, early_servers, tmp_path_factory):
+    """This test's first fleet unless it was started ahead, then the next test's, to start while this one
+    runs: three start-ups of a few seconds each a test, which used to wait for its own."""
+    started = early_servers.setdefault(__name__, {})
+    items = request.session.items
+    at = items.index(request.node)
+    for item in (request.node, *items[at + 1:at + 2]):
+        fleet = getattr(getattr(item, "function", None), "first_fleet", None)
+        if getattr(item, "module", None) is not request.module or fleet is None or item.name in started:
+            continue
+        try:
+            started[item.name] = start_fleet(fleet, tiny_checkpoint_in(tmp_path_factory),
+                                             tmp_path_factory.mktemp("fleet"))
+        except Exception:  # noqa: BLE001 - the next test starts its own, and fails there
+            if item is request.node:
+                raise
+    yield
+
+
+@pytest.fixture
+def redis_server(request, ahead, early_servers, tmp_path):
+    """A real redis-server of the test's own: its first fleet's, else a new one on a unix socket."""
+    fleet = early_servers.get(__name__, {}).get(request.node.name)
+    server = fleet.redis if fleet is not None else RedisServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def replicas(request, redis_server, early_servers) -> list[ServerProcess]:
+    """The test's first replicas (`first_fleet`), ready."""
+    fleet = early_servers[__name__].pop(request.node.name)
+    try:
+        yield [server.wait_ready() for server in fleet.servers]
+    finally:
+        for server in fleet.servers:
+            server.stop(signal.SIGKILL)
+
+
 @pytest.fixture
 def fleet(tiny_checkpoint, redis_server, tmp_path):  # noqa: F811
-    """`fleet("a", ("b", *extra), ...)`: replicas started at once (their start-ups overlap), each ready."""
+    """`fleet("a", ("b", *extra), ...)`: more replicas, started at once (their start-ups overlap), each ready."""
     procs = []
 
     def start(*replicas: str | tuple[str, ...]) -> list[ServerProcess]:
-        started = []
-        for replica in replicas:
-            name, *extra = (replica,) if isinstance(replica, str) else replica
-            started.append(ServerProcess(
-                tiny_checkpoint, tmp_path / f"{name}-{len(procs)}.log", "--kv-directory", redis_server.url,
-                "--replica-id", name, "--advertise-host", "127.0.0.1", "--kv-transfer-port", "0",
-                "--kv-min-prefix-tokens", "16", *extra))
-            procs.append(started[-1])
+        started = start_replicas(tiny_checkpoint, redis_server, tmp_path, replicas, len(procs))
+        procs.extend(started)
         return [proc.wait_ready() for proc in started]
 
     yield start
@@ -54,8 +140,9 @@ def remote_hits(server: ServerProcess) -> float:
     return server.metrics()['deepseek_engine_prefix_cache_hit_tokens_total{source="remote"}']
 
 
-def test_next_turn_on_another_replica_pulls_the_prefix(fleet, redis_server):
-    a, b, recomputing = fleet("a", "b", ("c", "--kv-pull-policy", "never"))
+@first_fleet("a", "b", ("c", "--kv-pull-policy", "never"))
+def test_next_turn_on_another_replica_pulls_the_prefix(replicas, redis_server):
+    a, b, recomputing = replicas
     convo, turn2 = two_turns(a, b, redis_server)
     cached = turn2.usage.prompt_tokens_details.cached_tokens
     assert cached >= 32 and cached < turn2.usage.prompt_tokens
@@ -67,18 +154,20 @@ def test_next_turn_on_another_replica_pulls_the_prefix(fleet, redis_server):
     assert metrics["deepseek_engine_kv_transfer_bytes_total"] > 0
 
 
-def test_a_tensor_parallel_replica_pulls_into_every_rank(fleet, redis_server):
+@first_fleet(("a", "--tensor-parallel-size", "2"), ("b", "--tensor-parallel-size", "2"),
+             ("c", "--kv-pull-policy", "never"))
+def test_a_tensor_parallel_replica_pulls_into_every_rank(replicas, redis_server):
     """Rank 0 receives the pulled blocks; every rank holds MLA's latent cache whole, so the next step
     copies them to the others first (without it rank 1 would attend over blocks it never wrote)."""
-    a, b, recomputing = fleet(("a", "--tensor-parallel-size", "2"), ("b", "--tensor-parallel-size", "2"),
-                              ("c", "--kv-pull-policy", "never"))
+    a, b, recomputing = replicas
     convo, turn2 = two_turns(a, b, redis_server)
     assert turn2.usage.prompt_tokens_details.cached_tokens >= 32 and remote_hits(b) > 0
     assert turn2.choices[0].message.content == chat(recomputing, convo).choices[0].message.content
 
 
-def test_killed_peer_means_recompute_not_error(fleet, redis_server):
-    a, b = fleet("a", "b")
+@first_fleet("a", "b")
+def test_killed_peer_means_recompute_not_error(replicas, redis_server):
+    a, b = replicas
     chat(a, HISTORY)
     assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
     a.stop(signal.SIGKILL)  # its heartbeat key outlives it: b still finds its entries
@@ -89,8 +178,9 @@ def test_killed_peer_means_recompute_not_error(fleet, redis_server):
     assert b.metrics()['deepseek_engine_kv_pull_fallbacks_total{reason="transfer_failed"}'] == 1
 
 
-def test_restarted_replica_old_entries_are_not_trusted(fleet, redis_server):
-    (a,) = fleet("a")
+@first_fleet("a")
+def test_restarted_replica_old_entries_are_not_trusted(replicas, fleet, redis_server):
+    (a,) = replicas
     chat(a, HISTORY)
     assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
     a.stop(signal.SIGKILL)
@@ -101,16 +191,18 @@ def test_restarted_replica_old_entries_are_not_trusted(fleet, redis_server):
     assert b.metrics().get('deepseek_engine_kv_pull_fallbacks_total{reason="transfer_failed"}', 0) == 0
 
 
-def test_redis_stopped_both_keep_serving(fleet, redis_server):
-    a, b = fleet("a", "b")
+@first_fleet("a", "b")
+def test_redis_stopped_both_keep_serving(replicas, redis_server):
+    a, b = replicas
     redis_server.stop()
     for server in (a, b, a):
         assert chat(server, HISTORY).choices[0].finish_reason in ("stop", "length")
     assert b.metrics()["deepseek_engine_kv_directory_up"] == 0
 
 
-def test_corrupted_block_in_transit_is_recomputed(fleet, redis_server):
-    a, b = fleet("a", "b")
+@first_fleet("a", "b")
+def test_corrupted_block_in_transit_is_recomputed(replicas, redis_server):
+    a, b = replicas
     chat(a, HISTORY)
     assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
     r = redis_server.client()
@@ -157,19 +249,21 @@ def test_the_directory_password_never_reaches_the_log(tmp_path, tiny_checkpoint)
         redis.stop()
 
 
-def test_an_idle_replica_reports_the_directory_down(fleet, redis_server):
+@first_fleet("a")
+def test_an_idle_replica_reports_the_directory_down(replicas, redis_server):
     """No request needed: the directory's heartbeat fails, and the engine's own heartbeat carries it to
     /metrics within seconds."""
-    (a,) = fleet("a")
+    (a,) = replicas
     assert a.metrics()["deepseek_engine_kv_directory_up"] == 1
     redis_server.stop()
     assert wait_for(lambda: a.metrics()["deepseek_engine_kv_directory_up"] == 0, timeout=15, interval=0.5)
 
 
-def test_redis_restarted_mid_conversation(fleet, redis_server):
+@first_fleet("a", "b")
+def test_redis_restarted_mid_conversation(replicas, redis_server):
     """The directory's content is soft state: after a restart the replicas register again, the next turn
     recomputes (no error), and later turns pull again."""
-    a, b = fleet("a", "b")
+    a, b = replicas
     convo, turn2 = two_turns(a, b, redis_server)
     redis_server.stop()
     redis_server.start()
@@ -183,11 +277,12 @@ def test_redis_restarted_mid_conversation(fleet, redis_server):
     assert follow.usage.prompt_tokens_details.cached_tokens >= 32
 
 
-def test_a_peer_serving_garbage_costs_a_recompute(fleet, redis_server):
+@first_fleet("a", "b")
+def test_a_peer_serving_garbage_costs_a_recompute(replicas, redis_server):
     import socket
     import threading
 
-    a, b = fleet("a", "b")
+    a, b = replicas
     chat(a, HISTORY)
     assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
     garbage = socket.create_server(("127.0.0.1", 0))
@@ -213,7 +308,8 @@ def test_a_peer_serving_garbage_costs_a_recompute(fleet, redis_server):
     garbage.close()
 
 
-def test_200_disconnects_during_pulls_leave_nothing_behind(fleet, redis_server):
+@first_fleet("a", "b")
+def test_200_disconnects_during_pulls_leave_nothing_behind(replicas, redis_server):
     """Clients that leave while their prefix is being pulled: every request ends, the replica's blocks
     are all free again, and its engine process ends near the memory it started with."""
     import asyncio
@@ -222,7 +318,7 @@ def test_200_disconnects_during_pulls_leave_nothing_behind(fleet, redis_server):
 
     from tests.engine.test_parallel_server import descendants
 
-    a, b = fleet("a", "b")
+    a, b = replicas
     chat(a, HISTORY)
     assert wait_for(lambda: redis_server.client().keys("dsf:*:block:*"), timeout=10)
     (engine_pid,) = [pid for pid, cmd in descendants(b.proc.pid) if "spawn_main" in cmd]
