@@ -404,17 +404,19 @@ def test_mla_prefill_unmasked_tiles_match_masked_ones():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mla_prefill_tma_tiles_match_pointer_ones(dtype):
     """The unmasked tiles read through TMA descriptors (DeepSeek's default on the GPU) give what the
-    pointer loads give; a k_pe whose base is not 16-byte aligned gets no descriptor and falls back."""
+    pointer loads give; a k_pe whose base is not 16-byte aligned gets no descriptor and falls back. Head
+    widths are powers of two (rope 16), as the descriptors' path requires: with rope 8, padded to a
+    16-wide tile, the kernel took the pointer path on both sides."""
     from engine.kernels.mla_prefill import _descriptors, _tiles
 
     assert _tiles(192, on_cpu=False)["tma"] and not _tiles(192, on_cpu=True)["tma"]
-    args = _prefill_case([150, 40], [187, 40], heads=2, nope=16, rope=8, vdim=16, dtype=dtype, seed=10)
+    args = _prefill_case([150, 40], [187, 40], heads=2, nope=16, rope=16, vdim=16, dtype=dtype, seed=10)
     assert _descriptors(args[2], args[3], args[4], 32) is not None
     tma = mla_prefill_attention(*args, max_seqlen_q=150, softmax_scale=0.3, tiles=dict(tma=True))
     plain = mla_prefill_attention(*args, max_seqlen_q=150, softmax_scale=0.3, tiles=dict(tma=False))
     tol = F32_TOL if dtype == torch.float32 else 2e-2
     assert rel_err(tma, reference_mla_prefill_attention(*args, 0.3)) < tol and rel_err(tma, plain) < tol
-    k_pe = torch.randn(args[3].shape[0], 9, dtype=dtype, device=DEV)[:, 1:]  # base 2-4 bytes past alignment
+    k_pe = torch.randn(args[3].shape[0], 17, dtype=dtype, device=DEV)[:, 1:]  # base 2-4 bytes past alignment
     assert _descriptors(args[2], k_pe, args[4], 32) is None
     moved = (*args[:3], k_pe, *args[4:])
     out = mla_prefill_attention(*moved, max_seqlen_q=150, softmax_scale=0.3, tiles=dict(tma=True))
