@@ -37,7 +37,7 @@ def _e4m3_grid(x):
 def _write_token(t, KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt, stride_qh,
                  stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads, LORA: tl.constexpr,
                  HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                 FP8: tl.constexpr, EXACT_CAST: tl.constexpr):
+                 FP8: tl.constexpr, EXACT_CAST: tl.constexpr, SPLIT_PAIRS: tl.constexpr):
     """Token t's latent row into its cache slot, its queries' rope parts rotated in place."""
     slot = tl.load(Slots + t).to(tl.int64)
     blk, tok = slot // page, slot % page
@@ -69,26 +69,35 @@ def _write_token(t, KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, e
     mask_d = offs_d < HALF
     cos = tl.load(Cos + pos * stride_cos + offs_d, mask=mask_d, other=0.0)
     sin = tl.load(Sin + pos * stride_cos + offs_d, mask=mask_d, other=0.0)
-    kbase = KV + t * stride_kv + LORA + 2 * offs_d
-    k1 = tl.load(kbase, mask=mask_d, other=0.0)
-    k2 = tl.load(kbase + 1, mask=mask_d, other=0.0)
-    ka, kb = k1.to(tl.float32), k2.to(tl.float32)
     out = CacheR.dtype.element_ty
-    tl.store(rrow + 2 * offs_d, (ka * cos - kb * sin).to(k1.dtype).to(out), mask=mask_d)
-    tl.store(rrow + 2 * offs_d + 1, (kb * cos + ka * sin).to(k1.dtype).to(out), mask=mask_d)
-    rotate_heads_(Q + t * stride_qt, stride_qh, num_heads, cos, sin, offs_d, mask_d, BLOCK_H)
+    if SPLIT_PAIRS:  # the row loaded and stored whole, its pairs split in registers (`rotate_heads_`)
+        offs_r = tl.arange(0, 2 * BLOCK_D)
+        k = tl.load(KV + t * stride_kv + LORA + offs_r)
+        k1, k2 = tl.split(tl.reshape(k, [BLOCK_D, 2]))
+        ka, kb = k1.to(tl.float32), k2.to(tl.float32)
+        r = tl.join((ka * cos - kb * sin).to(k.dtype).to(out), (kb * cos + ka * sin).to(k.dtype).to(out))
+        tl.store(rrow + offs_r, tl.reshape(r, [2 * BLOCK_D]))
+    else:
+        kbase = KV + t * stride_kv + LORA + 2 * offs_d
+        k1 = tl.load(kbase, mask=mask_d, other=0.0)
+        k2 = tl.load(kbase + 1, mask=mask_d, other=0.0)
+        ka, kb = k1.to(tl.float32), k2.to(tl.float32)
+        tl.store(rrow + 2 * offs_d, (ka * cos - kb * sin).to(k1.dtype).to(out), mask=mask_d)
+        tl.store(rrow + 2 * offs_d + 1, (kb * cos + ka * sin).to(k1.dtype).to(out), mask=mask_d)
+    rotate_heads_(Q + t * stride_qt, stride_qh, num_heads, cos, sin, offs_d, mask_d, BLOCK_H, BLOCK_D, SPLIT_PAIRS)
 
 
 @triton.jit
 def _latent_write_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt,
                          stride_qh, stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads,
                          LORA: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_D: tl.constexpr, FP8: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_D: tl.constexpr, FP8: tl.constexpr, EXACT_CAST: tl.constexpr,
+                         SPLIT_PAIRS: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0)
     wait_for_inputs(PDL)
     _write_token(t, KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt, stride_qh,
                  stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads, LORA, HALF, BLOCK_C,
-                 BLOCK_H, BLOCK_D, FP8, EXACT_CAST)
+                 BLOCK_H, BLOCK_D, FP8, EXACT_CAST, SPLIT_PAIRS)
 
 
 @triton.jit
@@ -96,8 +105,8 @@ def _write_absorb_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slo
                          stride_qh, stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads,
                          QN, W, QLat, nope, rows, num_gemv, stride_w, LORA: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
-                         EXACT_CAST: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         WAIT_FIRST: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                         EXACT_CAST: tl.constexpr, SPLIT_PAIRS: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, WAIT_FIRST: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     # programs [0, num_gemv): the absorption's GEMV (`gemv` with one group a head: BLOCK_N rows of
     # W_UK^T, all of one head, times that head's q_nope); the last program: the token's latent write
     pid = tl.program_id(0)
@@ -108,21 +117,22 @@ def _write_absorb_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slo
         wait_for_inputs(PDL)
         _write_token(0, KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt,
                      stride_qh, stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads, LORA,
-                     HALF, BLOCK_C, BLOCK_H, BLOCK_D, FP8, EXACT_CAST)
+                     HALF, BLOCK_C, BLOCK_H, BLOCK_D, FP8, EXACT_CAST, SPLIT_PAIRS)
 
 
 def write_latent_(kv_cache: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                   q_pe: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
+                  slot_mapping: torch.Tensor, split_pairs: bool = True) -> None:
     """kv: [T, kv_lora + rope] (kv_a_proj_with_mqa's output) -> kv_cache rows at slot_mapping, as
     [RMSNorm(c_kv) | rope(k_pe)]; q_pe: [T, H, rope] (a strided view is fine) rotated in place.
     kv_cache: [blocks, block_size, kv_lora + rope], or an FP8 latent cache [blocks, block_size, token_bytes]
     uint8 (`engine.layers.fp8_latent`: c_kv quantized per token into its block's sections, k_pe in kv's
-    dtype); cos/sin_cache:
-    [max_position, rope // 2] float32."""
+    dtype); cos/sin_cache: [max_position, rope // 2] float32. split_pairs=False loads and stores the rope
+    pairs' halves apart (`rotate_heads_`), for benchmarks and tests."""
     args, consts = _write_args(kv_cache, kv, norm_weight, eps, q_pe, positions, cos_cache, sin_cache, slot_mapping)
     if kv.shape[0]:
         on = pdl(kv)
+        consts["SPLIT_PAIRS"] = consts["SPLIT_PAIRS"] and split_pairs
         _latent_write_kernel[(kv.shape[0],)](*args, **consts, PDL=on, launch_pdl=on)
 
 
@@ -183,7 +193,8 @@ def _write_args(kv_cache, kv, norm_weight, eps, q_pe, positions, cos_cache, sin_
             kv.stride(0), q_pe.stride(0), q_pe.stride(1), cos_cache.stride(0), cache.stride(0), cache.stride(1),
             cache_r.stride(0), cache_r.stride(1), cache_s.stride(0), kv_cache.shape[1], num_heads)
     return args, dict(LORA=lora, HALF=rope // 2, BLOCK_C=pow2(lora), BLOCK_H=min(16, pow2(num_heads, 1)),
-                      BLOCK_D=pow2(rope // 2, 1), FP8=fp8, EXACT_CAST=interpreted(kv))
+                      BLOCK_D=pow2(rope // 2, 1), FP8=fp8, EXACT_CAST=interpreted(kv),
+                      SPLIT_PAIRS=pow2(rope // 2, 1) == rope // 2)
 
 
 @triton.jit

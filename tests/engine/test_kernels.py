@@ -60,8 +60,9 @@ def test_rms_norm(dtype, with_residual):
         assert rel_err(o, r) <= tol + 1e-6
 
 
+@pytest.mark.parametrize("split_pairs", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_latent_is_norm_rope_and_cache_write(dtype):
+def test_write_latent_is_norm_rope_and_cache_write(dtype, split_pairs):
     from engine.kernels.latent_cache import write_latent_
 
     g = torch.Generator().manual_seed(3)
@@ -76,7 +77,7 @@ def test_write_latent_is_norm_rope_and_cache_write(dtype):
     want_rows = torch.cat([reference_rms_norm(kv[:, :lora], weight, 1e-6), reference_rope(kv[:, lora:], pos, cos, sin)], -1)
     want_q = reference_rope(q[..., 16:], pos, cos, sin)
     nope = q[..., :16].clone()
-    write_latent_(cache, kv, weight, 1e-6, q[..., 16:], pos, cos, sin, slots)
+    write_latent_(cache, kv, weight, 1e-6, q[..., 16:], pos, cos, sin, slots, split_pairs=split_pairs)
     rows = cache.view(-1, lora + rope)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert rel_err(rows[slots], want_rows) < tol and rel_err(q[..., 16:], want_q) < tol
@@ -84,6 +85,31 @@ def test_write_latent_is_norm_rope_and_cache_write(dtype):
     untouched = torch.ones(blocks * page, dtype=torch.bool, device=DEV)
     untouched[slots] = False
     assert rows[untouched].isnan().all()  # nothing but the slots is written
+
+
+@pytest.mark.parametrize("rope", [8, 12])  # 12: three pairs a half, no power of two
+def test_write_latent_rope_pairs_split_in_registers_or_loaded_apart(rope):
+    """The rope pairs split in registers from whole rows (where the pair count is a power of two) or
+    loaded and stored apart: the same queries and k_pe as the reference rotation, and the same as each
+    other but where a product is fused into an FMA in one and not the other."""
+    from engine.kernels.latent_cache import write_latent_
+
+    g = torch.Generator().manual_seed(12)
+    t, heads, lora, blocks, page = 37, 5, 32, 12, 4
+    q = torch.randn(t, heads, 16 + rope, generator=g).to(DEV, torch.bfloat16)
+    kv = torch.randn(t, lora + rope, generator=g).to(DEV, torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(lora, generator=g)).to(DEV, torch.bfloat16)
+    cos, sin = torch.randn(50, rope // 2, generator=g).to(DEV), torch.randn(50, rope // 2, generator=g).to(DEV)
+    pos = torch.randint(0, 50, (t,), generator=g).to(DEV)
+    slots = torch.randperm(blocks * page, generator=g)[:t].to(DEV)
+    caches = [torch.zeros(blocks, page, lora + rope, dtype=torch.bfloat16, device=DEV) for _ in "ab"]
+    qs = [q.clone(), q.clone()]
+    for split, cache, qq in zip((True, False), caches, qs):
+        write_latent_(cache, kv, weight, 1e-6, qq[..., 16:], pos, cos, sin, slots, split_pairs=split)
+        assert rel_err(qq[..., 16:], reference_rope(q[..., 16:], pos, cos, sin)) < 1e-2
+        assert rel_err(cache.view(-1, lora + rope)[slots, lora:], reference_rope(kv[:, lora:], pos, cos, sin)) < 1e-2
+        assert torch.equal(qq[..., :16], q[..., :16])
+    assert (qs[0] == qs[1]).float().mean() > 0.99 and (caches[0] == caches[1]).float().mean() > 0.99
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -295,8 +321,9 @@ def test_fp8_latent_block_is_three_contiguous_sections():
     assert torch.equal(layout.rows(pages, torch.tensor([6], device=DEV))[0], layout.dequantize(pages)[1, 2])
 
 
+@pytest.mark.parametrize("split_pairs", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_latent_fp8_quantizes_as_the_reference(dtype):
+def test_write_latent_fp8_quantizes_as_the_reference(dtype, split_pairs):
     from engine.kernels.latent_cache import write_latent_
     from engine.layers.fp8_latent import FP8LatentLayout
 
@@ -311,7 +338,7 @@ def test_write_latent_fp8_quantizes_as_the_reference(dtype):
     slots = torch.randperm(blocks * page, generator=g)[:t].to(DEV)
     cache = torch.full((blocks, page, layout.token_bytes), 0xAB, dtype=torch.uint8, device=DEV)
     want = torch.cat([reference_rms_norm(kv[:, :lora], weight, 1e-6), reference_rope(kv[:, lora:], pos, cos, sin)], -1)
-    write_latent_(cache, kv, weight, 1e-6, q[..., 16:], pos, cos, sin, slots)
+    write_latent_(cache, kv, weight, 1e-6, q[..., 16:], pos, cos, sin, slots, split_pairs=split_pairs)
     want_pages = torch.full_like(cache, 0xAB)
     layout.write(want_pages, slots, want)  # the reference writer, into the same slots
     blk, tok = slots // page, slots % page
@@ -404,9 +431,7 @@ def test_mla_prefill_unmasked_tiles_match_masked_ones():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mla_prefill_tma_tiles_match_pointer_ones(dtype):
     """The unmasked tiles read through TMA descriptors (DeepSeek's default on the GPU) give what the
-    pointer loads give; a k_pe whose base is not 16-byte aligned gets no descriptor and falls back. Head
-    widths are powers of two (rope 16), as the descriptors' path requires: with rope 8, padded to a
-    16-wide tile, the kernel took the pointer path on both sides."""
+    pointer loads give; a k_pe whose base is not 16-byte aligned gets no descriptor and falls back."""
     from engine.kernels.mla_prefill import _descriptors, _tiles
 
     assert _tiles(192, on_cpu=False)["tma"] and not _tiles(192, on_cpu=True)["tma"]
