@@ -181,7 +181,7 @@ def _dequant_kernel(C, S, Out, num_bytes, BLOCK: tl.constexpr):
     """One program per BLOCK bytes of the flat codes (rows are whole groups: byte i's scale is i // 16):
     both codes of each byte, scaled, into the output's values 2i and 2i + 1, joined in registers so the
     2 * BLOCK values are stored as one contiguous run (two stores of every other value, 2 bytes at a
-    4-byte stride, measured x slower on an H200: docs/perf.md)."""
+    4-byte stride, took 1.6x the time on an H200: docs/perf.md)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_bytes
     codes = tl.load(C + offs, mask=mask, other=0)
@@ -189,7 +189,8 @@ def _dequant_kernel(C, S, Out, num_bytes, BLOCK: tl.constexpr):
     out = Out.dtype.element_ty
     pairs = tl.join((e2m1(codes & 15) * scale).to(out), (e2m1(codes >> 4) * scale).to(out))  # [BLOCK, 2]
     offs2 = tl.program_id(0).to(tl.int64) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
-    tl.store(Out + offs2, tl.reshape(pairs, [2 * BLOCK]), mask=offs2 < 2 * num_bytes)
+    # the mask joined as the values are (2 * num_bytes may not fit the 32 bits num_bytes arrives in)
+    tl.store(Out + offs2, tl.reshape(pairs, [2 * BLOCK]), mask=tl.reshape(tl.join(mask, mask), [2 * BLOCK]))
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
