@@ -189,8 +189,8 @@ def _dequant_kernel(C, S, Out, num_bytes, BLOCK: tl.constexpr):
     out = Out.dtype.element_ty
     pairs = tl.join((e2m1(codes & 15) * scale).to(out), (e2m1(codes >> 4) * scale).to(out))  # [BLOCK, 2]
     offs2 = tl.program_id(0).to(tl.int64) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
-    # the mask joined as the values are (2 * num_bytes may not fit the 32 bits num_bytes arrives in)
-    tl.store(Out + offs2, tl.reshape(pairs, [2 * BLOCK]), mask=tl.reshape(tl.join(mask, mask), [2 * BLOCK]))
+    # value v is byte v // 2's (in 64 bits: 2 * num_bytes may not fit the 32 bits num_bytes arrives in)
+    tl.store(Out + offs2, tl.reshape(pairs, [2 * BLOCK]), mask=offs2 // 2 < num_bytes)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
