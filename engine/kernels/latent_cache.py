@@ -93,7 +93,7 @@ def _latent_write_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slo
                          LORA: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr, FP8: tl.constexpr, EXACT_CAST: tl.constexpr,
                          SPLIT_PAIRS: tl.constexpr, PDL: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t * q's row stride passes 2^31 from 87k tokens at 128 heads
     wait_for_inputs(PDL)
     _write_token(t, KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt, stride_qh,
                  stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads, LORA, HALF, BLOCK_C,

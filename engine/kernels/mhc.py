@@ -175,7 +175,7 @@ def hc_site(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
 def _hc_mix_kernel(H, Y, Post, Comb, Out, stride_ht, stride_hn, stride_yt, stride_ot, stride_on, hidden,
                    N: tl.constexpr, BLOCK_D: tl.constexpr):
     # one program per (token, BLOCK_D channels): out_k = post_k y + sum_j comb[j, k] h_j
-    t, db = tl.program_id(0), tl.program_id(1)
+    t, db = tl.program_id(0).to(tl.int64), tl.program_id(1)  # t * 4 streams * 4096 passes 2^31 at 131k tokens
     i = tl.arange(0, N)
     offs = db * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < hidden

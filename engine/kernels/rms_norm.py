@@ -17,7 +17,7 @@ from engine.kernels._util import check, check_float, pdl, pow2, wait_for_inputs
 @triton.jit
 def _rms_norm_kernel(X, Res, W, Y, ResOut, stride_x, stride_xs, stride_r, stride_y, stride_ro, dim, eps,
                      SLOTS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # rows past 2^31 / stride (300k tokens at V3's 7168) stay in range
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
     w = tl.load(W + offs, mask=mask, other=0.0)  # a constant: loaded while the previous kernel finishes

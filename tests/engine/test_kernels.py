@@ -112,6 +112,29 @@ def test_write_latent_rope_pairs_split_in_registers_or_loaded_apart(rope):
     assert (qs[0] == qs[1]).float().mean() > 0.99 and (caches[0] == caches[1]).float().mean() > 0.99
 
 
+@gpu
+def test_write_latent_rotates_queries_past_two_to_the_31_values():
+    """At V3's 128 heads a query row is 24,576 values, so token 87,382's offset passes 2^31: the last
+    tokens' queries are rotated where they are (token offsets in 64 bits), not at a wrapped address."""
+    from engine.kernels.latent_cache import write_latent_
+
+    t, stride, lora, rope, page = 87_382 + 64, 128 * 192, 512, 64, 64
+    g = torch.Generator(device=DEV).manual_seed(13)
+    q = torch.zeros(t, stride, dtype=torch.bfloat16, device=DEV)
+    q_pe = q[:, 128:192].view(t, 1, rope)  # one head's rope part at V3's row stride
+    q_pe.copy_(torch.randn(t, 1, rope, generator=g, device=DEV))
+    before = q_pe[-128:].clone()
+    kv = torch.randn(t, lora + rope, generator=g, device=DEV).to(torch.bfloat16)
+    weight = torch.ones(lora, dtype=torch.bfloat16, device=DEV)
+    pos = torch.arange(t, device=DEV) % 4096
+    cos, sin = (torch.randn(4096, rope // 2, generator=g, device=DEV) for _ in "cs")
+    cache = torch.zeros(-(-t // page), page, lora + rope, dtype=torch.bfloat16, device=DEV)
+    write_latent_(cache, kv, weight, 1e-6, q_pe, pos, cos, sin, torch.arange(t, device=DEV))
+    assert rel_err(q_pe[-128:], reference_rope(before, pos[-128:], cos, sin)) < 1e-2
+    k_pe = cache.view(-1, lora + rope)[t - 128:t, lora:]
+    assert rel_err(k_pe, reference_rope(kv[-128:, lora:], pos[-128:], cos, sin)) < 1e-2
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_write_latent_absorbed_is_the_write_and_the_absorption_gemv(fp8):
     """One decoding token's latent write with its query absorption in the same launch: the cache row, the
@@ -1626,6 +1649,25 @@ def test_hc_mix_is_the_sites_torch_mix(num_tokens, n, hidden, dtype):
     want = post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb.to(dtype), streams)
     got = hc_mix(streams, y, post.float().contiguous(), comb.float().contiguous())
     assert got.dtype == dtype and rel_err(got, want) < (F32_TOL if dtype == torch.float32 else 1e-2)
+
+
+@gpu
+def test_hc_mix_past_two_to_the_31_stream_values():
+    """V4's streams [T, 4, 4096] hold 2^31 values at 131,072 tokens: the last tokens' rows are read and
+    written where they are (token offsets in 64 bits), not at an address wrapped in 32."""
+    from engine.kernels.mhc import hc_mix
+
+    t, n, hidden = 131_072 + 64, 4, 4096
+    g = torch.Generator(device=DEV).manual_seed(50)
+    streams = torch.randn(t, n, hidden, generator=g, device=DEV).to(torch.bfloat16)
+    y = torch.randn(t, hidden, generator=g, device=DEV).to(torch.bfloat16)
+    post, comb = torch.rand(t, n, generator=g, device=DEV), torch.rand(t, n, n, generator=g, device=DEV)
+    got = hc_mix(streams, y, post, comb)
+    last = slice(t - 128, t)
+    bf = torch.bfloat16
+    want = (post[last].to(bf).unsqueeze(-1) * y[last].unsqueeze(1)
+            + torch.einsum("tjk,tjd->tkd", comb[last].to(bf), streams[last]))
+    assert rel_err(got[last], want) < 1e-2
 
 
 # -- the engine's batched sampler (kernels.sampling through engine.sampler.draw_on_device) -----------------
