@@ -63,6 +63,9 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     keep = args.variants.split(",") if args.variants else list(VARIANTS)
+    unknown = [k for k in keep if k not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)} (quote names with spaces)")
     result = dict(gpu=torch.cuda.get_device_name(), rows=[], mismatches=[])
     for kv_dtype in args.kv_cache_dtype.split(","):
         fp8 = kv_dtype == "fp8"
@@ -98,6 +101,8 @@ def main() -> None:
     print(f"{'variant':<18} {'cache':>5} {'heads':>5} {'tokens':>7} {'us':>9} {'GB/s':>7}")
     for r in result["rows"]:
         print(f"{r['variant']:<18} {r['kv']:>5} {r['heads']:>5} {r['tokens']:>7} {r['us']:>9.1f} {r['gb_per_s']:>7.0f}")
+    if result["mismatches"]:
+        raise SystemExit(f"{len(result['mismatches'])} variant(s) wrote other values than the first: see above")
 
 
 if __name__ == "__main__":

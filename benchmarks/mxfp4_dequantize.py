@@ -33,6 +33,7 @@ def main() -> None:
         spec.loader.exec_module(module)
         runs.insert(0, ("before", module.dequantize))
     g = torch.Generator(device="cuda").manual_seed(0)
+    differ = []
     print(f"{torch.cuda.get_device_name()}: MXFP4 -> bf16 dequantization")
     for name, (rows, cols) in {"w13": (4096, 4096), "w2": (4096, 2048)}.items():
         codes = torch.randint(0, 256, (args.experts, rows, cols // 2), generator=g, device="cuda", dtype=torch.uint8)
@@ -42,6 +43,8 @@ def main() -> None:
         for label, fn in runs:
             out = fn(codes, scale, torch.bfloat16)
             same = "" if want is None else f" equal to before: {torch.equal(out, want)}"
+            if want is not None and not torch.equal(out, want):
+                differ.append(name)
             want = out if want is None else want
             del out
             sec = time_replayed(lambda: fn(codes, scale, torch.bfloat16), torch.device("cuda"), calls=3, repeats=3)
@@ -49,6 +52,8 @@ def main() -> None:
                   f"{same}", flush=True)
         del want, codes, scale
         torch.cuda.empty_cache()
+    if differ:
+        raise SystemExit(f"the kernel's output differs from the baseline's for {', '.join(differ)}")
 
 
 if __name__ == "__main__":
