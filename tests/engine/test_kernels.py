@@ -571,6 +571,33 @@ def test_fp8_linear_matches_its_reference():
     assert rel_err(out, reference_fp8_linear(x, wq, ws, (16, 16))) < (0.06 if DEV == "cpu" else 1e-2)
 
 
+@pytest.mark.parametrize("rows", [256, 200])
+def test_fp8_linear_pads_rows_for_the_block_scaled_gemm_only_when_needed(rows, monkeypatch):
+    """On PyTorch's block-scaled GEMM's path the rows go to the quantization as they are when they are a
+    multiple of 128 (a zero pad would copy them), padded to one otherwise; the output has the rows asked."""
+    from engine.kernels import fp8_gemm
+
+    g = torch.Generator().manual_seed(12)
+    wq, ws = (t.to(DEV) for t in quantize_fp8_block(torch.randn(256, 128, generator=g) * 0.1, (128, 128)))
+    x = torch.randn(rows, 128, generator=g).to(DEV, torch.bfloat16)
+    seen = []
+
+    def quant(a, group, k_major_scales=False):
+        seen.append((a.data_ptr(), a.shape[0]))
+        return per_token_group_quant(a, group, k_major_scales=k_major_scales)
+
+    def gemm(q, s, w, w_s):  # the block-scaled GEMM's math on the quantized rows
+        return (dequantize_fp8_block(q, s.contiguous(), (1, 128)) @ dequantize_fp8_block(w, w_s, (128, 128)).T
+                ).to(torch.bfloat16)
+
+    monkeypatch.setattr(fp8_gemm, "prefill_gemm", lambda *a: "scaled_mm")
+    monkeypatch.setattr(fp8_gemm, "per_token_group_quant", quant)
+    monkeypatch.setattr(fp8_gemm, "fp8_block_gemm_scaled_mm", gemm)
+    out = fp8_gemm.fp8_linear(x, wq, ws, (128, 128))
+    assert out.shape == (rows, 256) and rel_err(out, reference_fp8_linear(x, wq, ws, (128, 128))) < 0.06
+    assert seen == [(x.data_ptr(), rows)] if rows % 128 == 0 else seen[0][1] == 256
+
+
 @gpu
 def test_fp8_linear_deepseek_shape():
     """Decode through the pointer kernel, prefill through PyTorch's block-scaled GEMM where this build has
