@@ -136,6 +136,8 @@ class MLA(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward (dense layers and shared experts)."""
 
+    use_kernels = False  # the model runner switches the one-pass activation (kernels.activation) on
+
     def __init__(self, hidden: int, inter: int, par: ParallelContext = SINGLE, quant: QuantConfig | None = None,
                  reduce_results: bool = True):
         super().__init__()
@@ -143,7 +145,12 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, par=par, quant=quant, reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        h = self.gate_up_proj(x)  # [T, gate | up]
+        if self.use_kernels and h.dim() == 2 and h.stride(-1) == 1:
+            from engine.kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(h))
+        gate, up = h.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
     def foldable(self) -> bool:

@@ -21,7 +21,7 @@ from unittest import mock
 
 import torch
 
-KERNEL_MODULES = ["compressed_decode", "compressor", "fp8_gemm", "mhc", "norm_rope", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing", "mxfp4",
+KERNEL_MODULES = ["activation", "compressed_decode", "compressor", "fp8_gemm", "mhc", "norm_rope", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing", "mxfp4",
                   "rms_norm", "rotary", "sampling", "spec_step"]
 # largest shared memory one block may use, by compute capability (bytes)
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
@@ -115,6 +115,7 @@ def _empty(*shape, dtype=torch.bfloat16) -> torch.Tensor:
 def launch_all() -> None:
     """Every launcher at V2-Lite's bf16 and V3's FP8 shapes, at decode and prefill sizes; V4's decode
     attention at V4 Flash's."""
+    from engine.kernels.activation import silu_and_mul
     from engine.kernels.fp8_gemm import FP8, fp8_block_gemm_tma, fp8_linear, per_token_group_quant
     from engine.kernels.fused_moe import HALF_TMA_CONFIG, TMA_CONFIGS, fused_experts, fused_experts_tma
     from engine.kernels.gemv import gemv
@@ -133,6 +134,7 @@ def launch_all() -> None:
         lora, rope, nope, vdim, page, block = 512, 64, 128, 128, 64, (128, 128)
         for tokens in (1, 64, 4096):
             x = _empty(tokens, hidden)
+            silu_and_mul(_empty(tokens, 2 * inter * shared))  # shared experts' (and dense layers') activation
             rms_norm(x, _empty(hidden), 1e-6, _empty(tokens, hidden))
             rms_norm(_empty(tokens, lora + rope)[:, :lora], _empty(lora), 1e-6)
             q = _empty(tokens, heads, nope + rope)

@@ -69,6 +69,27 @@ def test_rms_norm_past_two_to_the_31_values():
     assert rel_err(out[-64:], reference_rms_norm(x[-64:], w, 1e-6)) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, inter", [(1, 24), (5, 1408), (3, 2500)])  # one block, one padded, two (2048 wide)
+def test_silu_and_mul_is_pytorchs_swiglu(dtype, rows, inter):
+    """silu(gate) * up in one pass over [T, gate | up], rounded as PyTorch's two kernels round; a strided
+    row (the projection's output inside a wider buffer) is read where it is."""
+    from engine.kernels.activation import reference_silu_and_mul, silu_and_mul
+
+    g = torch.Generator().manual_seed(14)
+    wide = (3 * torch.randn(rows, 2 * inter + 8, generator=g)).to(DEV, dtype)
+    x = wide[:, : 2 * inter]
+    out = silu_and_mul(x)
+    want = reference_silu_and_mul(x)
+    assert out.shape == (rows, inter) and out.dtype == dtype
+    if dtype == torch.float32:
+        assert rel_err(out, want) < F32_TOL
+    elif DEV == "cpu":  # the interpreter's casts to bf16 truncate (a step at most, twice)
+        assert rel_err(out, want) < 2e-2
+    else:  # the same two roundings: equal but where exp's last float32 bit moves a value across an edge
+        assert rel_err(out, want) < 1e-2 and (out == want).float().mean() > 0.99
+
+
 @pytest.mark.parametrize("split_pairs", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_latent_is_norm_rope_and_cache_write(dtype, split_pairs):

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 KERNELS = {"_rms_norm_kernel", "_latent_write_kernel", "_write_absorb_kernel", "_gather_kernel", "_route_kernel",
-           "_router_kernel", "_moe_gemm_kernel",
+           "_router_kernel", "_moe_gemm_kernel", "_swiglu_kernel",
            "_up_kernel", "_down_kernel", "_split_kernel", "_merge_kernel", "_prefill_kernel", "_draw_split_kernel",
            "_group_quant_kernel", "_block_gemm_kernel", "_gemv_kernel", "_sum_kernel", "_align_kernel",
            "_chunk_count_kernel", "_chunk_place_kernel",
