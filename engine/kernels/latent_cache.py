@@ -16,7 +16,7 @@ import triton.language as tl
 
 from engine.kernels._util import check, check_last_contiguous, interpreted, pdl, pow2, wait_for_inputs
 from engine.kernels.gemv import PREFETCH, gemv_block, tile
-from engine.kernels.rotary import rotate_heads_
+from engine.kernels.rotary import rotate_heads_, rotate_pair
 from engine.layers.fp8_latent import FP8_MAX as _FP8_MAX, MIN_SCALE as _MIN_SCALE, FP8LatentLayout
 
 FP8_MAX: tl.constexpr = tl.constexpr(_FP8_MAX)
@@ -74,16 +74,14 @@ def _write_token(t, KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, e
         offs_r = tl.arange(0, 2 * BLOCK_D)
         k = tl.load(KV + t * stride_kv + LORA + offs_r)
         k1, k2 = tl.split(tl.reshape(k, [BLOCK_D, 2]))
-        ka, kb = k1.to(tl.float32), k2.to(tl.float32)
-        r = tl.join((ka * cos - kb * sin).to(k.dtype).to(out), (kb * cos + ka * sin).to(k.dtype).to(out))
-        tl.store(rrow + offs_r, tl.reshape(r, [2 * BLOCK_D]))
+        r1, r2 = rotate_pair(k1, k2, cos, sin)
+        tl.store(rrow + offs_r, tl.reshape(tl.join(r1.to(out), r2.to(out)), [2 * BLOCK_D]))
     else:
         kbase = KV + t * stride_kv + LORA + 2 * offs_d
-        k1 = tl.load(kbase, mask=mask_d, other=0.0)
-        k2 = tl.load(kbase + 1, mask=mask_d, other=0.0)
-        ka, kb = k1.to(tl.float32), k2.to(tl.float32)
-        tl.store(rrow + 2 * offs_d, (ka * cos - kb * sin).to(k1.dtype).to(out), mask=mask_d)
-        tl.store(rrow + 2 * offs_d + 1, (kb * cos + ka * sin).to(k1.dtype).to(out), mask=mask_d)
+        r1, r2 = rotate_pair(tl.load(kbase, mask=mask_d, other=0.0), tl.load(kbase + 1, mask=mask_d, other=0.0),
+                             cos, sin)
+        tl.store(rrow + 2 * offs_d, r1.to(out), mask=mask_d)
+        tl.store(rrow + 2 * offs_d + 1, r2.to(out), mask=mask_d)
     rotate_heads_(Q + t * stride_qt, stride_qh, num_heads, cos, sin, offs_d, mask_d, BLOCK_H, BLOCK_D, SPLIT_PAIRS)
 
 

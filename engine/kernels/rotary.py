@@ -8,6 +8,13 @@ import triton.language as tl
 
 
 @triton.jit
+def rotate_pair(x1, x2, cos, sin):
+    """A rope pair's halves (x0, x1) -> rotated, computed in float32 and rounded to the inputs' dtype."""
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    return (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
+
+
+@triton.jit
 def rotate_heads_(Q, stride_qh, num_heads, cos, sin, offs_d, mask_d, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                   SPLIT_PAIRS: tl.constexpr):
     """One token's query heads in place, [BLOCK_H, HALF] pairs at a time; Q points at its head 0.
@@ -24,18 +31,15 @@ def rotate_heads_(Q, stride_qh, num_heads, cos, sin, offs_d, mask_d, BLOCK_H: tl
             base = Q + (h0 + offs_h)[:, None] * stride_qh + offs_r[None, :]
             x = tl.load(base, mask=mask, other=0.0)
             x1, x2 = tl.split(tl.reshape(x, [BLOCK_H, BLOCK_D, 2]))
-            a, b = x1.to(tl.float32), x2.to(tl.float32)
-            c, s = cos[None, :], sin[None, :]
-            y = tl.join((a * c - b * s).to(x.dtype), (b * c + a * s).to(x.dtype))
-            tl.store(base, tl.reshape(y, [BLOCK_H, 2 * BLOCK_D]), mask=mask)
+            y1, y2 = rotate_pair(x1, x2, cos[None, :], sin[None, :])
+            tl.store(base, tl.reshape(tl.join(y1, y2), [BLOCK_H, 2 * BLOCK_D]), mask=mask)
         else:
             mask = ((h0 + offs_h) < num_heads)[:, None] & mask_d[None, :]
             base = Q + (h0 + offs_h)[:, None] * stride_qh + 2 * offs_d[None, :]
-            x1 = tl.load(base, mask=mask, other=0.0)
-            x2 = tl.load(base + 1, mask=mask, other=0.0)
-            a, b = x1.to(tl.float32), x2.to(tl.float32)
-            tl.store(base, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=mask)
-            tl.store(base + 1, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=mask)
+            y1, y2 = rotate_pair(tl.load(base, mask=mask, other=0.0), tl.load(base + 1, mask=mask, other=0.0),
+                                 cos[None, :], sin[None, :])
+            tl.store(base, y1, mask=mask)
+            tl.store(base + 1, y2, mask=mask)
 
 
 def reference_rope(x: torch.Tensor, positions: torch.Tensor, cos_cache, sin_cache) -> torch.Tensor:
