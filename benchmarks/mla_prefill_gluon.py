@@ -185,12 +185,12 @@ WG_ROWS = gl.constexpr(64)  # query rows of one consumer warpgroup (wgmma's M); 
 
 
 @gluon.jit
-def _ws_producer(qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty, q_bar, turn,
-                 O, stride_ot, stride_oh, q_start, q_len, k_start, k_len, m0, h, scale_log2, HEAD_QN: gl.constexpr,
-                 HEAD_QP: gl.constexpr, HEAD_KN: gl.constexpr, HEAD_V: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+def _ws_producer(ops, HEAD_QN: gl.constexpr, HEAD_QP: gl.constexpr, HEAD_KN: gl.constexpr, HEAD_V: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """One warp: the block's queries once, then every key tile into the ring, a stage refilled when both
     consumers have released it (`empty`, two arrivals)."""
+    (qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty, q_bar, turn, O, stride_ot,
+     stride_oh, q_start, q_len, k_start, k_len, m0, h, scale_log2) = ops
     mbarrier.expect(q_bar, 2 * (qn_desc.block_type.nbytes + qp_desc.block_type.nbytes))
     for w in gl.static_range(2):
         tma_load(qn_desc, [q_start + m0 + w * WG_ROWS, h * HEAD_QN], q_bar, qn_s.index(w))
@@ -205,13 +205,14 @@ def _ws_producer(qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, k
 
 
 @gluon.jit
-def _ws_consume(qn_s, qp_s, kn_s, kp_s, v_s, full, empty, q_bar, turn, O, stride_ot, stride_oh, q_start, q_len,
-                k_len, m0, h, scale_log2, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                W: gl.constexpr, VDIM: gl.constexpr):
+def _ws_consume(ops, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, W: gl.constexpr):
     """Warpgroup W's 64 rows (block rows [64 W, 64 W + 64)). Per key tile j: wait for the tile, (ping-pong:
     wait for this warpgroup's turn), issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, hand the turn over, wait
     for S_j only and run its softmax while P V runs, then wait for P V and release tile j-1's stage. With
     PINGPONG the two warpgroups' issues alternate, so one's softmax runs under the other's products."""
+    (qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty, q_bar, turn, O, stride_ot,
+     stride_oh, q_start, q_len, k_start, k_len, m0, h, scale_log2) = ops
+    VDIM: gl.constexpr = v_desc.block_type.shape[1]
     dtype: gl.constexpr = kn_s.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -277,21 +278,15 @@ def _ws_consume(qn_s, qp_s, kn_s, kp_s, v_s, full, empty, q_bar, turn, O, stride
 
 
 @gluon.jit
-def _ws_consumer0(qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty, q_bar, turn,
-                  O, stride_ot, stride_oh, q_start, q_len, k_start, k_len, m0, h, scale_log2, HEAD_QN: gl.constexpr,
-                  HEAD_QP: gl.constexpr, HEAD_KN: gl.constexpr, HEAD_V: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    _ws_consume(qn_s, qp_s, kn_s, kp_s, v_s, full, empty, q_bar, turn, O, stride_ot, stride_oh, q_start, q_len, k_len,
-                m0, h, scale_log2, BLOCK_N, STAGES, PINGPONG, 0, v_desc.block_type.shape[1])
+def _ws_consumer0(ops, HEAD_QN: gl.constexpr, HEAD_QP: gl.constexpr, HEAD_KN: gl.constexpr, HEAD_V: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    _ws_consume(ops, BLOCK_N, STAGES, PINGPONG, 0)
 
 
 @gluon.jit
-def _ws_consumer1(qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty, q_bar, turn,
-                  O, stride_ot, stride_oh, q_start, q_len, k_start, k_len, m0, h, scale_log2, HEAD_QN: gl.constexpr,
-                  HEAD_QP: gl.constexpr, HEAD_KN: gl.constexpr, HEAD_V: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    _ws_consume(qn_s, qp_s, kn_s, kp_s, v_s, full, empty, q_bar, turn, O, stride_ot, stride_oh, q_start, q_len, k_len,
-                m0, h, scale_log2, BLOCK_N, STAGES, PINGPONG, 1, v_desc.block_type.shape[1])
+def _ws_consumer1(ops, HEAD_QN: gl.constexpr, HEAD_QP: gl.constexpr, HEAD_KN: gl.constexpr, HEAD_V: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    _ws_consume(ops, BLOCK_N, STAGES, PINGPONG, 1)
 
 
 @gluon.jit
@@ -325,28 +320,19 @@ def _ws_prefill_kernel(qn_desc, qp_desc, kn_desc, kp_desc, v_desc, O, CuQ, CuK, 
             mbarrier.init(turn.index(i), count=1)
         mbarrier.init(q_bar, count=1)
         fence_async_shared()  # the barriers' initialisation visible to the TMA unit
-        # the argument tuples written out in the call: a tuple assigned to a name first would turn its
-        # constexprs into runtime values
+        ops = (qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty, q_bar, turn, O,
+               stride_ot, stride_oh, q_start, q_len, k_start, k_len, m0, h, scale_log2)
+        # the constexprs written out in each call: a tuple of them assigned to a name would make them runtime
+        # values
         if _WS_LIST_FORM:
             gl.warp_specialize([
-                (_ws_consumer0, (qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty,
-                                 q_bar, turn, O, stride_ot, stride_oh, q_start, q_len, k_start, k_len, m0, h,
-                                 scale_log2, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG)),
-                (_ws_consumer1, (qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty,
-                                 q_bar, turn, O, stride_ot, stride_oh, q_start, q_len, k_start, k_len, m0, h,
-                                 scale_log2, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG)),
-                (_ws_producer, (qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty,
-                                q_bar, turn, O, stride_ot, stride_oh, q_start, q_len, k_start, k_len, m0, h,
-                                scale_log2, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG)),
+                (_ws_consumer0, (ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG)),
+                (_ws_consumer1, (ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG)),
+                (_ws_producer, (ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
-            gl.warp_specialize((qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty,
-                                q_bar, turn, O, stride_ot, stride_oh, q_start, q_len, k_start, k_len, m0, h,
-                                scale_log2, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG),
-                               _ws_consumer0,
-                               (qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty,
-                                q_bar, turn, O, stride_ot, stride_oh, q_start, q_len, k_start, k_len, m0, h,
-                                scale_log2, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG),
+            gl.warp_specialize((ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG), _ws_consumer0,
+                               (ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG),
                                [_ws_consumer1, _ws_producer], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
