@@ -55,6 +55,9 @@ TILE_SWEEP = {
     "no acc_t": dict(acc_t=False),
     "acc_t s3": dict(acc_t=True, num_stages=3),
     "acc_t w8": dict(acc_t=True, num_warps=8),
+    # the slices' partial outputs in float16: half the bytes of the partials at long contexts (4 MB at
+    # 16 heads x 128 slices in float32)
+    "half partials": dict(half_partials=True),
 }
 # the FP8 cache (default at up to 16 heads a program: the e4m3 tile loaded twice and widened for each
 # product, eight warps; above 16: decoded once; the widening variants say dequant=False so they time
@@ -85,6 +88,7 @@ FP8_SWEEP = {
     "decode once acc_t": dict(dequant=True, reload=False, acc_t=True),
     "decode once acc_t w4": dict(dequant=True, reload=False, acc_t=True, num_warps=4),
     "decode once acc_t n32 w4": dict(dequant=True, reload=False, acc_t=True, block_n=32, min_chunk=32, num_warps=4),
+    "half partials": dict(half_partials=True),
 }
 HEAD_BLOCK_SWEEP = {"default": {}, "h32": dict(block_h=32), "h16": dict(block_h=16)}
 # the variants also timed at other slice counts

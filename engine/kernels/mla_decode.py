@@ -199,7 +199,7 @@ def _split_kernel(QL, QP, Cache, CacheR, CacheS, Tables, Lens, MidO, MidLse, Out
     else:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))  # base 2
         mid = MidO + b * stride_mb + offs_h[:, None] * stride_mh + s * stride_ms + offs_c[None, :]
-        tl.store(mid, out, mask=has[:, None] & mask_h[:, None] & mask_c[None, :])
+        tl.store(mid, out.to(MidO.dtype.element_ty), mask=has[:, None] & mask_h[:, None] & mask_c[None, :])
         tl.store(MidLse + (b * num_heads + offs_h) * num_splits + s, lse, mask=mask_h)
 
 
@@ -218,7 +218,7 @@ def _merge_kernel(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_ob,
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.where(live, tl.exp2(lse - m), 0.0)  # [BLOCK_S]
     o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_c[None, :],
-                mask=live[:, None] & mask_c[None, :], other=0.0)
+                mask=live[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
     total = tl.sum(w, axis=0)
     res = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_c, res.to(Out.dtype.element_ty), mask=mask_c)
@@ -317,7 +317,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     slices per sequence (default from the batch and the SM count); tiles: override of `_tiles`
     (block_n, num_stages, num_warps, min_chunk, block_h, reload; acc_t: the transposed accumulator of
     `_attend_tile`; dequant: an FP8 tile decoded once; l2_tiles: tiles asked of L2 before the wait;
-    merge_cm, merge_warps: the merge's columns a program and warps), for benchmarks and tests."""
+    merge_cm, merge_warps: the merge's columns a program and warps; half_partials: the slices' partial
+    outputs stored in float16), for benchmarks and tests."""
     check(q_latent.dim() == 3 and q_pe.dim() == 3 and kv_cache.dim() == 3, "q_latent, q_pe, kv_cache must be 3-D")
     batch, num_heads, kv_lora = q_latent.shape
     rope = q_pe.shape[2]
@@ -351,7 +352,10 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     block_c = pow2(kv_lora)
     direct = num_splits == 1
     shape = (0,) * 4 if direct else (batch, num_heads, num_splits, kv_lora)
-    mid_o = torch.empty(shape, dtype=torch.float32, device=q_latent.device)
+    # the slices' partial outputs (normalized: convex combinations of latent rows) in float32, or with
+    # half_partials in float16, half the bytes written and read back at long contexts
+    mid_o = torch.empty(shape, dtype=torch.float16 if cfg.get("half_partials") else torch.float32,
+                        device=q_latent.device)
     mid_lse = torch.empty(shape[:3], dtype=torch.float32, device=q_latent.device)
     grid = (triton.cdiv(num_heads, block_h), num_splits, batch)
     dequant = fp8 and cfg.get("dequant", False)  # a decoded tile has one use: no second load
