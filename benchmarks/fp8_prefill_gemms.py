@@ -194,15 +194,20 @@ def moe_breakdown(x, w13, s13, w2, s2, w, ids, cfg, ceiling) -> list[dict]:
     return rows
 
 
-def moe_rows(tokens_list, sweep: bool, ceiling: float, log) -> list[dict]:
-    rows = []
-    g = torch.Generator(device="cuda").manual_seed(1)
+def v3_experts(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """V3's routed experts with random FP8 weights: (w13, w13 scales, w2, w2 scales)."""
     w13, s13, w2, s2 = [], [], [], []
     for _ in range(EXPERTS):  # one expert at a time: a float32 copy of all would not fit
         a, b = quantize_fp8_block(0.02 * torch.randn(2 * INTER, HIDDEN, generator=g, device="cuda"), BLOCK)
         c, d = quantize_fp8_block(0.02 * torch.randn(HIDDEN, INTER, generator=g, device="cuda"), BLOCK)
         w13.append(a), s13.append(b), w2.append(c), s2.append(d)
-    w13, s13, w2, s2 = (torch.stack(t) for t in (w13, s13, w2, s2))
+    return tuple(torch.stack(t) for t in (w13, s13, w2, s2))
+
+
+def moe_rows(tokens_list, sweep: bool, ceiling: float, log) -> list[dict]:
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w13, s13, w2, s2 = v3_experts(g)
     for t in tokens_list:
         x = torch.randn(t, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
         ids = torch.rand(t, EXPERTS, generator=g, device="cuda").topk(TOP_K, dim=-1).indices.int()

@@ -420,14 +420,19 @@ def compile_only():
             builds.append((f"ws s{stages} n{block_n}{' pingpong' if pingpong else ''}", _ws_prefill_kernel, 64,
                            block_n, dict(STAGES=stages, PINGPONG=pingpong, CONSUMER_REGS=240, PRODUCER_REGS=24), 4))
     for name, kernel, q_rows, block_n, constexprs, num_warps in builds:
-        compiled = compile_kernel(kernel, q_rows, block_n, constexprs, num_warps)
-        ptx = compiled.asm["ptx"]
-        print(f"{name}: shared {compiled.metadata.shared} bytes; wgmma {ptx.count('wgmma.mma_async')}, wait_group "
-              f"{ptx.count('wgmma.wait_group')}, tma {ptx.count('cp.async.bulk.tensor')}, setmaxnreg "
-              f"{ptx.count('setmaxnreg')}", flush=True)
-        if "--ptx" in sys.argv:
-            with open(f"{sys.argv[sys.argv.index('--ptx') + 1]}/{name.replace(' ', '_')}.ptx", "w") as f:
-                f.write(ptx)
+        report_compiled(name, compile_kernel(kernel, q_rows, block_n, constexprs, num_warps))
+
+
+def report_compiled(name, compiled):
+    """One line of what an sm_90 build holds (shared memory, async products and their waits, TMA copies,
+    register moves between partitions); with --ptx DIR its PTX written there, for ptxas -v."""
+    ptx = compiled.asm["ptx"]
+    print(f"{name}: shared {compiled.metadata.shared} bytes; wgmma {ptx.count('wgmma.mma_async')}, wait_group "
+          f"{ptx.count('wgmma.wait_group')}, tma {ptx.count('cp.async.bulk.tensor')}, setmaxnreg "
+          f"{ptx.count('setmaxnreg')}", flush=True)
+    if "--ptx" in sys.argv:
+        with open(f"{sys.argv[sys.argv.index('--ptx') + 1]}/{name.replace(' ', '_')}.ptx", "w") as f:
+            f.write(ptx)
 
 
 VARIANTS = {  # name -> (function, keyword arguments)

@@ -1,0 +1,305 @@
+"""The FP8 routed experts' grouped GEMMs in Gluon, warp-specialised as DeepGEMM builds them, beside the
+engine's Triton kernels.
+
+The engine's `_moe_gemm_tma_kernel` promotes each 128-K block's product into its float32 accumulator
+(times the activations' and the weight block's scales), so every K step waits for its `wgmma` before the
+scale FMAs, and nothing else issues meanwhile: the 128-row tile's two warpgroups run in lockstep
+(`num_warps=8`), and the same warps issue the TMA loads. Here a producer warp only feeds a ring of A and
+B tiles by TMA, and two consumer warpgroups take 64 rows each of a 128-row block: while one waits for its
+product and promotes it, the other's product runs on the tensor cores.
+
+Both GEMMs read A by TMA: w2 its sorted intermediate, w13 x's rows copied into the pairs' sorted order
+first (`engine.kernels.fused_moe.sort_rows`, as `fused_experts_tma(..., sort_a=True)`). B is [E * rows, K]
+with DeepSeek's 128 x 128 scales; a tile never crosses an expert. w13 (gated) reads the gate and the up
+tiles and writes SiLU(gate) * up at the pair's sorted row; w2 multiplies by the routing weight and writes
+each pair's row at its id. Same contract and math as `fused_experts_tma`.
+
+    python benchmarks/moe_gemm_gluon.py [--tokens 2048,8192,32768] [--out FILE]  # Hopper: check, then time
+    python benchmarks/moe_gemm_gluon.py --compile [--ptx DIR]                    # no GPU: compile for sm_90
+
+Compiled for sm_90 with Triton 3.9 (see --compile); not yet run on a card.
+"""
+
+import inspect
+import json
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# Gluon's TMA load is `async_load` in newer Triton, `async_copy_global_to_shared` before
+tma_load = tma.async_copy_global_to_shared
+if hasattr(tma, "async_load"):
+    tma_load = tma.async_load
+# newer Gluon: warp_specialize([(fn, args), ...], warps, regs); earlier: (default_args, default_fn,
+# worker_args, worker_fns, warps, regs), the workers sharing one argument tuple
+_WS_LIST_FORM = gl.constexpr("functions_and_args" in inspect.signature(gl.warp_specialize).parameters)
+WG_ROWS = gl.constexpr(64)  # rows of one consumer warpgroup (wgmma's M); a block is 2 x 64
+GROUP_N = gl.constexpr(128)  # DeepSeek's weight block: one scale per 128 x 128
+
+
+@gluon.jit
+def _tile_of(tile, num_m, num_n, GROUP_M: gl.constexpr):
+    """Work item -> (row block, column block), GROUP_M row blocks sweeping the columns together (the
+    engine's `fp8_gemm.tile_of`)."""
+    group = tile // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = gl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % (GROUP_M * num_n)) % size_m, (tile % (GROUP_M * num_n)) // size_m
+
+
+@gluon.jit
+def _producer(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+    """One warp: every work item's K steps into the ring (A as two 64-row tiles, B, and for w13 the up
+    tile), a stage refilled once both consumers released it."""
+    (a_desc, b_desc, a_s, b_s, u_s, full, empty, AS, BS, C, Weights, SortedIds, BlockExpert, NumPadded,
+     num_pairs, top_k, stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm) = ops
+    num_m = gl.load(NumPadded) // (2 * WG_ROWS)
+    num_n = N // BLOCK_N
+    k_steps = gl.cdiv(K, BLOCK_K)
+    NBYTES: gl.constexpr = 2 * a_desc.block_type.nbytes + (2 if GATED else 1) * b_desc.block_type.nbytes
+    it = 0
+    for tile in range(gl.program_id(0), num_m * num_n, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
+        expert = gl.load(BlockExpert + pid_m)
+        b_row = expert * (2 * N if GATED else N) + pid_n * BLOCK_N
+        for kb in range(k_steps):
+            stage = it % STAGES
+            if it >= STAGES:
+                mbarrier.wait(empty.index(stage), phase=(it // STAGES - 1) & 1)
+            bar = full.index(stage)
+            mbarrier.expect(bar, NBYTES)
+            for w in gl.static_range(2):
+                tma_load(a_desc, [pid_m * (2 * WG_ROWS) + w * WG_ROWS, kb * BLOCK_K], bar,
+                         a_s.index(2 * stage + w))
+            tma_load(b_desc, [b_row, kb * BLOCK_K], bar, b_s.index(stage))
+            if GATED:
+                tma_load(b_desc, [b_row + N, kb * BLOCK_K], bar, u_s.index(stage))
+            it += 1
+
+
+@gluon.jit
+def _consume(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+             STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, W: gl.constexpr):
+    """Warpgroup W's 64 rows of each work item: per K step wait for the stage, issue the product(s), load
+    the step's scales while they run, wait, release the stage, promote into the float32 accumulator(s);
+    then the epilogue."""
+    (a_desc, b_desc, a_s, b_s, u_s, full, empty, AS, BS, C, Weights, SortedIds, BlockExpert, NumPadded,
+     num_pairs, top_k, stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm) = ops
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 32])
+    rows_l: gl.constexpr = gl.SliceLayout(1, layout)
+    num_m = gl.load(NumPadded) // (2 * WG_ROWS)
+    num_n = N // BLOCK_N
+    k_steps = gl.cdiv(K, BLOCK_K)
+    zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=layout)
+    offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    it = 0
+    for tile in range(gl.program_id(0), num_m * num_n, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
+        expert = gl.load(BlockExpert + pid_m).to(gl.int64)
+        pos = pid_m * (2 * WG_ROWS) + W * WG_ROWS + gl.arange(0, WG_ROWS, layout=rows_l)
+        bs_ptr = BS + expert * stride_bse + (pid_n * BLOCK_N // GROUP_N) * stride_bsn
+        up_bs_ptr = BS + expert * stride_bse + ((N + pid_n * BLOCK_N) // GROUP_N) * stride_bsn
+        acc = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=layout)
+        acc_up = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=layout)
+        for kb in range(k_steps):
+            stage = it % STAGES
+            mbarrier.wait(full.index(stage), phase=(it // STAGES) & 1)
+            a = a_s.index(2 * stage + W)
+            p = warpgroup_mma(a, b_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+            if GATED:
+                pu = warpgroup_mma(a, u_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+            a_sc = gl.load(AS + pos * stride_asm + kb * stride_ask)  # the step's scales while the products run
+            if GATED:
+                b_sc, u_sc = gl.load(bs_ptr + kb), gl.load(up_bs_ptr + kb)
+                p, pu = warpgroup_mma_wait(num_outstanding=0, deps=(p, pu))
+            else:
+                b_sc = gl.load(bs_ptr + kb)
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
+            mbarrier.arrive(empty.index(stage), count=1)
+            acc += p * (a_sc * b_sc)[:, None]
+            if GATED:
+                acc_up += pu * (a_sc * u_sc)[:, None]
+            it += 1
+        offs_n = pid_n * BLOCK_N + offs_n0
+        if GATED:  # SiLU(gate) * up at the pair's sorted row
+            out = acc / (1.0 + gl.exp(-acc)) * acc_up
+            gl.store(C + pos[:, None].to(gl.int64) * stride_cm + offs_n[None, :], out.to(C.dtype.element_ty))
+        else:  # times the routing weight, at the pair's own row
+            ids = gl.load(SortedIds + pos)
+            mask_m = ids < num_pairs
+            out = acc * gl.load(Weights + ids, mask=mask_m, other=0.0)[:, None]
+            gl.store(C + ids[:, None].to(gl.int64) * stride_cm + offs_n[None, :], out.to(C.dtype.element_ty),
+                     mask=mask_m[:, None])
+
+
+@gluon.jit
+def _consumer0(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+               STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+    _consume(ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, 0)
+
+
+@gluon.jit
+def _consumer1(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+               STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+    _consume(ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, 1)
+
+
+@gluon.jit
+def _ws_moe_gemm_kernel(a_desc, b_desc, AS, BS, C, Weights, SortedIds, BlockExpert, NumPadded, N, K, num_pairs,
+                        top_k, stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm, GATED: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                        NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Persistent: NUM_PROGRAMS programs stride over the (128-row block, column block) work items. Four
+    warps (consumer 0, the default partition) + four (consumer 1) + one (the producer)."""
+    dtype: gl.constexpr = a_desc.dtype
+    a_s = gl.allocate_shared_memory(dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_s = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    u_s = gl.allocate_shared_memory(dtype, [STAGES if GATED else 1] + b_desc.block_type.shape, b_desc.layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
+    fence_async_shared()  # the barriers' initialisation visible to the TMA unit
+    ops = (a_desc, b_desc, a_s, b_s, u_s, full, empty, AS, BS, C, Weights, SortedIds, BlockExpert, NumPadded,
+           num_pairs, top_k, stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm)
+    # the constexprs written out in each call: a tuple of them assigned to a name would make them runtime values
+    if _WS_LIST_FORM:
+        gl.warp_specialize([
+            (_consumer0, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS)),
+            (_consumer1, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS)),
+            (_producer, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize((ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS), _consumer0,
+                           (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS),
+                           [_consumer1, _producer], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _desc(t, block):
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def _launch(a, a_s, w, w_s, out, weights, align, num_pairs, top_k, gated, block_n, stages, num_sms,
+            consumer_regs=232, producer_regs=40):
+    sorted_ids, block_expert, num_padded = align
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    k = w.shape[2]
+    block_k = 128
+    a_desc = _desc(a, [int(WG_ROWS), block_k])
+    b_desc = _desc(w.view(-1, k), [block_n, block_k])
+    programs = min(num_sms, sorted_ids.shape[0] // (2 * int(WG_ROWS)) * (n // block_n))
+    _ws_moe_gemm_kernel[(programs, )](a_desc, b_desc, a_s, w_s, out, weights, sorted_ids, block_expert, num_padded,
+                                      n, k, num_pairs, top_k, a_s.stride(0), a_s.stride(1), w_s.stride(0),
+                                      w_s.stride(1), out.stride(0), GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k,
+                                      GROUP_M=8, STAGES=stages, NUM_PROGRAMS=programs, CONSUMER_REGS=consumer_regs,
+                                      PRODUCER_REGS=producer_regs, num_warps=4)
+
+
+def ws_fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, bn13=64, bn2=128, stages=5):
+    """`fused_experts_tma(..., sort_a=True)`'s steps with the warp-specialised GEMMs: FP8 experts with
+    128 x 128 blocks, x [T, H] bf16 -> [T, H]."""
+    from engine.kernels.fp8_gemm import per_token_group_quant
+    from engine.kernels.fused_moe import sort_rows
+    from engine.kernels.moe_routing import align_by_expert
+
+    num_tokens, hidden = x.shape
+    num_experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    align = align_by_expert(topk_ids, num_experts, 2 * int(WG_ROWS))
+    a, a_s = sort_rows(*per_token_group_quant(x, 128, k_major_scales=True), align[0], num_pairs, top_k)
+    inter_out = torch.empty(align[0].shape[0], inter, dtype=x.dtype, device=x.device)
+    _launch(a, a_s, w13, w13_scale, inter_out, topk_weights, align, num_pairs, top_k, True, bn13, stages, sms)
+    a, a_s = per_token_group_quant(inter_out, 128, k_major_scales=True)
+    pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _launch(a, a_s, w2, w2_scale, pair_out, topk_weights, align, num_pairs, top_k, False, bn2, stages, sms)
+    return pair_out.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def compile_only():
+    """sm_90 compile through GluonASTSource (no GPU needed): shared memory, op counts, the PTX for ptxas."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_prefill_gluon import report_compiled  # this folder's
+
+    for gated, block_n, stages in [(True, 64, 5), (False, 128, 5), (True, 64, 4), (False, 128, 4)]:
+        sig = dict(a_desc=_desc(torch.empty(256, 512, dtype=torch.float8_e4m3fn), [64, 128]).__mangle__(),
+                   b_desc=_desc(torch.empty(256, 512, dtype=torch.float8_e4m3fn), [block_n, 128]).__mangle__(),
+                   AS="*fp32", BS="*fp32", C="*bf16", Weights="*fp32", SortedIds="*i32", BlockExpert="*i32",
+                   NumPadded="*i32", N="i32", K="i32", num_pairs="i32", top_k="i32", stride_asm="i32",
+                   stride_ask="i32", stride_bse="i32", stride_bsn="i32", stride_cm="i32")
+        constexprs = dict(GATED=gated, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, STAGES=stages, NUM_PROGRAMS=132,
+                          CONSUMER_REGS=232, PRODUCER_REGS=40)
+        sig.update({c: "constexpr" for c in constexprs})
+        sig = {name: sig[name] for name in _ws_moe_gemm_kernel.arg_names}
+        src = GluonASTSource(_ws_moe_gemm_kernel, sig, constexprs=constexprs)
+        report_compiled(f"{'w13' if gated else 'w2'} n{block_n} s{stages}",
+                        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)))
+
+
+def main():
+    if "--compile" in sys.argv:
+        compile_only()
+        return
+    sys.path.insert(0, ".")
+    from triton.testing import do_bench
+
+    from engine.kernels import fused_moe
+    from fp8_prefill_gemms import BLOCK, EXPERTS, HIDDEN, INTER, TOP_K, v3_experts  # this folder's
+
+    tokens = [int(t) for t in sys.argv[sys.argv.index("--tokens") + 1].split(",")] if "--tokens" in sys.argv \
+        else [2048, 8192, 32768]
+    experts, top_k, hidden, inter, block = EXPERTS, TOP_K, HIDDEN, INTER, BLOCK  # V3's
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w13, s13, w2, s2 = v3_experts(g)
+    rows, failed = [], False
+    variants = {"gluon n64/n128 s5": dict(), "gluon n64/n128 s4": dict(stages=4), "gluon n64/n64 s5": dict(bn2=64)}
+    for t in tokens:
+        x = torch.randn(t, hidden, generator=g, device="cuda").to(torch.bfloat16)
+        ids = torch.rand(t, experts, generator=g, device="cuda").topk(top_k, dim=-1).indices.int()
+        w = torch.rand(t, top_k, generator=g, device="cuda")
+        flops = 6.0 * t * top_k * hidden * inter
+        cfg = fused_moe.tma_config(t * top_k / experts, block, inter, hidden, x)
+        ref = fused_moe.fused_experts(x, w13, w2, w, ids, s13, s2, block)
+        fns = {"triton (engine)": lambda: fused_moe.fused_experts(x, w13, w2, w, ids, s13, s2, block)}
+        if cfg is not None:
+            fns["triton, x sorted first"] = lambda: fused_moe.fused_experts_tma(x, w13, w2, w, ids, s13, s2, block,
+                                                                                cfg, sort_a=True)
+        for name, kw in variants.items():
+            fns[name] = lambda kw=kw: ws_fused_experts(x, w13, w2, w, ids, s13, s2, **kw)
+        line = f"T={t}:"
+        for name, fn in fns.items():
+            try:
+                out = fn()
+                torch.cuda.synchronize()
+            except Exception as e:  # a variant the installed Triton cannot build: report it, time the rest
+                print(f"T={t} {name}: failed: {str(e)[:400]}", flush=True)
+                failed = True
+                continue
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            failed |= not err < 1e-2
+            ms = do_bench(fn)
+            rows.append(dict(variant=name, tokens=t, ms=ms, tflops=flops / ms / 1e9, rel_err_to_engine=err))
+            line += f" | {name} {ms:.2f} ms {flops / ms / 1e9:.0f} TFLOP/s ({err:.0e})"
+        print(line, flush=True)
+    if "--out" in sys.argv:
+        with open(sys.argv[sys.argv.index("--out") + 1], "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           rows=rows), f, indent=1)
+    if failed:
+        sys.exit("a variant failed or differs from the engine's kernels")
+
+
+if __name__ == "__main__":
+    main()
