@@ -13,8 +13,8 @@ a cached prefix; bf16; DeepSeek's head widths: nope 128, rope 64, v 128):
   K/V tile into a free stage; a stage is free when both consumers released it), and two consumer
   warpgroups take 64 rows each of a 128-row block, registers moved to them (`setmaxnreg`: 240 each, 24 for
   the producer). With ping-pong the consumers' issues alternate (two mbarriers pass the turn), so one's
-  softmax runs under the other's products. Compiled for sm_90 (no spills; 208 KB of shared memory at
-  128-key tiles and two stages); not yet run on a card.
+  softmax runs under the other's products. Compiled for sm_90 with Triton 3.6 and 3.9 (no spills; 208 KB
+  of shared memory at 128-key tiles and two stages); not yet run on a card.
 
     python benchmarks/mla_prefill_gluon.py [--out FILE] [--only TEXT]  # Hopper: check against the float32
                                                                         # reference, time beside the Triton kernel
@@ -404,7 +404,7 @@ def compile_only():
         names = ["qn_desc", "qp_desc", "kn_desc", "kp_desc", "v_desc"]
         blocks = [[q_rows, 128], [q_rows, 64], [block_n, 128], [block_n, 64], [block_n, 128]]
         for name, block in zip(names, blocks):
-            sig[name] = _desc(torch.empty(256, 512, dtype=torch.bfloat16), block).__mangle__()
+            sig[name] = signature_of(_desc(torch.empty(256, 512, dtype=torch.bfloat16), block))
         sig.update(O="*bf16", CuQ="*i32", CuK="*i32", stride_ot="i32", stride_oh="i32", num_m_blocks="i32",
                    scale_log2="fp32")
         constexprs = dict(HEAD_QN=192, HEAD_QP=192, HEAD_KN=256, HEAD_V=256, BLOCK_N=block_n, **constexprs)
@@ -421,6 +421,14 @@ def compile_only():
                            block_n, dict(STAGES=stages, PINGPONG=pingpong, CONSUMER_REGS=240, PRODUCER_REGS=24), 4))
     for name, kernel, q_rows, block_n, constexprs, num_warps in builds:
         report_compiled(name, compile_kernel(kernel, q_rows, block_n, constexprs, num_warps))
+
+
+def signature_of(desc) -> str:
+    """A tensor descriptor's type in a kernel signature (Triton 3.9 asks the descriptor, 3.6 the runtime)."""
+    if hasattr(desc, "__mangle__"):
+        return desc.__mangle__()
+    from triton.runtime.jit import mangle_type
+    return mangle_type(desc)
 
 
 def report_compiled(name, compiled):

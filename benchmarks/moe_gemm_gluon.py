@@ -17,7 +17,7 @@ each pair's row at its id. Same contract and math as `fused_experts_tma`.
     python benchmarks/moe_gemm_gluon.py [--tokens 2048,8192,32768] [--out FILE]  # Hopper: check, then time
     python benchmarks/moe_gemm_gluon.py --compile [--ptx DIR]                    # no GPU: compile for sm_90
 
-Compiled for sm_90 with Triton 3.9 (see --compile); not yet run on a card.
+Compiled for sm_90 with Triton 3.6 and 3.9 (see --compile; ptxas: no spills); not yet run on a card.
 """
 
 import inspect
@@ -231,11 +231,11 @@ def compile_only():
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from mla_prefill_gluon import report_compiled  # this folder's
+    from mla_prefill_gluon import report_compiled, signature_of  # this folder's
 
     for gated, block_n, stages in [(True, 64, 5), (False, 128, 5), (True, 64, 4), (False, 128, 4)]:
-        sig = dict(a_desc=_desc(torch.empty(256, 512, dtype=torch.float8_e4m3fn), [64, 128]).__mangle__(),
-                   b_desc=_desc(torch.empty(256, 512, dtype=torch.float8_e4m3fn), [block_n, 128]).__mangle__(),
+        sig = dict(a_desc=signature_of(_desc(torch.empty(256, 512, dtype=torch.float8_e4m3fn), [64, 128])),
+                   b_desc=signature_of(_desc(torch.empty(256, 512, dtype=torch.float8_e4m3fn), [block_n, 128])),
                    AS="*fp32", BS="*fp32", C="*bf16", Weights="*fp32", SortedIds="*i32", BlockExpert="*i32",
                    NumPadded="*i32", N="i32", K="i32", num_pairs="i32", top_k="i32", stride_asm="i32",
                    stride_ask="i32", stride_bse="i32", stride_bsn="i32", stride_cm="i32")
