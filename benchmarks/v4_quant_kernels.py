@@ -6,7 +6,7 @@ grouped GEMM that decodes its tiles, and every expert dequantized to bf16 then t
 grouped GEMM at a prefill's rows against bf16 on the same experts dequantized; and the grouped wo_a GEMV
 (FP8 and bf16) against the bf16 batched product it replaces.
 
-    python benchmarks/v4_quant_kernels.py [--out DIR] [--sections gemv,threshold,prefill,wo_a]
+    python benchmarks/v4_quant_kernels.py [--out DIR] [--sections gemv,threshold,prefill,wo_a,dot_scaled]
 
 Each GEMV timing replays 20 calls in one CUDA graph, each call on experts of its own (the weights are not
 in L2 from the call before). Floors: the bytes each launch must read (MXFP4: codes and E8M0 scales of the
@@ -163,6 +163,32 @@ def prefill_section(ex: Experts, g: torch.Generator, emit) -> None:
             emit(dict(what=name, tokens=tokens, experts=few, seconds=s, tflops=flops / s / 1e12, rel_err_vs_bf16=err))
 
 
+def dot_scaled_section(ex: Experts, emit) -> None:
+    """A prefill's batches over all 256 experts (128, 512 and 2,048 tokens): the grouped GEMM decoding
+    MXFP4 tiles, the same GEMM handing codes and scales to `tl.dot_scaled`, and every expert dequantized
+    to bf16 then the bf16 grouped GEMM (what prefill runs past one pair per expert); each against the
+    float32 reference."""
+    ways = {
+        "fused_experts mxfp4 tiles": lambda x, ids, w: fused_experts(x, ex.w13, ex.w2, w, ids, ex.s13, ex.s2,
+                                                                     swiglu_limit=10.0),
+        "fused_experts mxfp4 dot_scaled": lambda x, ids, w: fused_experts(x, ex.w13, ex.w2, w, ids, ex.s13, ex.s2,
+                                                                          swiglu_limit=10.0, fp4_dot_scaled=True),
+        "dequantize + bf16 fused_experts": lambda x, ids, w: fused_experts(
+            x, dequantize(ex.w13, ex.s13, torch.bfloat16), dequantize(ex.w2, ex.s2, torch.bfloat16), w, ids,
+            swiglu_limit=10.0),
+    }
+    for tokens in (128, 512, 2048):
+        draws = ex.draws(tokens, 2)
+        # the float32 reference loops over (token, expert) pairs: past 512 tokens the bf16 path stands in
+        want = ex.reference(*draws[0]) if tokens <= 512 else ways["dequantize + bf16 fused_experts"](*draws[0]).float()
+        flops = 6.0 * tokens * TOP_K * HIDDEN * INTER
+        for name, fn in ways.items():
+            err = _rel(fn(*draws[0]), want)
+            s = time_replayed(_cycling(fn, draws), ex.dev, calls=2, repeats=3)
+            emit(dict(what="dot_scaled " + name, tokens=tokens, seconds=s, tflops=flops / s / 1e12,
+                      **{"rel_err_vs_f32" if tokens <= 512 else "rel_err_vs_bf16": err}))
+
+
 def wo_a_section(dev: torch.device, g: torch.Generator, bw: float, emit) -> None:
     """wo_a: 8 groups of 1024 x 4096, one token."""
     groups, o_lora, width = 8, 1024, 4096
@@ -184,7 +210,8 @@ def _line(r: dict) -> str:
     if "seconds" not in r:
         return f"{head} rel err vs f32 {r['rel_err_vs_f32']:.2e}"
     extra = (f"floor {r['floor_s'] * 1e6:7.1f} us  ratio {r['ratio']:.2f}x" if "floor_s" in r
-             else f"{r['tflops']:.0f} TFLOP/s  err vs bf16 {r['rel_err_vs_bf16']:.2e}" if "tflops" in r
+             else f"{r['tflops']:.0f} TFLOP/s  err vs bf16 {r['rel_err_vs_bf16']:.2e}" if "rel_err_vs_bf16" in r
+             else f"{r['tflops']:.0f} TFLOP/s  rel err vs f32 {r['rel_err_vs_f32']:.2e}" if "tflops" in r
              else f"rel err vs f32 {r['rel_err_vs_f32']:.2e}")
     return f"{head} {r['seconds'] * 1e6:9.1f} us  {extra}"
 
@@ -192,7 +219,7 @@ def _line(r: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    p.add_argument("--sections", default="gemv,threshold,prefill,wo_a")
+    p.add_argument("--sections", default="gemv,threshold,prefill,wo_a", help="also: dot_scaled")
     p.add_argument("--device", default="cuda")
     a = p.parse_args()
     sections = a.sections.split(",")
@@ -211,7 +238,7 @@ def main() -> None:
         print(_line(row), flush=True)
         (a.out / "v4_quant_kernels.json").write_text(json.dumps(result, indent=1))
 
-    ex = Experts(dev, g) if {"gemv", "threshold", "prefill"} & set(sections) else None
+    ex = Experts(dev, g) if {"gemv", "threshold", "prefill", "dot_scaled"} & set(sections) else None
     best = dict(decode="bytes", planar_x=False, config=BYTES_CONFIGS[0])
     if "gemv" in sections:
         best = gemv_section(ex, bw, emit)
@@ -222,6 +249,8 @@ def main() -> None:
         threshold_section(ex, best, emit)
     if "prefill" in sections:
         prefill_section(ex, g, emit)
+    if "dot_scaled" in sections:
+        dot_scaled_section(ex, emit)
     if "wo_a" in sections:
         wo_a_section(dev, g, bw, emit)
     (a.out / "v4_quant_kernels.json").write_text(json.dumps(result, indent=1))

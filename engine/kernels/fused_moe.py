@@ -33,11 +33,43 @@ def _fp4_half_tiles(b_ptr, bs_ptr, mask, dtype):
 
 
 @triton.jit
+def _fp4_dot_scaled_loop(A, B, BS, K, N, rows, mask_m, expert, offs_n, mask_n, stride_am, stride_be, stride_bn,
+                         stride_bse, stride_bsn, acc, acc_up, GATED: tl.constexpr, BLOCK_K: tl.constexpr,
+                         A_FORMAT: tl.constexpr):
+    """The K loop of `_fp4_gemm_tile` through `tl.dot_scaled`: per step the activations [BLOCK_M, BLOCK_K],
+    the codes [BLOCK_N, BLOCK_K / 2] (transposed: packed along K) and their scales [BLOCK_N, BLOCK_K / 32]."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_j = tl.arange(0, BLOCK_K // 2)
+    offs_g = tl.arange(0, BLOCK_K // 32)
+    a_ptr = A + rows[:, None] * stride_am + offs_k[None, :]
+    b_ptr = B + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_j[None, :]
+    bs_ptr = BS + expert * stride_bse + offs_n[:, None].to(tl.int64) * stride_bsn + offs_g[None, :]
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        left = K - kb * BLOCK_K
+        a = tl.load(a_ptr, mask=mask_m[:, None] & (offs_k < left)[None, :], other=0.0)
+        mask_b = mask_n[:, None] & (2 * offs_j < left)[None, :]
+        mask_s = mask_n[:, None] & (32 * offs_g < left)[None, :]
+        b = tl.load(b_ptr, mask=mask_b, other=0)
+        acc = tl.dot_scaled(a, None, A_FORMAT, tl.trans(b), tl.load(bs_ptr, mask=mask_s, other=0), "e2m1", acc)
+        if GATED:
+            u = tl.load(b_ptr + N * stride_bn, mask=mask_b, other=0)
+            u_s = tl.load(bs_ptr + N * stride_bsn, mask=mask_s, other=0)
+            acc_up = tl.dot_scaled(a, None, A_FORMAT, tl.trans(u), u_s, "e2m1", acc_up)
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K // 2
+        bs_ptr += BLOCK_K // 32
+    return acc, acc_up
+
+
+@triton.jit
 def _fp4_gemm_tile(A, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded, N, K, num_pairs, top_k, limit,
                    stride_am, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, pid_m, pid_n,
                    GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_BY_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    """`_moe_gemm_kernel`'s tile over MXFP4 weights: B [E, rows, K / 2] codes, BS [E, rows, K / 32] E8M0."""
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                   DOT_SCALED: tl.constexpr = None):
+    """`_moe_gemm_kernel`'s tile over MXFP4 weights: B [E, rows, K / 2] codes, BS [E, rows, K / 32] E8M0.
+    DOT_SCALED (the activations' format, "bf16" or "fp16"; None: decode here): the codes and scales go to
+    `tl.dot_scaled` as they are, and Triton widens them for the tensor cores."""
     if pid_m * BLOCK_M < tl.load(NumPadded):
         HALF: tl.constexpr = BLOCK_K // 2
         ids = tl.load(SortedIds + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -52,7 +84,11 @@ def _fp4_gemm_tile(A, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded, N, K
         bs_ptr = BS + expert * stride_bse + offs_n[None, :].to(tl.int64) * stride_bsn + offs_j[:, None] // 16
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if DOT_SCALED is not None:
+            acc, acc_up = _fp4_dot_scaled_loop(A, B, BS, K, N, rows, mask_m, expert, offs_n, mask_n, stride_am,
+                                               stride_be, stride_bn, stride_bse, stride_bsn, acc, acc_up, GATED,
+                                               BLOCK_K, DOT_SCALED)
+        for kb in range(0, tl.cdiv(K, BLOCK_K) if DOT_SCALED is None else 0):
             mask_k = 2 * offs_j < K - kb * BLOCK_K
             mask_a = mask_m[:, None] & mask_k[None, :]
             even = tl.load(a_ptr, mask=mask_a, other=0.0)
@@ -80,12 +116,12 @@ def _moe_gemm_kernel(A, AS, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded
                      stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
                      GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_BY_TOKEN: tl.constexpr, USE_FP8: tl.constexpr,
                      GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     UPCAST: tl.constexpr, USE_FP4: tl.constexpr = False):
+                     UPCAST: tl.constexpr, USE_FP4: tl.constexpr = False, FP4_DOT_SCALED: tl.constexpr = None):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if USE_FP4:
         _fp4_gemm_tile(A, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded, N, K, num_pairs, top_k, limit,
                        stride_am, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, pid_m, pid_n,
-                       GATED, MUL_WEIGHT, A_BY_TOKEN, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+                       GATED, MUL_WEIGHT, A_BY_TOKEN, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, FP4_DOT_SCALED)
     elif pid_m * BLOCK_M < tl.load(NumPadded):
         ids = tl.load(SortedIds + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         mask_m = ids < num_pairs
@@ -215,7 +251,7 @@ def _config(pairs_per_expert: float, on_gpu: bool, gated: bool, block_k: int | N
 
 
 def _launch(a, a_scale, w, w_scale, out, weights, align, num_pairs, top_k, gated, by_token, cfg, block,
-            limit: float = float("inf")):
+            limit: float = float("inf"), fp4_dot_scaled: bool = False):
     sorted_ids, block_expert, num_padded = align
     bm, bn, bk, warps, stages = cfg
     n = w.shape[1] // 2 if gated else w.shape[1]
@@ -232,7 +268,12 @@ def _launch(a, a_scale, w, w_scale, out, weights, align, num_pairs, top_k, gated
                            out.stride(0), GATED=gated, MUL_WEIGHT=not gated, A_BY_TOKEN=by_token, USE_FP8=fp8,
                            GROUP_N=block[0] if fp8 else 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                            UPCAST=upcast_fp8_dot(a, bk) if fp8 else interpreted(a), USE_FP4=fp4,
+                           FP4_DOT_SCALED=DOT_SCALED_FORMATS[a.dtype] if fp4 and fp4_dot_scaled else None,
                            num_warps=warps, num_stages=stages)
+
+
+# the activations' formats `tl.dot_scaled` takes beside MXFP4 weights
+DOT_SCALED_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 # (fewest pairs per expert, BLOCK_M, BLOCK_N of w13's gate and up tiles, BLOCK_N of w2, num_warps,
@@ -345,14 +386,15 @@ def fused_experts_tma(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, b
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                   block: tuple[int, int] | None = None, swiglu_limit: float | None = None,
-                  tma_path: bool | None = None) -> torch.Tensor:
+                  tma_path: bool | None = None, fp4_dot_scaled: bool = False) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; topk_weights [T, k] float32;
     topk_ids [T, k] int -> [T, H] = sum_k weight * w2_e(SiLU(gate_e x) * up_e x). FP8 weights need their
     scales ([E, ceil(2I / bn), ceil(H / bk)] and [E, ceil(H / bn), ceil(I / bk)]) and block.
     `swiglu_limit` l: SiLU(min(gate, l)) * clamp(up, -l, l) (DeepSeek-V4). `tma_path`: None chooses by
     rows per expert (`tma_config`; the pointer kernels under the interpreter), True / False forces.
     MXFP4 experts: w13 / w2 the packed codes [E, 2I, H / 2] / [E, H, I / 2] (int8 or uint8), the scales
-    their E8M0 bytes [E, 2I, H / 32] / [E, H, I / 32], no block (the pointer kernels, tiles decoded)."""
+    their E8M0 bytes [E, 2I, H / 32] / [E, H, I / 32], no block (the pointer kernels, tiles decoded;
+    fp4_dot_scaled: bf16 / fp16 activations, codes and scales handed to `tl.dot_scaled` instead)."""
     check_float("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] contiguous, got {tuple(x.shape)}")
     num_tokens, hidden = x.shape
@@ -382,6 +424,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
               f"scale shapes {tuple(w13_scale.shape)}, {tuple(w2_scale.shape)} do not match block {block}")
     elif not fp4:
         check(w13.dtype == x.dtype and w2.dtype == x.dtype, f"expert weights ({w13.dtype}) must match x ({x.dtype})")
+    check(not fp4_dot_scaled or (fp4 and x.dtype in DOT_SCALED_FORMATS),
+          "fp4_dot_scaled takes MXFP4 experts and bf16 or fp16 activations")
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
@@ -402,10 +446,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     a, a_s = per_token_group_quant(x, block[1]) if fp8 else (x, None)
     _launch(a, a_s, w13, w13_scale, inter_out, topk_weights, align, num_pairs, top_k, True, True, cfg13, block,
-            float("inf") if swiglu_limit is None else float(swiglu_limit))
+            float("inf") if swiglu_limit is None else float(swiglu_limit), fp4_dot_scaled)
     a, a_s = per_token_group_quant(inter_out, block[1]) if fp8 else (inter_out, None)
     pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _launch(a, a_s, w2, w2_scale, pair_out, topk_weights, align, num_pairs, top_k, False, False, cfg2, block)
+    _launch(a, a_s, w2, w2_scale, pair_out, topk_weights, align, num_pairs, top_k, False, False, cfg2, block,
+            fp4_dot_scaled=fp4_dot_scaled)
     return pair_out.view(num_tokens, top_k, hidden).sum(dim=1)
 
 

@@ -240,6 +240,8 @@ def launch_v4_weights() -> None:
                                      ("asm", True)):
                 moe_gemv(x, w13, w2, weights, ids, s13, s2, swiglu_limit=10.0, fp4_decode=decode, planar_x=planar_x)
         fused_experts(x, w13, w2, weights, ids, s13, s2, swiglu_limit=10.0)
+        if tokens >= 64:  # the codes and scales through tl.dot_scaled (a benchmark variant)
+            fused_experts(x, w13, w2, weights, ids, s13, s2, swiglu_limit=10.0, fp4_dot_scaled=True)
     dequantize(w13, s13, torch.bfloat16)  # prefill batches: every expert to bf16, then the bf16 grouped GEMM
     out = _empty(1, 8 * 4096)
     gemv(out, _empty(8 * 1024, 4096, dtype=FP8), _empty(64, 32, dtype=f32), (128, 128), groups=8)

@@ -1214,6 +1214,17 @@ def test_fused_experts_mxfp4_decodes_tiles_in_the_kernel(dtype):
     assert rel_err(out, want) < (F32_TOL if dtype == torch.float32 else 2e-2)
 
 
+def test_fused_experts_mxfp4_through_dot_scaled():
+    """The same grouped GEMM with the codes and scales handed to `tl.dot_scaled` (Triton widens them):
+    the dequantized experts' function, and the tile-decoding kernel's result within bf16 rounding."""
+    x, (w13, s13), (w2, s2), weights, ids, want = _fp4_case(41, 21, 96, 64, 4, 2, torch.bfloat16)
+    out = fused_experts(x, w13, w2, weights, ids, s13, s2, swiglu_limit=1.5, fp4_dot_scaled=True)
+    decoded = fused_experts(x, w13, w2, weights, ids, s13, s2, swiglu_limit=1.5)
+    assert rel_err(out, want) < 2e-2 and rel_err(out, decoded) < 1e-2
+    with pytest.raises(ValueError, match="fp4_dot_scaled"):  # float32 activations: no dot_scaled format
+        fused_experts(x.float(), w13, w2, weights, ids, s13, s2, fp4_dot_scaled=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp4_dequantize_is_exact(dtype):
     from engine.kernels.mxfp4 import dequantize
