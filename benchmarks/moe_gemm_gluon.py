@@ -55,7 +55,7 @@ def _tile_of(tile, num_m, num_n, GROUP_M: gl.constexpr):
 
 @gluon.jit
 def _producer(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, AHEAD: gl.constexpr):
     """One warp: every work item's K steps into the ring (A as two 64-row tiles, B, and for w13 the up
     tile), a stage refilled once both consumers released it."""
     (a_desc, b_desc, a_s, b_s, u_s, full, empty, AS, BS, C, Weights, SortedIds, BlockExpert, NumPadded,
@@ -85,8 +85,31 @@ def _producer(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl
 
 
 @gluon.jit
+def _issue(a_s, b_s, u_s, stage, W: gl.constexpr, zero, GATED: gl.constexpr):
+    """Warpgroup W's products of the K step in `stage`, in flight -> (gate or only, up; the same twice
+    where not gated)."""
+    a = a_s.index(2 * stage + W)
+    p = warpgroup_mma(a, b_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+    if GATED:
+        pu = warpgroup_mma(a, u_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+    else:
+        pu = p
+    return p, pu
+
+
+@gluon.jit
+def _promote(acc, acc_up, p, pu, AS, pos, stride_asm, stride_ask, bs_ptr, up_bs_ptr, kb, GATED: gl.constexpr):
+    """Step kb's finished products into the float32 accumulators, times the rows' and the tile's scales."""
+    a_sc = gl.load(AS + pos * stride_asm + kb * stride_ask)
+    acc += p * (a_sc * gl.load(bs_ptr + kb))[:, None]
+    if GATED:
+        acc_up += pu * (a_sc * gl.load(up_bs_ptr + kb))[:, None]
+    return acc, acc_up
+
+
+@gluon.jit
 def _consume(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-             STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, W: gl.constexpr):
+             STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, AHEAD: gl.constexpr, W: gl.constexpr):
     """Warpgroup W's 64 rows of each work item: per K step wait for the stage, issue the product(s), load
     the step's scales while they run, wait, release the stage, promote into the float32 accumulator(s);
     then the epilogue."""
@@ -109,7 +132,33 @@ def _consume(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.
         up_bs_ptr = BS + expert * stride_bse + ((N + pid_n * BLOCK_N) // GROUP_N) * stride_bsn
         acc = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=layout)
         acc_up = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=layout)
-        for kb in range(k_steps):
+        if AHEAD:  # step kb + 1's products issued before step kb's are waited for and promoted
+            stage = it % STAGES
+            mbarrier.wait(full.index(stage), phase=(it // STAGES) & 1)
+            p, pu = _issue(a_s, b_s, u_s, stage, W, zero, GATED)
+            for kb in range(k_steps - 1):
+                nxt = (it + 1) % STAGES
+                mbarrier.wait(full.index(nxt), phase=((it + 1) // STAGES) & 1)
+                pn, pun = _issue(a_s, b_s, u_s, nxt, W, zero, GATED)
+                if GATED:  # the two products of step kb done; step kb + 1's two may run
+                    p, pu = warpgroup_mma_wait(num_outstanding=2, deps=(p, pu))
+                else:
+                    p = warpgroup_mma_wait(num_outstanding=1, deps=(p, ))
+                mbarrier.arrive(empty.index(stage), count=1)
+                acc, acc_up = _promote(acc, acc_up, p, pu, AS, pos, stride_asm, stride_ask, bs_ptr, up_bs_ptr, kb,
+                                       GATED)
+                p, pu = pn, pun
+                stage = nxt
+                it += 1
+            if GATED:
+                p, pu = warpgroup_mma_wait(num_outstanding=0, deps=(p, pu))
+            else:
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
+            mbarrier.arrive(empty.index(stage), count=1)
+            acc, acc_up = _promote(acc, acc_up, p, pu, AS, pos, stride_asm, stride_ask, bs_ptr, up_bs_ptr,
+                                   k_steps - 1, GATED)
+            it += 1
+        for kb in range(0 if AHEAD else k_steps):
             stage = it % STAGES
             mbarrier.wait(full.index(stage), phase=(it // STAGES) & 1)
             a = a_s.index(2 * stage + W)
@@ -142,21 +191,22 @@ def _consume(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.
 
 @gluon.jit
 def _consumer0(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-               STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
-    _consume(ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, 0)
+               STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, AHEAD: gl.constexpr):
+    _consume(ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, AHEAD, 0)
 
 
 @gluon.jit
 def _consumer1(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-               STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
-    _consume(ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, 1)
+               STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, AHEAD: gl.constexpr):
+    _consume(ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, AHEAD, 1)
 
 
 @gluon.jit
 def _ws_moe_gemm_kernel(a_desc, b_desc, AS, BS, C, Weights, SortedIds, BlockExpert, NumPadded, N, K, num_pairs,
                         top_k, stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm, GATED: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                        NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                        AHEAD: gl.constexpr):
     """Persistent: NUM_PROGRAMS programs stride over the (128-row block, column block) work items. Four
     warps (consumer 0, the default partition) + four (consumer 1) + one (the producer)."""
     dtype: gl.constexpr = a_desc.dtype
@@ -174,13 +224,13 @@ def _ws_moe_gemm_kernel(a_desc, b_desc, AS, BS, C, Weights, SortedIds, BlockExpe
     # the constexprs written out in each call: a tuple of them assigned to a name would make them runtime values
     if _WS_LIST_FORM:
         gl.warp_specialize([
-            (_consumer0, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS)),
-            (_consumer1, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS)),
-            (_producer, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS)),
+            (_consumer0, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, AHEAD)),
+            (_consumer1, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, AHEAD)),
+            (_producer, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, AHEAD)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize((ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS), _consumer0,
-                           (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS),
+        gl.warp_specialize((ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, AHEAD), _consumer0,
+                           (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, AHEAD),
                            [_consumer1, _producer], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -190,7 +240,7 @@ def _desc(t, block):
 
 
 def _launch(a, a_s, w, w_s, out, weights, align, num_pairs, top_k, gated, block_n, stages, num_sms,
-            consumer_regs=232, producer_regs=40):
+            consumer_regs=232, producer_regs=40, ahead=False):
     sorted_ids, block_expert, num_padded = align
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
@@ -202,12 +252,14 @@ def _launch(a, a_s, w, w_s, out, weights, align, num_pairs, top_k, gated, block_
                                       n, k, num_pairs, top_k, a_s.stride(0), a_s.stride(1), w_s.stride(0),
                                       w_s.stride(1), out.stride(0), GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k,
                                       GROUP_M=8, STAGES=stages, NUM_PROGRAMS=programs, CONSUMER_REGS=consumer_regs,
-                                      PRODUCER_REGS=producer_regs, num_warps=4)
+                                      PRODUCER_REGS=producer_regs, AHEAD=ahead, num_warps=4)
 
 
-def ws_fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, bn13=64, bn2=128, stages=5):
+def ws_fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, bn13=64, bn2=128, stages=5,
+                     ahead=False):
     """`fused_experts_tma(..., sort_a=True)`'s steps with the warp-specialised GEMMs: FP8 experts with
-    128 x 128 blocks, x [T, H] bf16 -> [T, H]."""
+    128 x 128 blocks, x [T, H] bf16 -> [T, H]. ahead: each consumer issues the next K step's products
+    before it waits for this step's and promotes them."""
     from engine.kernels.fp8_gemm import per_token_group_quant
     from engine.kernels.fused_moe import sort_rows
     from engine.kernels.moe_routing import align_by_expert
@@ -219,10 +271,12 @@ def ws_fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, bn
     align = align_by_expert(topk_ids, num_experts, 2 * int(WG_ROWS))
     a, a_s = sort_rows(*per_token_group_quant(x, 128, k_major_scales=True), align[0], num_pairs, top_k)
     inter_out = torch.empty(align[0].shape[0], inter, dtype=x.dtype, device=x.device)
-    _launch(a, a_s, w13, w13_scale, inter_out, topk_weights, align, num_pairs, top_k, True, bn13, stages, sms)
+    _launch(a, a_s, w13, w13_scale, inter_out, topk_weights, align, num_pairs, top_k, True, bn13, stages, sms,
+            ahead=ahead)
     a, a_s = per_token_group_quant(inter_out, 128, k_major_scales=True)
     pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _launch(a, a_s, w2, w2_scale, pair_out, topk_weights, align, num_pairs, top_k, False, bn2, stages, sms)
+    _launch(a, a_s, w2, w2_scale, pair_out, topk_weights, align, num_pairs, top_k, False, bn2, stages, sms,
+            ahead=ahead)
     return pair_out.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
@@ -233,18 +287,19 @@ def compile_only():
 
     from mla_prefill_gluon import report_compiled, signature_of  # this folder's
 
-    for gated, block_n, stages in [(True, 64, 5), (False, 128, 5), (True, 64, 4), (False, 128, 4)]:
+    for gated, block_n, stages, ahead in [(True, 64, 5, False), (False, 128, 5, False), (True, 64, 4, False),
+                                          (False, 128, 4, False), (True, 64, 5, True), (False, 128, 5, True)]:
         sig = dict(a_desc=signature_of(_desc(torch.empty(256, 512, dtype=torch.float8_e4m3fn), [64, 128])),
                    b_desc=signature_of(_desc(torch.empty(256, 512, dtype=torch.float8_e4m3fn), [block_n, 128])),
                    AS="*fp32", BS="*fp32", C="*bf16", Weights="*fp32", SortedIds="*i32", BlockExpert="*i32",
                    NumPadded="*i32", N="i32", K="i32", num_pairs="i32", top_k="i32", stride_asm="i32",
                    stride_ask="i32", stride_bse="i32", stride_bsn="i32", stride_cm="i32")
         constexprs = dict(GATED=gated, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, STAGES=stages, NUM_PROGRAMS=132,
-                          CONSUMER_REGS=232, PRODUCER_REGS=40)
+                          CONSUMER_REGS=232, PRODUCER_REGS=40, AHEAD=ahead)
         sig.update({c: "constexpr" for c in constexprs})
         sig = {name: sig[name] for name in _ws_moe_gemm_kernel.arg_names}
         src = GluonASTSource(_ws_moe_gemm_kernel, sig, constexprs=constexprs)
-        report_compiled(f"{'w13' if gated else 'w2'} n{block_n} s{stages}",
+        report_compiled(f"{'w13' if gated else 'w2'} n{block_n} s{stages}{' ahead' if ahead else ''}",
                         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)))
 
 
@@ -264,7 +319,8 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(1)
     w13, s13, w2, s2 = v3_experts(g)
     rows, failed = [], False
-    variants = {"gluon n64/n128 s5": dict(), "gluon n64/n128 s4": dict(stages=4), "gluon n64/n64 s5": dict(bn2=64)}
+    variants = {"gluon n64/n128 s5": dict(), "gluon n64/n128 s4": dict(stages=4), "gluon n64/n64 s5": dict(bn2=64),
+                "gluon n64/n128 s5 ahead": dict(ahead=True)}
     for t in tokens:
         x = torch.randn(t, hidden, generator=g, device="cuda").to(torch.bfloat16)
         ids = torch.rand(t, experts, generator=g, device="cuda").topk(top_k, dim=-1).indices.int()
