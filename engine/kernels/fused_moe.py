@@ -33,6 +33,34 @@ def _fp4_half_tiles(b_ptr, bs_ptr, mask, dtype):
 
 
 @triton.jit
+def _fp4_decoded_loop(A, B, BS, K, N, rows, mask_m, expert, offs_n, mask_n, stride_am, stride_be, stride_bn,
+                      stride_bse, stride_bsn, acc, acc_up, GATED: tl.constexpr, BLOCK_K: tl.constexpr,
+                      UPCAST: tl.constexpr):
+    """The K loop of `_fp4_gemm_tile` decoding its tiles: per step a [BLOCK_K / 2, BLOCK_N] tile of bytes
+    becomes the weight's even-k and odd-k halves, times the activations' even and odd columns."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    offs_j = tl.arange(0, HALF)  # byte j of a K step: values 2j and 2j + 1
+    a_ptr = A + rows[:, None] * stride_am + 2 * offs_j[None, :]
+    b_ptr = B + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_j[:, None]
+    bs_ptr = BS + expert * stride_bse + offs_n[None, :].to(tl.int64) * stride_bsn + offs_j[:, None] // 16
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        mask_k = 2 * offs_j < K - kb * BLOCK_K
+        mask_a = mask_m[:, None] & mask_k[None, :]
+        even = tl.load(a_ptr, mask=mask_a, other=0.0)
+        odd = tl.load(a_ptr + 1, mask=mask_a, other=0.0)
+        mask_b = mask_n[None, :] & mask_k[:, None]
+        lo, hi = _fp4_half_tiles(b_ptr, bs_ptr, mask_b, even.dtype)
+        acc += mma(even, lo, UPCAST) + mma(odd, hi, UPCAST)
+        if GATED:
+            lo, hi = _fp4_half_tiles(b_ptr + N * stride_bn, bs_ptr + N * stride_bsn, mask_b, even.dtype)
+            acc_up += mma(even, lo, UPCAST) + mma(odd, hi, UPCAST)
+        a_ptr += BLOCK_K
+        b_ptr += HALF
+        bs_ptr += BLOCK_K // 32
+    return acc, acc_up
+
+
+@triton.jit
 def _fp4_dot_scaled_loop(A, B, BS, K, N, rows, mask_m, expert, offs_n, mask_n, stride_am, stride_be, stride_bn,
                          stride_bse, stride_bsn, acc, acc_up, GATED: tl.constexpr, BLOCK_K: tl.constexpr,
                          A_FORMAT: tl.constexpr):
@@ -71,37 +99,22 @@ def _fp4_gemm_tile(A, B, BS, C, Weights, SortedIds, BlockExpert, NumPadded, N, K
     DOT_SCALED (the activations' format, "bf16" or "fp16"; None: decode here): the codes and scales go to
     `tl.dot_scaled` as they are, and Triton widens them for the tensor cores."""
     if pid_m * BLOCK_M < tl.load(NumPadded):
-        HALF: tl.constexpr = BLOCK_K // 2
         ids = tl.load(SortedIds + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         mask_m = ids < num_pairs
         rows = (ids // top_k if A_BY_TOKEN else ids).to(tl.int64)
         expert = tl.load(BlockExpert + pid_m).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_j = tl.arange(0, HALF)  # byte j of a K step: values 2j and 2j + 1
         mask_n = offs_n < N
-        a_ptr = A + rows[:, None] * stride_am + 2 * offs_j[None, :]
-        b_ptr = B + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_j[:, None]
-        bs_ptr = BS + expert * stride_bse + offs_n[None, :].to(tl.int64) * stride_bsn + offs_j[:, None] // 16
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if DOT_SCALED is not None:
             acc, acc_up = _fp4_dot_scaled_loop(A, B, BS, K, N, rows, mask_m, expert, offs_n, mask_n, stride_am,
                                                stride_be, stride_bn, stride_bse, stride_bsn, acc, acc_up, GATED,
                                                BLOCK_K, DOT_SCALED)
-        for kb in range(0, tl.cdiv(K, BLOCK_K) if DOT_SCALED is None else 0):
-            mask_k = 2 * offs_j < K - kb * BLOCK_K
-            mask_a = mask_m[:, None] & mask_k[None, :]
-            even = tl.load(a_ptr, mask=mask_a, other=0.0)
-            odd = tl.load(a_ptr + 1, mask=mask_a, other=0.0)
-            mask_b = mask_n[None, :] & mask_k[:, None]
-            lo, hi = _fp4_half_tiles(b_ptr, bs_ptr, mask_b, even.dtype)
-            acc += mma(even, lo, UPCAST) + mma(odd, hi, UPCAST)
-            if GATED:
-                lo, hi = _fp4_half_tiles(b_ptr + N * stride_bn, bs_ptr + N * stride_bsn, mask_b, even.dtype)
-                acc_up += mma(even, lo, UPCAST) + mma(odd, hi, UPCAST)
-            a_ptr += BLOCK_K
-            b_ptr += HALF
-            bs_ptr += BLOCK_K // 32
+        else:
+            acc, acc_up = _fp4_decoded_loop(A, B, BS, K, N, rows, mask_m, expert, offs_n, mask_n, stride_am,
+                                            stride_be, stride_bn, stride_bse, stride_bsn, acc, acc_up, GATED,
+                                            BLOCK_K, UPCAST)
         if GATED:  # V4 clamps both pre-activations (limit inf: none)
             acc = tl.minimum(acc, limit)
             acc = acc / (1.0 + tl.exp(-acc)) * tl.maximum(tl.minimum(acc_up, limit), -limit)
