@@ -71,6 +71,46 @@ def _softmax(s, m_i, l_i, n0, rows, cols, diag, k_len, scale_log2):
 
 
 @gluon.jit
+def _issue_scores(qn, qp, kn_s, kp_s, stage, s0):
+    """The scores of the key tile in `stage`, in flight: Q_nope K_nope^T + Q_pe K_pe^T."""
+    s = warpgroup_mma(qn, kn_s.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
+    return warpgroup_mma(qp, kp_s.index(stage).permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _first_softmax(s, m_i, l_i, rows, cols, first_diag, k_len, scale_log2, dtype: gl.constexpr,
+                   BLOCK_N: gl.constexpr, p_layout: gl.constexpr):
+    """Tile 0: its scores waited for -> (P_0 as the values product's operand, m, l)."""
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, rows, cols, BLOCK_N > first_diag, k_len, scale_log2)
+    return gl.convert_layout(p.to(dtype), p_layout), m_i, l_i
+
+
+@gluon.jit
+def _next_softmax(s, o, p_op, m_i, l_i, n0, rows, cols, first_diag, k_len, scale_log2, dtype: gl.constexpr,
+                  BLOCK_N: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Tile j (first key n0), its scores and P_{j-1} V_{j-1} issued: wait for the scores only, run their
+    softmax while the product runs, then wait for it and rescale -> (O, P_j as an operand, m, l)."""
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, n0, rows, cols, n0 + BLOCK_N > first_diag, k_len, scale_log2)
+    o, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_op))
+    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    return o, gl.convert_layout(p.to(dtype), p_layout), m_i, l_i
+
+
+@gluon.jit
+def _store_rows(o, l_i, O, q_start, r0, q_len, h, stride_ot, stride_oh, ROWS: gl.constexpr, VDIM: gl.constexpr,
+                o_layout: gl.constexpr):
+    """O / l for query rows [r0, r0 + ROWS) of the sequence (rows past q_len not stored)."""
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = o / gl.where(l_o > 0, l_o, 1.0)[:, None]
+    orow = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    ocol = gl.arange(0, VDIM, layout=gl.SliceLayout(0, o_layout))
+    ptrs = O + (q_start + orow).to(gl.int64)[:, None] * stride_ot + h * stride_oh + ocol[None, :]
+    gl.store(ptrs, out.to(O.dtype.element_ty), mask=(orow < q_len)[:, None])
+
+
+@gluon.jit
 def _fa3_prefill_kernel(qn_desc, qp_desc, kn_desc, kp_desc, v_desc, O, CuQ, CuK, stride_ot, stride_oh, num_m_blocks,
                         scale_log2, HEAD_QN: gl.constexpr, HEAD_QP: gl.constexpr, HEAD_KN: gl.constexpr,
                         HEAD_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -132,28 +172,19 @@ def _attend_block(qn_desc, qp_desc, kn_desc, kp_desc, v_desc, O, stride_ot, stri
     o = gl.zeros([BLOCK_M, VDIM], gl.float32, layout=o_layout)
     mbarrier.wait(q_bar, phase=0)
 
-    # tile 0: scores, softmax
     mbarrier.wait(bars.index(0), phase=0)
-    s = warpgroup_mma(qn_s, kn_s.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
-    s = warpgroup_mma(qp_s, kp_s.index(0).permute((1, 0)), s, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, rows, cols, BLOCK_N > first_diag, k_len, scale_log2)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    p_op, m_i, l_i = _first_softmax(_issue_scores(qn_s, qp_s, kn_s, kp_s, 0, s0), m_i, l_i, rows, cols, first_diag,
+                                    k_len, scale_log2, dtype, BLOCK_N, p_layout)
 
     for j in range(1, n_tiles):
         stage = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(bars.index(stage), phase=(j // STAGES) & 1)
         # tile j's scores, then tile j-1's values product, both in flight
-        s = warpgroup_mma(qn_s, kn_s.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
-        s = warpgroup_mma(qp_s, kp_s.index(stage).permute((1, 0)), s, is_async=True)
+        s = _issue_scores(qn_s, qp_s, kn_s, kp_s, stage, s0)
         o = warpgroup_mma(p_op, v_s.index(prev), o, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # the scores are done; the product may run
-        n0 = j * BLOCK_N
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, n0, rows, cols, n0 + BLOCK_N > first_diag, k_len, scale_log2)
-        o, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_op))
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o, p_op, m_i, l_i = _next_softmax(s, o, p_op, m_i, l_i, j * BLOCK_N, rows, cols, first_diag, k_len,
+                                          scale_log2, dtype, BLOCK_N, o_layout, p_layout)
         nxt = j - 1 + STAGES  # the stage tile j-1 used is free: fill it with tile j-1+STAGES
         if nxt < n_tiles:
             _load_kv(kn_desc, kp_desc, v_desc, kn_s, kp_s, v_s, bars, prev, k_start + nxt * BLOCK_N, h, HEAD_KN,
@@ -165,13 +196,7 @@ def _attend_block(qn_desc, qp_desc, kn_desc, kp_desc, v_desc, O, stride_ot, stri
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
     mbarrier.invalidate(q_bar)
-
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    out = o / gl.where(l_o > 0, l_o, 1.0)[:, None]
-    orow = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    ocol = gl.arange(0, VDIM, layout=gl.SliceLayout(0, o_layout))
-    ptrs = O + (q_start + orow).to(gl.int64)[:, None] * stride_ot + h * stride_oh + ocol[None, :]
-    gl.store(ptrs, out.to(O.dtype.element_ty), mask=(orow < q_len)[:, None])
+    _store_rows(o, l_i, O, q_start, m0, q_len, h, stride_ot, stride_oh, BLOCK_M, VDIM, o_layout)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -237,13 +262,10 @@ def _ws_consume(ops, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.c
     if PINGPONG:
         if W == 1:  # warpgroup 0 issues first
             mbarrier.wait(turn.index(1), phase=0)
-    s = warpgroup_mma(qn, kn_s.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
-    s = warpgroup_mma(qp, kp_s.index(0).permute((1, 0)), s, is_async=True)
+    s = _issue_scores(qn, qp, kn_s, kp_s, 0, s0)
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - W), count=1)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, rows, cols, BLOCK_N > first_diag, k_len, scale_log2)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    p_op, m_i, l_i = _first_softmax(s, m_i, l_i, rows, cols, first_diag, k_len, scale_log2, dtype, BLOCK_N, p_layout)
 
     for j in range(1, n_tiles):
         stage = j % STAGES
@@ -251,30 +273,19 @@ def _ws_consume(ops, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.c
         mbarrier.wait(full.index(stage), phase=(j // STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(turn.index(W), phase=(j - 1 + W) & 1)
-        s = warpgroup_mma(qn, kn_s.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
-        s = warpgroup_mma(qp, kp_s.index(stage).permute((1, 0)), s, is_async=True)
+        s = _issue_scores(qn, qp, kn_s, kp_s, stage, s0)
         o = warpgroup_mma(p_op, v_s.index(prev), o, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - W), count=1)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-        n0 = j * BLOCK_N
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, n0, rows, cols, n0 + BLOCK_N > first_diag, k_len, scale_log2)
-        o, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_op))
-        mbarrier.arrive(empty.index(prev), count=1)
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o, p_op, m_i, l_i = _next_softmax(s, o, p_op, m_i, l_i, j * BLOCK_N, rows, cols, first_diag, k_len,
+                                          scale_log2, dtype, BLOCK_N, o_layout, p_layout)
+        mbarrier.arrive(empty.index(prev), count=1)  # tile j-1's product has landed
 
     last = (n_tiles - 1) % STAGES
     o = warpgroup_mma(p_op, v_s.index(last), o, is_async=True)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
     mbarrier.arrive(empty.index(last), count=1)
-
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    out = o / gl.where(l_o > 0, l_o, 1.0)[:, None]
-    orow = r0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, o_layout))
-    ocol = gl.arange(0, VDIM, layout=gl.SliceLayout(0, o_layout))
-    ptrs = O + (q_start + orow).to(gl.int64)[:, None] * stride_ot + h * stride_oh + ocol[None, :]
-    gl.store(ptrs, out.to(O.dtype.element_ty), mask=(orow < q_len)[:, None])
+    _store_rows(o, l_i, O, q_start, r0, q_len, h, stride_ot, stride_oh, WG_ROWS, VDIM, o_layout)
 
 
 @gluon.jit
