@@ -32,6 +32,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from engine.kernels.fp8_gemm import tile_of  # the engine's work-item order (a Triton function Gluon calls)
+
 # Gluon's TMA load is `async_load` in newer Triton, `async_copy_global_to_shared` before
 tma_load = tma.async_copy_global_to_shared
 if hasattr(tma, "async_load"):
@@ -41,16 +43,6 @@ if hasattr(tma, "async_load"):
 _WS_LIST_FORM = gl.constexpr("functions_and_args" in inspect.signature(gl.warp_specialize).parameters)
 WG_ROWS = gl.constexpr(64)  # rows of one consumer warpgroup (wgmma's M); a block is 2 x 64
 GROUP_N = gl.constexpr(128)  # DeepSeek's weight block: one scale per 128 x 128
-
-
-@gluon.jit
-def _tile_of(tile, num_m, num_n, GROUP_M: gl.constexpr):
-    """Work item -> (row block, column block), GROUP_M row blocks sweeping the columns together (the
-    engine's `fp8_gemm.tile_of`)."""
-    group = tile // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = gl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (tile % (GROUP_M * num_n)) % size_m, (tile % (GROUP_M * num_n)) // size_m
 
 
 @gluon.jit
@@ -66,7 +58,7 @@ def _producer(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl
     NBYTES: gl.constexpr = 2 * a_desc.block_type.nbytes + (2 if GATED else 1) * b_desc.block_type.nbytes
     it = 0
     for tile in range(gl.program_id(0), num_m * num_n, NUM_PROGRAMS):
-        pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = tile_of(tile, num_m, num_n, GROUP_M)
         expert = gl.load(BlockExpert + pid_m)
         b_row = expert * (2 * N if GATED else N) + pid_n * BLOCK_N
         for kb in range(k_steps):
@@ -125,7 +117,7 @@ def _consume(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.
     offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     it = 0
     for tile in range(gl.program_id(0), num_m * num_n, NUM_PROGRAMS):
-        pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = tile_of(tile, num_m, num_n, GROUP_M)
         expert = gl.load(BlockExpert + pid_m).to(gl.int64)
         pos = pid_m * (2 * WG_ROWS) + W * WG_ROWS + gl.arange(0, WG_ROWS, layout=rows_l)
         bs_ptr = BS + expert * stride_bse + (pid_n * BLOCK_N // GROUP_N) * stride_bsn
@@ -307,7 +299,6 @@ def main():
     if "--compile" in sys.argv:
         compile_only()
         return
-    sys.path.insert(0, ".")
     from triton.testing import do_bench
 
     from engine.kernels import fused_moe

@@ -122,6 +122,21 @@ def gemv_section(ex: Experts, bw: float, emit) -> dict:
     return dict(decode=decode, planar_x=planar_x, config=cfg)
 
 
+def _grouped_ways(ex: Experts, dot_scaled: bool = False) -> dict:
+    """The grouped paths over all of a layer's MXFP4 experts, (x, ids, weights) -> output: decoding the
+    tiles in the kernel, (dot_scaled) handing codes and scales to `tl.dot_scaled`, and every expert
+    dequantized to bf16 first (one launch) then the bf16 grouped GEMM."""
+    ways = {"fused_experts mxfp4 tiles": lambda x, ids, w: fused_experts(x, ex.w13, ex.w2, w, ids, ex.s13, ex.s2,
+                                                                         swiglu_limit=10.0)}
+    if dot_scaled:
+        ways["fused_experts mxfp4 dot_scaled"] = lambda x, ids, w: fused_experts(
+            x, ex.w13, ex.w2, w, ids, ex.s13, ex.s2, swiglu_limit=10.0, fp4_dot_scaled=True)
+    ways["dequantize + bf16 fused_experts"] = lambda x, ids, w: fused_experts(
+        x, dequantize(ex.w13, ex.s13, torch.bfloat16), dequantize(ex.w2, ex.s2, torch.bfloat16), w, ids,
+        swiglu_limit=10.0)
+    return ways
+
+
 def threshold_section(ex: Experts, best: dict, emit) -> None:
     """At 8, 32, 64 and 128 tokens (all 256 experts, V4 Flash's layer without expert parallelism): the GEMV
     (best decode and tile), the grouped GEMM decoding MXFP4 tiles, and every expert dequantized to bf16
@@ -130,11 +145,7 @@ def threshold_section(ex: Experts, best: dict, emit) -> None:
         "moe_gemv " + _name(best["decode"], best["planar_x"]): lambda x, ids, w: moe_gemv(
             x, ex.w13, ex.w2, w, ids, ex.s13, ex.s2, config=best["config"], swiglu_limit=10.0,
             fp4_decode=best["decode"], planar_x=best["planar_x"]),
-        "fused_experts mxfp4 tiles": lambda x, ids, w: fused_experts(x, ex.w13, ex.w2, w, ids, ex.s13, ex.s2,
-                                                                     swiglu_limit=10.0),
-        "dequantize + bf16 fused_experts": lambda x, ids, w: fused_experts(
-            x, dequantize(ex.w13, ex.s13, torch.bfloat16), dequantize(ex.w2, ex.s2, torch.bfloat16), w, ids,
-            swiglu_limit=10.0),
+        **_grouped_ways(ex),
     }
     for tokens in (8, 32, 64, 128):
         draws = ex.draws(tokens, 4)
@@ -168,15 +179,7 @@ def dot_scaled_section(ex: Experts, emit) -> None:
     MXFP4 tiles, the same GEMM handing codes and scales to `tl.dot_scaled`, and every expert dequantized
     to bf16 then the bf16 grouped GEMM (what prefill runs past one pair per expert); each against the
     float32 reference."""
-    ways = {
-        "fused_experts mxfp4 tiles": lambda x, ids, w: fused_experts(x, ex.w13, ex.w2, w, ids, ex.s13, ex.s2,
-                                                                     swiglu_limit=10.0),
-        "fused_experts mxfp4 dot_scaled": lambda x, ids, w: fused_experts(x, ex.w13, ex.w2, w, ids, ex.s13, ex.s2,
-                                                                          swiglu_limit=10.0, fp4_dot_scaled=True),
-        "dequantize + bf16 fused_experts": lambda x, ids, w: fused_experts(
-            x, dequantize(ex.w13, ex.s13, torch.bfloat16), dequantize(ex.w2, ex.s2, torch.bfloat16), w, ids,
-            swiglu_limit=10.0),
-    }
+    ways = _grouped_ways(ex, dot_scaled=True)
     for tokens in (128, 512, 2048):
         draws = ex.draws(tokens, 2)
         # the float32 reference loops over (token, expert) pairs: past 512 tokens the bf16 path stands in
