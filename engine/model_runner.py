@@ -16,7 +16,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.copies import HostSpan, index_to_device, to_device
 from engine.kv_pool import KVPool, block_bytes, window_of
-from engine.layers.attention import AttentionMetadata
+from engine.layers.attention import ABSORBED_MAX_QUERY, AttentionMetadata
 from engine.layers.fp8 import quantize_fp8_block, quantize_mxfp4
 from engine.loader import load_weights
 from engine.models import model_class
@@ -186,12 +186,19 @@ class ModelRunner:
         self.use_cuda_graphs = (self.backend == "triton" and self.device.type == "cuda"
                                 and getattr(M, "cuda_graphs", True)  # V4.1: no device-only decode path yet
                                 and not config.extra.get("enforce_eager", False))
+        # a fresh prompt's prefill of up to this many tokens replayed from a graph (`PrefillGraphs`; 0: none):
+        # V3-family models, whose prefill reads device tensors only, without the MTP draft after it
+        wanted = int(config.extra.get("prefill_graph_tokens", 0))
+        self.prefill_graph_tokens = (min(wanted, config.max_num_batched_tokens)
+                                     if self.use_cuda_graphs and getattr(M, "graph_prefills", False)
+                                     and not self.num_speculative_tokens else 0)
         self.kv_pool: KVPool | None = None
         self.tables: BlockTables | None = None
         self.graphs: DecodeGraphs | None = None
         self.draft_graphs: DraftGraphs | None = None
         self.draw_graphs: DrawGraphs | None = None  # plain decode steps' draws, after the decode graph
         self.spec_graphs: SpecGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.warmed_up = False
         # the last step's rows for the MTP draft after it: (plan, positions [T], block tables [T, width], its
         # metadata, hidden [T, hidden]); after a replayed step only plan and hidden (the rest is in the
@@ -247,9 +254,11 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         # not in the profile: the decode graphs' pools and the sampler's [max_num_seqs, vocab] float32
-        # rows (logits, their softmax, the filtered copy): a reserve for both
+        # rows (logits, their softmax, the filtered copy): a reserve for both; the prefill graphs' pool
+        # holds a step's activations of their largest length for good (the profile's largest step, scaled)
         sampler = 4 * c.max_num_seqs * self.model_config.vocab_size * 4
-        reserve = 0.01 * total + sampler
+        prefill_graphs = activations * min(1.0, self.prefill_graph_tokens / c.max_num_batched_tokens)
+        reserve = 0.01 * total + sampler + prefill_graphs
         budget = total * c.gpu_memory_utilization - (total - free) - activations - reserve
         blocks = self._blocks_in(budget)
         logger.info("KV memory: %.1f GiB of %.1f GiB (gpu_memory_utilization %.2f; in use %.1f GiB, activation "
@@ -334,6 +343,8 @@ class ModelRunner:
             self.draft_graphs = DraftGraphs(self) if self.num_speculative_tokens and verifies_in_graphs else None
             if self.num_speculative_tokens and verifies_in_graphs and self.par.tp_size == 1:
                 self.spec_graphs = SpecGraphs(self)
+            if self.prefill_graph_tokens:
+                self.prefill_graphs = PrefillGraphs(self, self.prefill_graph_tokens)
             if self.config.extra.get("capture_graphs_at_start", True):
                 from engine.kernels._util import on_compile
 
@@ -346,6 +357,8 @@ class ModelRunner:
                     self.draft_graphs.capture_all()
                 if self.spec_graphs is not None:
                     self.spec_graphs.capture_all()
+                if self.prefill_graphs is not None:
+                    self.prefill_graphs.capture_all()
                 # anything built from here on stalls a serving step: name it, so warm_up can learn it
                 on_compile(lambda variant: logger.warning("Triton built a kernel variant after warm-up "
                                                           "(this step stalls until it is ready): %s", variant))
@@ -394,13 +407,16 @@ class ModelRunner:
 
     # -- a step --------------------------------------------------------------------------------------
     def takes_graph(self, plan: StepPlan) -> bool:
-        """Rank 0 decides, the plan carries it: a step of at most the largest graph's rows, unless it
-        scores a prompt (every position's logits), and of chunks no longer than the model's graphs take."""
+        """Rank 0 decides, the plan carries it: a step of at most the largest decode graph's rows, unless it
+        scores a prompt (every position's logits), and of chunks no longer than the model's graphs take;
+        or one fresh prompt that a prefill graph takes."""
         limit = getattr(self.model, "graph_chunk_tokens", None)  # None: chunks of any length
         if limit is not None and any(n > limit for n in plan.query_lens[: plan.num_prefills]):
             return False
         if plan.images:
             return False  # the graphs embed token ids only
+        if self.prefill_graphs is not None and self.prefill_graphs.takes(plan):
+            return True
         return self.graphs is not None and plan.num_tokens <= self.graphs.max_batch and not plan.collect_logits
 
     def _prepare(self, plan: StepPlan, inputs: torch.Tensor | None = None
@@ -444,6 +460,8 @@ class ModelRunner:
             return StepResult(None, spec=self.spec_graphs.replay(plan, inputs, offsets))
         if self.spec_graphs is not None:
             self.spec_graphs.resident = None  # this step's rows and positions are not what a fused one left
+        if plan.use_graph and self.prefill_graphs is not None and self.prefill_graphs.takes(plan):
+            return self.prefill_graphs.run(plan)
         if plan.use_graph:
             return self._replay(plan, inputs, offsets)
         if offsets is not None:
@@ -964,6 +982,116 @@ class SpecGraphs:
         return FusedVerify(out[:n], out[end : end + num_seqs],
                            out[drafts_at : drafts_at + num_seqs * k].view(num_seqs, k), sent,
                            out[next_at : next_at + n], out[next_at + end : next_at + end + n])
+
+
+class PrefillGraphs:
+    """One fresh prompt's prefill, alone in its step, as a CUDA graph of its padded length.
+
+    A prefill of a few thousand tokens is bound by the host: the eager step launches ~70 kernels a
+    layer from Python, and at 2k tokens that takes longer than the kernels run (docs/perf.md, "A 2k-token
+    prefill is bound by the host"). A step that is one prompt with nothing cached, longer than the decode
+    graphs' rows and at most `max_tokens`, replays the graph of the next multiple of STEP tokens: the
+    prompt's rows, then padding rows as a second sequence of their own (causal attention keeps the
+    prompt's rows from seeing them; their latents go to the scratch block, their positions are 0).
+    What varies lives in static buffers (the prompt's length, its tokens, its block table) and the step
+    derives positions, cache slots and both sequences' bounds from them on the device, so loading a
+    step is two small copies. The padding costs device time (at most STEP - 1 rows): a short prompt's
+    prefill gains far more in host time.
+
+    Steps of several prompts, a chunk over a cached prefix, or prefill and decode rows together run
+    eagerly: the graph would need every sequence's bounds (and its context's) as buffers, and such steps
+    are where serving already keeps the GPU busy with many rows a launch.
+    """
+
+    STEP = 256
+
+    def __init__(self, runner: ModelRunner, max_tokens: int, step: int = STEP):
+        self.runner = runner
+        self.smallest = runner.graphs.max_batch + 1  # fewer rows: the decode graphs take the step
+        # (and lengths the un-absorbed prefill takes: the metadata's bounds must not pick the absorbed one)
+        first = -(-max(self.smallest, ABSORBED_MAX_QUERY + 1) // step) * step
+        self.sizes = list(range(first, max_tokens + 1, step))
+        dev, width = runner.device, runner.tables.width
+        self.input_ids = torch.zeros(max(self.sizes, default=0), dtype=torch.long, device=dev)
+        self.length = torch.ones(1, dtype=torch.long, device=dev)  # the prompt's tokens
+        self.table = torch.full((1, width), runner.kv_pool.scratch_block, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def padded(self, num_tokens: int) -> int:
+        return next(s for s in self.sizes if s >= num_tokens)
+
+    def takes(self, plan: StepPlan) -> bool:
+        n = plan.num_tokens
+        return (bool(self.sizes) and self.smallest <= n <= self.sizes[-1] and plan.num_prefills == 1
+                and len(plan.slots) == 1 and plan.num_computed[0] == 0 and plan.input_ids is not None
+                and plan.sample_indices in ([], [n - 1]) and not plan.collect_logits and not plan.images
+                and not plan.shifted and plan.lookback is None)
+
+    def metadata(self, size: int) -> tuple[AttentionMetadata, torch.Tensor]:
+        """The two sequences' metadata over `size` rows, derived on the device -> (metadata, positions).
+        The host lists are bounds only (each sequence at most `size` rows): the fast prefill path reads
+        them for its grid alone."""
+        dev, bs = self.table.device, self.runner.block_size
+        n = self.length
+        row = torch.arange(size, device=dev)
+        real = row < n
+        positions = torch.where(real, row, 0)
+        blocks = self.table[0, positions // bs].long()
+        slots = torch.where(real, blocks * bs + positions % bs, self.runner.kv_pool.scratch_block * bs)
+        bounds = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), n, torch.full_like(n, size)])
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=bounds,
+            context_lens=bounds.diff(),
+            block_tables=self.table.expand(2, -1),
+            num_prefills=2,
+            num_prefill_tokens=size,
+            block_size=bs,
+            query_start_loc_cpu=[0, size, size],
+            query_lens_cpu=[size, size],
+            context_lens_cpu=[size, size],
+        )
+        # nothing is cached: each sequence's context is its own rows, at the slots they are written to
+        meta.__dict__["prefill_context"] = (slots, bounds.int())
+        return meta, positions
+
+    def _step(self, size: int) -> torch.Tensor:
+        """The padded prefill -> the prompt's last row's logits [1, vocab]."""
+        meta, positions = self.metadata(size)
+        hidden = self.runner.model(self.input_ids[:size], positions, meta)
+        return self.runner.model.compute_logits(hidden.index_select(0, self.length - 1))
+
+    def _capture(self, size: int) -> None:
+        graph, self.outputs[size] = capture_graph(lambda: self._step(size), self.pool)
+        self.pool = graph.pool()
+        self.graphs[size] = graph
+        logger.info("captured a CUDA graph for prefills of up to %d tokens", size)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Every padded length, largest first (the smaller graphs reuse its memory pool)."""
+        for size in reversed(self.sizes):
+            if size not in self.graphs:
+                self._capture(size)
+
+    def replay(self, size: int) -> torch.Tensor:
+        if size not in self.graphs:
+            self._capture(size)
+        self.graphs[size].replay()
+        return self.outputs[size]
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepResult:
+        n = plan.num_tokens
+        loaded = to_device([n, *plan.input_ids], torch.long, self.input_ids.device)  # one copy
+        self.length.copy_(loaded[:1])
+        self.input_ids[:n].copy_(loaded[1:])
+        self.runner.tables.rows(plan.slots, out=self.table)
+        logits = self.replay(self.padded(n))
+        # a copy: the next replay rewrites the graph's buffer while these may still be on their way
+        return StepResult(logits.clone() if plan.sample_indices else None)
 
 
 class DecodeGraphs:

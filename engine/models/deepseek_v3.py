@@ -268,6 +268,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # a fresh prompt's prefill reads only device tensors and the host lists' bounds, so a padded one
+    # replays from a CUDA graph (`model_runner.PrefillGraphs`)
+    graph_prefills = True
     expert_params = {"gate_proj": ("w13", "w1"), "up_proj": ("w13", "w3"), "down_proj": ("w2", "w2")}
 
     def __init__(self, cfg: ModelConfig, max_position: int, par: ParallelContext = SINGLE, num_draft_layers: int = 0):

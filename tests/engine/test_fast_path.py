@@ -339,6 +339,124 @@ def test_graph_steps_prefill_and_decode_as_eager_steps_do(tmp_path):
             assert lw.keys() == lg.keys() and all(abs(lw[t] - lg[t]) < LOGIT_TOL for t in lw)
 
 
+class UncapturedPrefillGraphs:
+    """What a prefill graph computes (`PrefillGraphs._step` over its static buffers), run eagerly, with
+    lengths padded to multiples of `step` rows; `sizes` records the padded length of each step it ran."""
+
+    @staticmethod
+    def install(runner, max_tokens: int, step: int):
+        from engine.model_runner import PrefillGraphs
+
+        graphs = PrefillGraphs(runner, max_tokens, step)
+        graphs.sizes_run = []
+        graphs.replay = lambda size: graphs.sizes_run.append(size) or graphs._step(size)
+        runner.prefill_graphs = graphs
+        return graphs
+
+
+def test_prefill_graph_steps_prefill_as_eager_steps_do(tmp_path):
+    """One fresh prompt a step, padded to its graph's length: the prompt's first tokens' distributions
+    and its cache rows are the eager step's; the padding rows touch the scratch block only; a chunk over
+    a cached prefix and a step of two prompts stay eager."""
+    path = save_hf_checkpoint(v3_model(29), tmp_path / "ckpt")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
+    args = dict(dtype="float32", attention_backend="triton", block_size=4, max_num_seqs=2)
+    eager = LLM(str(path), **args, extra={"enforce_eager": True, "capture_graphs_at_start": False})
+    graphed = LLM(str(path), **args, extra={"capture_graphs_at_start": False})
+    runner = graphed.engine.runner
+    UncapturedGraphs.install(runner)
+    graphs = UncapturedPrefillGraphs.install(runner, max_tokens=72, step=24)
+    assert graphs.sizes == [24, 48, 72]  # from 3 rows (the decode graphs take 2) to 72
+    batch = prompts(29, [21, 40, 3])
+    for layer in (*runner.model.attention_layers(), *eager.engine.runner.model.attention_layers()):
+        layer.kv_cache.fill_(7.0)  # rows no step writes keep it
+    want, got = [], []
+    for ids in batch:  # one prompt a step
+        want += eager.generate([ids], params)
+        got += graphed.generate([ids], params)
+    assert graphs.sizes_run == [24, 48, 24]
+    turn = batch[1] + got[1].token_ids + list(range(5, 25))  # 20 new tokens over a cached prefix
+    eager_steps, run_eager = [], runner._run_eager
+    runner._run_eager = lambda *a: eager_steps.append(a[0].num_tokens) or run_eager(*a)
+    two = prompts(31, [10, 30])
+    want += eager.generate([turn], params) + eager.generate(two, params)
+    got += graphed.generate([turn], params) + graphed.generate(two, params)
+    # the turn's chunk (its 20 tokens and the 3 of the last answer past the cached blocks), the two prompts
+    assert graphs.sizes_run == [24, 48, 24] and eager_steps == [23, 40]
+    for w, g in zip(want, got):
+        assert w.token_ids == g.token_ids
+        for lw, lg in zip(w.logprobs, g.logprobs):
+            assert lw.keys() == lg.keys() and all(abs(lw[t] - lg[t]) < LOGIT_TOL for t in lw)
+    # the cache: every block but the scratch one holds what the eager engine wrote there, or nothing
+    runs = graphed.engine.runner.model.attention_layers(), eager.engine.runner.model.attention_layers()
+    scratch = runner.kv_pool.scratch_block
+    for mine, theirs in zip(*runs):
+        assert (theirs.kv_cache[:scratch] != 7.0).any()
+        assert torch.allclose(mine.kv_cache[:scratch], theirs.kv_cache[:scratch], atol=1e-5)
+
+
+def test_prefill_graph_step_never_waits_for_the_device(tmp_path):
+    """The graph's body reads nothing back to the host and copies nothing from it: a CUDA graph cannot
+    capture either. Checked on the CPU, where the body runs eagerly, by the operators it dispatches."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    # item(), int(t), bool(t); a data-dependent shape; torch.tensor(data) (a copy from the host)
+    forbidden = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+                 torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in forbidden:
+                self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    class HostLists(TorchFunctionMode):  # tolist() reads a CPU tensor without dispatching
+        def __init__(self, seen):
+            super().__init__()
+            self.seen = seen
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.tolist:
+                self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    path = save_hf_checkpoint(v3_model(30), tmp_path / "ckpt")
+    llm = LLM(str(path), dtype="float32", attention_backend="triton", block_size=4, max_num_seqs=2,
+              extra={"capture_graphs_at_start": False})
+    runner = llm.engine.runner
+    UncapturedGraphs.install(runner)
+    graphs = UncapturedPrefillGraphs.install(runner, max_tokens=48, step=24)
+    graphs.length.fill_(11)
+    with HostReads() as mode, HostLists(mode.seen):
+        logits = graphs._step(24)
+    assert logits.shape == (1, runner.model_config.vocab_size) and torch.isfinite(logits).all()
+    assert not mode.seen, f"the prefill graph's body reads or copies on the host: {sorted(map(str, set(mode.seen)))}"
+
+
+@gpu
+def test_fresh_prompts_replay_the_prefill_graphs(tmp_path, dtype):
+    path = save_hf_checkpoint(build_hf_model(seed=32), tmp_path / "ckpt")
+    fast = LLM(str(path), dtype=dtype, block_size=4, extra={"prefill_graph_tokens": 512})
+    graphs = fast.engine.runner.prefill_graphs
+    assert sorted(graphs.graphs) == graphs.sizes == [256, 512]  # captured at start
+    replayed, replay = [], graphs.replay
+    graphs.replay = lambda size: replayed.append(size) or replay(size)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
+    batch = prompts(32, [100, 300, 512])
+    outs = [fast.generate([ids], params)[0] for ids in batch]  # one prompt a step
+    assert replayed == [256, 512, 512]
+    eager = LLM(str(path), dtype=dtype, block_size=4, extra={"enforce_eager": True})
+    tol = LOGIT_TOL if dtype == "float32" else 0.1
+    for w, g in zip(eager.generate(batch, params), outs):
+        common = [t for t in w.logprobs[0] if t in g.logprobs[0]]
+        assert len(common) >= 4 and all(abs(w.logprobs[0][t] - g.logprobs[0][t]) < tol for t in common)
+
+
 @gpu
 def test_short_prefill_steps_replay_the_decode_graphs(tmp_path, dtype):
     path = save_hf_checkpoint(build_hf_model(seed=27), tmp_path / "ckpt")
