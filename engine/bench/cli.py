@@ -42,6 +42,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"],
                    help="the latent cache's dtype (fp8: e4m3 c_kv with a scale per token; V3-family models, one rank)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--prefill-graphs", type=int, default=0, metavar="TOKENS",
+                   help="a prompt's prefill of up to TOKENS tokens replayed from a CUDA graph of its padded "
+                        "length, as the engine's extra prefill_graph_tokens does (0: eager)")
     p.add_argument("--no-pdl", dest="pdl", action="store_false",
                    help="kernels without programmatic dependent launch (Hopper+), to measure what it gives")
     p.add_argument("--seed", type=int, default=0)
@@ -67,7 +70,7 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
                         hf_decode_steps=args.hf_decode_steps,
                         hf_max_prompt_len=args.hf_max_prompt_len, repeats=args.repeats, kernels=args.kernels,
                         device=args.device, dtype=args.dtype, weights=args.weights, backend=args.backend,
-                        block_size=args.block_size, eager=args.eager, pdl=args.pdl, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
+                        block_size=args.block_size, eager=args.eager, prefill_graphs=args.prefill_graphs, pdl=args.pdl, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
                         out_dir=args.out, command=command,
                         tensor_parallel_size=args.tensor_parallel_size,
                         enable_expert_parallel=args.enable_expert_parallel, parallel_path=args.parallel_path)

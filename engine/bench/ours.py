@@ -52,10 +52,12 @@ def make_planner(runner: ModelRunner) -> PlanBuilder:
 
 
 def run_plan(runner: ModelRunner, planner: PlanBuilder, batch: ScheduledBatch) -> tuple[StepPlan, object]:
-    """A batch as the engine runs it: planned, its table deltas applied, then run eagerly."""
+    """A batch as the engine runs it: planned, its table deltas applied, then run (from a graph where the
+    engine's executor would replay one)."""
     plan = planner.build(batch)
     runner.tables.apply(plan.table_deltas)
     plan.table_deltas = []
+    plan.use_graph = runner.takes_graph(plan)
     return plan, runner.run(plan)
 
 

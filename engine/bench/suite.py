@@ -43,6 +43,7 @@ class BenchOptions:
     block_size: int = 64
     kv_cache_dtype: str = "auto"  # EngineConfig's: auto, bf16, fp8 (the V3-family latent cache, one rank)
     eager: bool = False
+    prefill_graphs: int = 0  # a fresh prompt's prefill of up to this many tokens from a CUDA graph (0: eager)
     pdl: bool = True  # kernels launched with programmatic dependent launch where the card has it
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -123,7 +124,9 @@ def _run(opts: BenchOptions) -> dict:
                                  attention_backend=opts.backend, max_num_seqs=max_conc, block_size=bs,
                                  kv_cache_dtype=opts.kv_cache_dtype,
                                  num_kv_blocks=num_blocks, seed=opts.seed, show_progress=False,
-                                 extra={"enforce_eager": opts.eager, "capture_graphs_at_start": False})
+                                 max_num_batched_tokens=max(EngineConfig.max_num_batched_tokens, opts.prefill_graphs),
+                                 extra={"enforce_eager": opts.eager, "capture_graphs_at_start": False,
+                                        "prefill_graph_tokens": opts.prefill_graphs})
     runner = ModelRunner(engine_config, model_config, path, max_len)
     runner.init_cache(num_blocks)
     gc.collect()
@@ -171,6 +174,7 @@ def _run(opts: BenchOptions) -> dict:
         date=datetime.date.today().isoformat(), torch=torch.__version__,
         dtype=str(runner.dtype).replace("torch.", ""), weights="fp8 e4m3, 128x128 blocks" if fp8 else str(runner.dtype).replace("torch.", ""),
         backend=runner.backend, kv_cache_dtype=opts.kv_cache_dtype, cuda_graphs=runner.graphs is not None,
+        prefill_graph_tokens=runner.prefill_graphs.sizes[-1] if runner.prefill_graphs is not None else 0,
         pdl=_util.pdl(torch.empty(0, device=device)), num_layers=model_config.num_hidden_layers,
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
         ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),
