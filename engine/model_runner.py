@@ -186,12 +186,10 @@ class ModelRunner:
         self.use_cuda_graphs = (self.backend == "triton" and self.device.type == "cuda"
                                 and getattr(M, "cuda_graphs", True)  # V4.1: no device-only decode path yet
                                 and not config.extra.get("enforce_eager", False))
-        # a fresh prompt's prefill of up to this many tokens replayed from a graph (`PrefillGraphs`; 0: none):
-        # V3-family models, whose prefill reads device tensors only, without the MTP draft after it
-        wanted = int(config.extra.get("prefill_graph_tokens", 0))
-        self.prefill_graph_tokens = (min(wanted, config.max_num_batched_tokens)
-                                     if self.use_cuda_graphs and getattr(M, "graph_prefills", False)
-                                     and not self.num_speculative_tokens else 0)
+        # a fresh prompt's prefill of up to extra["prefill_graph_tokens"] tokens replayed from a graph of its
+        # padded length (`PrefillGraphs`): V3-family models, whose prefill reads device tensors only, without
+        # the MTP draft after it; these lengths ([]: none)
+        self.prefill_graph_sizes = self._prefill_graph_sizes(int(config.extra.get("prefill_graph_tokens", 0)), M)
         self.kv_pool: KVPool | None = None
         self.tables: BlockTables | None = None
         self.graphs: DecodeGraphs | None = None
@@ -207,6 +205,22 @@ class ModelRunner:
         # image key -> its span's embeddings [span, hidden], kept from the step that reaches the image to
         # the one that reaches its end (engine.step_plan.PlanImage)
         self.image_embeds: dict[str, torch.Tensor] = {}
+
+    def _prefill_graph_sizes(self, wanted: int, model_type: type) -> list[int]:
+        """The prefill graphs' padded lengths for prompts of up to `wanted` tokens ([]: none, said in a
+        warning where some were asked for)."""
+        if not wanted:
+            return []
+        why = ("CUDA graphs are off" if not self.use_cuda_graphs
+               else f"{model_type.__name__} has no prefill graphs" if not getattr(model_type, "graph_prefills", False)
+               else "speculative decoding drafts after the eager prefill" if self.num_speculative_tokens else None)
+        c = self.config
+        sizes = [] if why else PrefillGraphs.lengths(
+            DecodeGraphs.num_rows(c.max_num_seqs, 0) + 1, min(wanted, c.max_num_batched_tokens, self.max_model_len - 1))
+        if not sizes:
+            logger.warning("prefill_graph_tokens=%d: no prefill graphs (%s)", wanted, why or
+                           "no padded length fits between the decode graphs' rows and the step budget")
+        return sizes
 
     # -- the KV pool ---------------------------------------------------------------------------------
     def _kv_cache_specs(self, kv_cache_dtype: str) -> list:
@@ -257,13 +271,14 @@ class ModelRunner:
         # rows (logits, their softmax, the filtered copy): a reserve for both; the prefill graphs' pool
         # holds a step's activations of their largest length for good (the profile's largest step, scaled)
         sampler = 4 * c.max_num_seqs * self.model_config.vocab_size * 4
-        prefill_graphs = activations * min(1.0, self.prefill_graph_tokens / c.max_num_batched_tokens)
+        profiled = max(1, min(c.max_num_batched_tokens, self.max_model_len - 1 - self.block_size))  # warm_up's largest
+        prefill_graphs = activations * min(1.0, self.prefill_graph_sizes[-1] / profiled) if self.prefill_graph_sizes else 0
         reserve = 0.01 * total + sampler + prefill_graphs
         budget = total * c.gpu_memory_utilization - (total - free) - activations - reserve
         blocks = self._blocks_in(budget)
         logger.info("KV memory: %.1f GiB of %.1f GiB (gpu_memory_utilization %.2f; in use %.1f GiB, activation "
-                    "peak %.2f GiB)", max(budget, 0) / 2**30, total / 2**30, c.gpu_memory_utilization,
-                    (total - free) / 2**30, activations / 2**30)
+                    "peak %.2f GiB, prefill graphs %.2f GiB)", max(budget, 0) / 2**30, total / 2**30,
+                    c.gpu_memory_utilization, (total - free) / 2**30, activations / 2**30, prefill_graphs / 2**30)
         if blocks < 1:
             raise MemoryError(f"no room for the KV cache: gpu_memory_utilization {c.gpu_memory_utilization} of "
                               f"{total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB after the weights and "
@@ -343,8 +358,8 @@ class ModelRunner:
             self.draft_graphs = DraftGraphs(self) if self.num_speculative_tokens and verifies_in_graphs else None
             if self.num_speculative_tokens and verifies_in_graphs and self.par.tp_size == 1:
                 self.spec_graphs = SpecGraphs(self)
-            if self.prefill_graph_tokens:
-                self.prefill_graphs = PrefillGraphs(self, self.prefill_graph_tokens)
+            if self.prefill_graph_sizes:
+                self.prefill_graphs = PrefillGraphs(self, self.prefill_graph_sizes)
             if self.config.extra.get("capture_graphs_at_start", True):
                 from engine.kernels._util import on_compile
 
@@ -992,29 +1007,40 @@ class PrefillGraphs:
     prefill is bound by the host"). A step that is one prompt with nothing cached, longer than the decode
     graphs' rows and at most `max_tokens`, replays the graph of the next multiple of STEP tokens: the
     prompt's rows, then padding rows as a second sequence of their own (causal attention keeps the
-    prompt's rows from seeing them; their latents go to the scratch block, their positions are 0).
-    What varies lives in static buffers (the prompt's length, its tokens, its block table) and the step
-    derives positions, cache slots and both sequences' bounds from them on the device, so loading a
-    step is two small copies. The padding costs device time (at most STEP - 1 rows): a short prompt's
-    prefill gains far more in host time.
+    prompt's rows from seeing them; their tokens and positions are 0, their latents go to the scratch
+    block). What varies lives in static buffers (the prompt's length, its tokens, its block table) and
+    the step derives positions, cache slots and both sequences' bounds from them on the device, so
+    loading a step is two small copies. Lengths step by MULTIPLE tokens, from 4k on by an eighth of the
+    power of two at or below (at most 12.5 % padding there). Up to MULTIPLE - 1 padding rows cost
+    device time, several times a short prompt's own, but a short prompt's step is bound by the host,
+    which the graph takes off.
 
     Steps of several prompts, a chunk over a cached prefix, or prefill and decode rows together run
     eagerly: the graph would need every sequence's bounds (and its context's) as buffers, and such steps
     are where serving already keeps the GPU busy with many rows a launch.
     """
 
-    STEP = 256
+    MULTIPLE = 256
 
-    def __init__(self, runner: ModelRunner, max_tokens: int, step: int = STEP):
+    @classmethod
+    def lengths(cls, min_tokens: int, max_tokens: int, multiple: int = MULTIPLE) -> list[int]:
+        """The padded lengths of graphs taking prompts of min_tokens to max_tokens tokens (lengths the
+        un-absorbed prefill takes: the metadata's bounds must not pick the absorbed path)."""
+        size, sizes = -(-max(min_tokens, ABSORBED_MAX_QUERY + 1) // multiple) * multiple, []
+        while size <= max_tokens:
+            sizes.append(size)
+            size += max(multiple, (1 << (size.bit_length() - 1)) // 8)
+        return sizes
+
+    def __init__(self, runner: ModelRunner, sizes: list[int]):
         self.runner = runner
-        self.smallest = runner.graphs.max_batch + 1  # fewer rows: the decode graphs take the step
-        # (and lengths the un-absorbed prefill takes: the metadata's bounds must not pick the absorbed one)
-        first = -(-max(self.smallest, ABSORBED_MAX_QUERY + 1) // step) * step
-        self.sizes = list(range(first, max_tokens + 1, step))
+        self.min_tokens = runner.graphs.max_batch + 1  # fewer rows: the decode graphs take the step
+        self.sizes = sizes
         dev, width = runner.device, runner.tables.width
-        self.input_ids = torch.zeros(max(self.sizes, default=0), dtype=torch.long, device=dev)
+        self.input_ids = torch.zeros(sizes[-1], dtype=torch.long, device=dev)
         self.length = torch.ones(1, dtype=torch.long, device=dev)  # the prompt's tokens
-        self.table = torch.full((1, width), runner.kv_pool.scratch_block, dtype=torch.int32, device=dev)
+        # the prompt's block table, then the padding sequence's: the scratch slot's (every entry the scratch block)
+        self.table = torch.full((2, width), runner.kv_pool.scratch_block, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -1024,15 +1050,15 @@ class PrefillGraphs:
 
     def takes(self, plan: StepPlan) -> bool:
         n = plan.num_tokens
-        return (bool(self.sizes) and self.smallest <= n <= self.sizes[-1] and plan.num_prefills == 1
+        return (self.min_tokens <= n <= self.sizes[-1] and plan.num_prefills == 1
                 and len(plan.slots) == 1 and plan.num_computed[0] == 0 and plan.input_ids is not None
                 and plan.sample_indices in ([], [n - 1]) and not plan.collect_logits and not plan.images
                 and not plan.shifted and plan.lookback is None)
 
     def metadata(self, size: int) -> tuple[AttentionMetadata, torch.Tensor]:
         """The two sequences' metadata over `size` rows, derived on the device -> (metadata, positions).
-        The host lists are bounds only (each sequence at most `size` rows): the fast prefill path reads
-        them for its grid alone."""
+        The host lists are bounds only (each sequence at most `size` rows, no query absorbed): the fast
+        prefill path reads them for its grid and its choice of path alone."""
         dev, bs = self.table.device, self.runner.block_size
         n = self.length
         row = torch.arange(size, device=dev)
@@ -1045,7 +1071,7 @@ class PrefillGraphs:
             slot_mapping=slots,
             query_start_loc=bounds,
             context_lens=bounds.diff(),
-            block_tables=self.table.expand(2, -1),
+            block_tables=self.table,
             num_prefills=2,
             num_prefill_tokens=size,
             block_size=bs,
@@ -1054,7 +1080,7 @@ class PrefillGraphs:
             context_lens_cpu=[size, size],
         )
         # nothing is cached: each sequence's context is its own rows, at the slots they are written to
-        meta.__dict__["prefill_context"] = (slots, bounds.int())
+        meta.set_prefill_context(slots, bounds.int())
         return meta, positions
 
     def _step(self, size: int) -> torch.Tensor:
@@ -1071,7 +1097,8 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Every padded length, largest first (the smaller graphs reuse its memory pool)."""
+        """Every padded length, largest first (the smaller graphs reuse its memory pool; captured on first
+        use instead, each larger one grows the pool)."""
         for size in reversed(self.sizes):
             if size not in self.graphs:
                 self._capture(size)
@@ -1084,12 +1111,13 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
-        n = plan.num_tokens
+        n, size = plan.num_tokens, self.padded(plan.num_tokens)
         loaded = to_device([n, *plan.input_ids], torch.long, self.input_ids.device)  # one copy
         self.length.copy_(loaded[:1])
         self.input_ids[:n].copy_(loaded[1:])
-        self.runner.tables.rows(plan.slots, out=self.table)
-        logits = self.replay(self.padded(n))
+        self.input_ids[n:size].zero_()  # the padding rows' routing and device time do not depend on history
+        self.runner.tables.rows(plan.slots, out=self.table[:1])
+        logits = self.replay(size)
         # a copy: the next replay rewrites the graph's buffer while these may still be on their way
         return StepResult(logits.clone() if plan.sample_indices else None)
 

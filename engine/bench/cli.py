@@ -70,7 +70,8 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
                         hf_decode_steps=args.hf_decode_steps,
                         hf_max_prompt_len=args.hf_max_prompt_len, repeats=args.repeats, kernels=args.kernels,
                         device=args.device, dtype=args.dtype, weights=args.weights, backend=args.backend,
-                        block_size=args.block_size, eager=args.eager, prefill_graphs=args.prefill_graphs, pdl=args.pdl, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
+                        block_size=args.block_size, eager=args.eager, prefill_graphs=args.prefill_graphs,
+                        pdl=args.pdl, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
                         out_dir=args.out, command=command,
                         tensor_parallel_size=args.tensor_parallel_size,
                         enable_expert_parallel=args.enable_expert_parallel, parallel_path=args.parallel_path)

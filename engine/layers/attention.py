@@ -48,6 +48,11 @@ class AttentionMetadata:
 
     # Per-step tensors of the fast prefill paths, built on the first layer's call and shared by the
     # others: built per layer (and per sequence) they cost more host time than the layer's kernels.
+    def set_prefill_context(self, slots: torch.Tensor, cu_lens: torch.Tensor) -> None:
+        """`prefill_context` given rather than built from the host lists (a step derived on the device,
+        whose host lists are bounds only: `model_runner.PrefillGraphs`)."""
+        self.__dict__["prefill_context"] = (slots, cu_lens)  # where the cached property keeps its value
+
     @functools.cached_property
     def prefill_context(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(the cache slot of every context row of the prefill chunks, chunk after chunk [sum ctx] int64,

@@ -257,15 +257,19 @@ def test_fp8_kv_cache_fast_path_matches_reference(tmp_path, dtype):
     assert_same_where_clear(ref, fast, prompts(23, [21, 4]), dtype)
 
 
-def test_fp8_checkpoint_keeps_blocks_and_matches_reference(tmp_path, dtype):
-    hf = v3_model(23, rope_parameters=YARN)
-    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
-    block = (16, 16)
+def save_fp8_checkpoint(hf, path, block: tuple[int, int]):
+    """The HF model saved with its weights as FP8 e4m3 blocks (DeepSeek's checkpoint format) -> its directory."""
+    path = save_hf_checkpoint(hf, path)
     save_file(quantize_checkpoint(load_file(str(path / "model.safetensors")), block), str(path / "model.safetensors"),
               metadata={"format": "pt"})
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
     (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_fp8_checkpoint_keeps_blocks_and_matches_reference(tmp_path, dtype):
+    path = save_fp8_checkpoint(v3_model(23, rope_parameters=YARN), tmp_path / "ckpt", (16, 16))
     dequantized, fast = pair(path, dtype)
     layer = fast.engine.runner.model.model.layers[1]
     assert layer.mlp.experts.w13.dtype == torch.float8_e4m3fn and layer.self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
@@ -341,13 +345,13 @@ def test_graph_steps_prefill_and_decode_as_eager_steps_do(tmp_path):
 
 class UncapturedPrefillGraphs:
     """What a prefill graph computes (`PrefillGraphs._step` over its static buffers), run eagerly, with
-    lengths padded to multiples of `step` rows; `sizes` records the padded length of each step it ran."""
+    lengths padded to multiples of `multiple` rows; `sizes_run` records the padded length of each step it ran."""
 
     @staticmethod
-    def install(runner, max_tokens: int, step: int):
+    def install(runner, max_tokens: int, multiple: int):
         from engine.model_runner import PrefillGraphs
 
-        graphs = PrefillGraphs(runner, max_tokens, step)
+        graphs = PrefillGraphs(runner, PrefillGraphs.lengths(runner.graphs.max_batch + 1, max_tokens, multiple))
         graphs.sizes_run = []
         graphs.replay = lambda size: graphs.sizes_run.append(size) or graphs._step(size)
         runner.prefill_graphs = graphs
@@ -355,34 +359,39 @@ class UncapturedPrefillGraphs:
 
 
 def test_prefill_graph_steps_prefill_as_eager_steps_do(tmp_path):
-    """One fresh prompt a step, padded to its graph's length: the prompt's first tokens' distributions
-    and its cache rows are the eager step's; the padding rows touch the scratch block only; a chunk over
-    a cached prefix and a step of two prompts stay eager."""
+    """One fresh prompt a step, padded to its graph's length (or not padded at all), or a long prompt's
+    first chunk: the prompts' first tokens' distributions and their cache rows are the eager step's; the
+    padding rows touch the scratch block only; the chunks after a first one, a chunk over a cached
+    prefix, a step of two prompts and a scored prompt stay eager."""
     path = save_hf_checkpoint(v3_model(29), tmp_path / "ckpt")
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
-    args = dict(dtype="float32", attention_backend="triton", block_size=4, max_num_seqs=2)
+    args = dict(dtype="float32", attention_backend="triton", block_size=4, max_num_seqs=2, max_num_batched_tokens=48)
     eager = LLM(str(path), **args, extra={"enforce_eager": True, "capture_graphs_at_start": False})
     graphed = LLM(str(path), **args, extra={"capture_graphs_at_start": False})
     runner = graphed.engine.runner
     UncapturedGraphs.install(runner)
-    graphs = UncapturedPrefillGraphs.install(runner, max_tokens=72, step=24)
-    assert graphs.sizes == [24, 48, 72]  # from 3 rows (the decode graphs take 2) to 72
-    batch = prompts(29, [21, 40, 3])
+    graphs = UncapturedPrefillGraphs.install(runner, max_tokens=48, multiple=24)
+    assert graphs.sizes == [24, 48]  # from 3 rows (the decode graphs take 2) to the step budget
     for layer in (*runner.model.attention_layers(), *eager.engine.runner.model.attention_layers()):
         layer.kv_cache.fill_(7.0)  # rows no step writes keep it
+    eager_steps, run_eager = [], runner._run_eager
+    runner._run_eager = lambda *a: eager_steps.append(a[0].num_tokens) or run_eager(*a)
+    batch = prompts(29, [21, 40, 3, 24, 60])
     want, got = [], []
     for ids in batch:  # one prompt a step
         want += eager.generate([ids], params)
         got += graphed.generate([ids], params)
-    assert graphs.sizes_run == [24, 48, 24]
+    # 24 tokens: no padding rows (an empty second sequence); 60: a first chunk of 48, then 12 eagerly
+    assert graphs.sizes_run == [24, 48, 24, 24, 48] and eager_steps == [12]
     turn = batch[1] + got[1].token_ids + list(range(5, 25))  # 20 new tokens over a cached prefix
-    eager_steps, run_eager = [], runner._run_eager
-    runner._run_eager = lambda *a: eager_steps.append(a[0].num_tokens) or run_eager(*a)
     two = prompts(31, [10, 30])
     want += eager.generate([turn], params) + eager.generate(two, params)
     got += graphed.generate([turn], params) + graphed.generate(two, params)
-    # the turn's chunk (its 20 tokens and the 3 of the last answer past the cached blocks), the two prompts
-    assert graphs.sizes_run == [24, 48, 24] and eager_steps == [23, 40]
+    scored = prompts(32, [30])
+    assert torch.allclose(eager.score(scored)[0], graphed.score(scored)[0], atol=LOGIT_TOL)
+    # the turn's chunk (its 20 tokens and the 3 of the last answer past the cached blocks), the two
+    # prompts, the scored one (every position's logits)
+    assert graphs.sizes_run == [24, 48, 24, 24, 48] and eager_steps == [12, 23, 40, 30]
     for w, g in zip(want, got):
         assert w.token_ids == g.token_ids
         for lw, lg in zip(w.logprobs, g.logprobs):
@@ -430,7 +439,7 @@ def test_prefill_graph_step_never_waits_for_the_device(tmp_path):
               extra={"capture_graphs_at_start": False})
     runner = llm.engine.runner
     UncapturedGraphs.install(runner)
-    graphs = UncapturedPrefillGraphs.install(runner, max_tokens=48, step=24)
+    graphs = UncapturedPrefillGraphs.install(runner, max_tokens=48, multiple=24)
     graphs.length.fill_(11)
     with HostReads() as mode, HostLists(mode.seen):
         logits = graphs._step(24)
@@ -442,19 +451,47 @@ def test_prefill_graph_step_never_waits_for_the_device(tmp_path):
 def test_fresh_prompts_replay_the_prefill_graphs(tmp_path, dtype):
     path = save_hf_checkpoint(build_hf_model(seed=32), tmp_path / "ckpt")
     fast = LLM(str(path), dtype=dtype, block_size=4, extra={"prefill_graph_tokens": 512})
+    assert_prefill_graphs_as_eager(path, fast, dtype, [100, 512, 300], [256, 512, 512], [256, 512], block_size=4)
+
+
+@gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_fp8_prefill_graphs_at_production_tiles(tmp_path, kv_cache_dtype):
+    """The prefill graphs over the paths a small model does not reach: FP8 128 x 128 blocks (cuBLAS's
+    block-scaled GEMM from 256 rows, the persistent TMA expert GEMMs), the TMA prefill attention (192-wide
+    keys), the two-kernel expert alignment (more than 4,096 pairs), and the FP8 latent cache."""
+    hf = build_hf_model(seed=33, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256,
+                        q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128, num_experts_per_tok=4, max_position_embeddings=2048, initializer_range=0.02)
+    path = save_fp8_checkpoint(hf, tmp_path / "ckpt", (128, 128))
+    args = dict(block_size=64, kv_cache_dtype=kv_cache_dtype)
+    fast = LLM(str(path), dtype="bfloat16", **args, extra={"prefill_graph_tokens": 1280})
+    assert fast.engine.runner.model.model.layers[1].mlp.experts.w13.dtype == torch.float8_e4m3fn
+    assert_prefill_graphs_as_eager(path, fast, "bfloat16", [100, 1100, 300], [256, 1280, 512],
+                                   [256, 512, 768, 1024, 1280], **args)
+
+
+def assert_prefill_graphs_as_eager(path, fast: LLM, dtype: str, lengths: list[int], padded: list[int],
+                                   sizes: list[int], **engine_args) -> None:
+    """Prompts of `lengths` one a step through `fast`'s captured prefill graphs (of `sizes`, replayed at
+    `padded`, a longer prompt's tail left in the buffers before a shorter one), their first tokens'
+    distributions against the eager engine's."""
     graphs = fast.engine.runner.prefill_graphs
-    assert sorted(graphs.graphs) == graphs.sizes == [256, 512]  # captured at start
+    assert sorted(graphs.graphs) == graphs.sizes == sizes  # captured at start
     replayed, replay = [], graphs.replay
     graphs.replay = lambda size: replayed.append(size) or replay(size)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
-    batch = prompts(32, [100, 300, 512])
+    batch = prompts(32, lengths)
     outs = [fast.generate([ids], params)[0] for ids in batch]  # one prompt a step
-    assert replayed == [256, 512, 512]
-    eager = LLM(str(path), dtype=dtype, block_size=4, extra={"enforce_eager": True})
+    assert replayed == padded
+    eager = LLM(str(path), dtype=dtype, **engine_args, extra={"enforce_eager": True})
     tol = LOGIT_TOL if dtype == "float32" else 0.1
     for w, g in zip(eager.generate(batch, params), outs):
         common = [t for t in w.logprobs[0] if t in g.logprobs[0]]
         assert len(common) >= 4 and all(abs(w.logprobs[0][t] - g.logprobs[0][t]) < tol for t in common)
+        first, second = sorted(w.logprobs[0].values(), reverse=True)[:2]
+        if first - second > tol:  # a clear choice: the same first token
+            assert g.token_ids[0] == w.token_ids[0]
 
 
 @gpu
