@@ -186,9 +186,10 @@ class ModelRunner:
         self.use_cuda_graphs = (self.backend == "triton" and self.device.type == "cuda"
                                 and getattr(M, "cuda_graphs", True)  # V4.1: no device-only decode path yet
                                 and not config.extra.get("enforce_eager", False))
-        # a fresh prompt's prefill of up to extra["prefill_graph_tokens"] tokens replayed from a graph of its
-        # padded length (`PrefillGraphs`): V3-family models, whose prefill reads device tensors only, without
-        # the MTP draft after it; these lengths ([]: none)
+        # steps of up to extra["prefill_graph_tokens"] tokens replayed from graphs of their padded length: a
+        # fresh prompt's whole (`PrefillGraphs`; not with the MTP draft, which reads the eager step's
+        # metadata), others in pieces around attention (`PiecewiseGraphs`); V3-family models, whose layers
+        # read device tensors only outside attention; these lengths ([]: none)
         self.prefill_graph_sizes = self._prefill_graph_sizes(int(config.extra.get("prefill_graph_tokens", 0)), M)
         self.kv_pool: KVPool | None = None
         self.tables: BlockTables | None = None
@@ -197,6 +198,7 @@ class ModelRunner:
         self.draw_graphs: DrawGraphs | None = None  # plain decode steps' draws, after the decode graph
         self.spec_graphs: SpecGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         self.warmed_up = False
         # the last step's rows for the MTP draft after it: (plan, positions [T], block tables [T, width], its
         # metadata, hidden [T, hidden]); after a replayed step only plan and hidden (the rest is in the
@@ -207,16 +209,17 @@ class ModelRunner:
         self.image_embeds: dict[str, torch.Tensor] = {}
 
     def _prefill_graph_sizes(self, wanted: int, model_type: type) -> list[int]:
-        """The prefill graphs' padded lengths for prompts of up to `wanted` tokens ([]: none, said in a
-        warning where some were asked for)."""
+        """The prefill and piecewise graphs' padded lengths for steps of up to `wanted` tokens ([]: none,
+        said in a warning where some were asked for)."""
         if not wanted:
             return []
         why = ("CUDA graphs are off" if not self.use_cuda_graphs
                else f"{model_type.__name__} has no prefill graphs" if not getattr(model_type, "graph_prefills", False)
-               else "speculative decoding drafts after the eager prefill" if self.num_speculative_tokens else None)
+               else None)
         c = self.config
         sizes = [] if why else PrefillGraphs.lengths(
-            DecodeGraphs.num_rows(c.max_num_seqs, 0) + 1, min(wanted, c.max_num_batched_tokens, self.max_model_len - 1))
+            DecodeGraphs.num_rows(c.max_num_seqs, self.num_speculative_tokens) + 1,
+            min(wanted, c.max_num_batched_tokens, self.max_model_len - 1))
         if not sizes:
             logger.warning("prefill_graph_tokens=%d: no prefill graphs (%s)", wanted, why or
                            "no padded length fits between the decode graphs' rows and the step budget")
@@ -358,8 +361,13 @@ class ModelRunner:
             self.draft_graphs = DraftGraphs(self) if self.num_speculative_tokens and verifies_in_graphs else None
             if self.num_speculative_tokens and verifies_in_graphs and self.par.tp_size == 1:
                 self.spec_graphs = SpecGraphs(self)
+            # one pool for both: neither's replays leave anything in it that the other's could overwrite
+            # but the prefill graphs' logits, which stay allocated
+            pool = torch.cuda.graph_pool_handle() if self.prefill_graph_sizes else None
+            if self.prefill_graph_sizes and not self.num_speculative_tokens:
+                self.prefill_graphs = PrefillGraphs(self, self.prefill_graph_sizes, pool)
             if self.prefill_graph_sizes:
-                self.prefill_graphs = PrefillGraphs(self, self.prefill_graph_sizes)
+                self.piecewise = PiecewiseGraphs(self, self.prefill_graph_sizes, pool)
             if self.config.extra.get("capture_graphs_at_start", True):
                 from engine.kernels._util import on_compile
 
@@ -374,6 +382,8 @@ class ModelRunner:
                     self.spec_graphs.capture_all()
                 if self.prefill_graphs is not None:
                     self.prefill_graphs.capture_all()
+                if self.piecewise is not None:
+                    self.piecewise.capture_all()
                 # anything built from here on stalls a serving step: name it, so warm_up can learn it
                 on_compile(lambda variant: logger.warning("Triton built a kernel variant after warm-up "
                                                           "(this step stalls until it is ready): %s", variant))
@@ -397,7 +407,7 @@ class ModelRunner:
                     continue  # positions past the rope table
                 # every row lands in the scratch block (the scratch slot's table)
                 plan = StepPlan([scratch], [prefix], [n], 1, [0] * n, [n - 1])
-                self._run_eager(plan)  # what the graphs do not take
+                self._run_eager(plan, pieces=False)  # what the graphs do not take
                 # and the MTP draft after it (eager after a prefill), where its positions fit the rope table
                 if self.num_speculative_tokens and prefix + n + self.num_speculative_tokens <= self.max_model_len:
                     self.propose(DraftPlan(self.num_speculative_tokens, [n - 1], [scratch]),
@@ -483,10 +493,13 @@ class ModelRunner:
             plan = resolve_offsets(plan, offsets)
         return self._run_eager(plan, inputs)
 
-    def _run_eager(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> StepResult:
+    def _run_eager(self, plan: StepPlan, inputs: torch.Tensor | None = None, pieces: bool = True) -> StepResult:
+        """pieces: a step the piecewise graphs take replays them around its eager attention."""
         input_ids, positions, meta = self._prepare(plan, inputs)
         if plan.images:
             hidden = self.model(input_ids, positions, meta, image_embeds=self._image_embeds(plan))
+        elif pieces and self.piecewise is not None and self.piecewise.takes(plan):
+            hidden = self.piecewise.forward(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
         if self.num_speculative_tokens:
@@ -1032,7 +1045,7 @@ class PrefillGraphs:
             size += max(multiple, (1 << (size.bit_length() - 1)) // 8)
         return sizes
 
-    def __init__(self, runner: ModelRunner, sizes: list[int]):
+    def __init__(self, runner: ModelRunner, sizes: list[int], pool=None):
         self.runner = runner
         self.min_tokens = runner.graphs.max_batch + 1  # fewer rows: the decode graphs take the step
         self.sizes = sizes
@@ -1043,7 +1056,7 @@ class PrefillGraphs:
         self.table = torch.full((2, width), runner.kv_pool.scratch_block, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool = pool
 
     def padded(self, num_tokens: int) -> int:
         return next(s for s in self.sizes if s >= num_tokens)
@@ -1120,6 +1133,117 @@ class PrefillGraphs:
         logits = self.replay(size)
         # a copy: the next replay rewrites the graph's buffer while these may still be on their way
         return StepResult(logits.clone() if plan.sample_indices else None)
+
+
+class PiecewiseGraphs:
+    """Steps no whole graph takes, replayed in pieces around each layer's attention, one chain of pieces
+    per padded length.
+
+    Any step of more rows than the decode graphs hold and at most `sizes[-1]` (prefill chunks over
+    cached prefixes or not, several prompts, decode rows beside them) keeps only its attention eager:
+    attention is where a step's shape lives (each sequence's bounds and context), and everything else is
+    row-wise. Piece 0 embeds the tokens and runs the first layer up to attention (`DecoderLayer.
+    before_attention`: the input norm, the projections, the latent write); piece i runs layer i - 1
+    after attention (`after_attention`: o_proj, the norm, the MLP or MoE) and layer i up to it; the last
+    piece ends with the final norm. Between pieces `MLA.attend` runs eagerly over the step's own
+    metadata. What crosses a piece's edge is in static buffers (the queries, the residual stream,
+    attention's output, the final hidden state), so no piece's output stays alive in the graphs' pool;
+    copying them costs ~60 MB of traffic a layer at 2k tokens of DeepSeek-V2-Lite (~1 % of the step).
+    Padding rows carry token 0 at position 0, and their latents go to the scratch block; attention reads
+    the step's own rows only.
+    """
+
+    def __init__(self, runner: ModelRunner, sizes: list[int], pool):
+        self.runner, self.sizes, self.pool = runner, sizes, pool
+        self.min_tokens = runner.graphs.max_batch + 1  # fewer rows: the decode graphs take the step
+        model = runner.model.model
+        self.embed, self.layers, self.norm = model.embed_tokens, model.layers, model.norm
+        attn = self.layers[0].self_attn
+        self.nope = attn.qk_nope_head_dim
+        dev, n, dtype = runner.device, sizes[-1], runner.dtype
+        hidden = runner.model_config.hidden_size
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.scratch_slot = runner.kv_pool.scratch_block * runner.block_size  # the scratch block's first row
+        self.slots = torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev)
+        self.queries = torch.zeros(n, attn.num_heads, self.nope + attn.qk_rope_head_dim, dtype=dtype, device=dev)
+        self.attn_out = torch.zeros(n, attn.num_heads, attn.v_head_dim, dtype=dtype, device=dev)
+        self.residual = torch.zeros(n, hidden, dtype=dtype, device=dev)
+        self.hidden = torch.zeros(n, hidden, dtype=dtype, device=dev)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+
+    def takes(self, plan: StepPlan) -> bool:
+        return self.min_tokens <= plan.num_tokens <= self.sizes[-1] and not plan.images
+
+    def padded(self, num_tokens: int) -> int:
+        return next(s for s in self.sizes if s >= num_tokens)
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        """What the pieces read of a step's metadata: the cache slots alone (`MLA.project`); the rest
+        describes one chunk of `size` rows and is not read."""
+        empty = self.slots[:0]
+        return AttentionMetadata(slot_mapping=self.slots[:size], query_start_loc=empty, context_lens=empty,
+                                 block_tables=empty.view(0, 0), num_prefills=1, num_prefill_tokens=size,
+                                 block_size=self.runner.block_size, query_start_loc_cpu=[0, size],
+                                 query_lens_cpu=[size], context_lens_cpu=[size])
+
+    def _piece(self, size: int, i: int) -> None:
+        """Piece i of a step of `size` rows, from and into the static buffers."""
+        if i == 0:
+            h, residual = self.embed(self.input_ids[:size]), None
+        else:
+            h, residual = self.layers[i - 1].after_attention(self.attn_out[:size], self.residual[:size])
+        if i == len(self.layers):
+            self.hidden[:size].copy_(self.norm(h, residual)[0])
+            return
+        (q_nope, q_pe, _), residual = self.layers[i].before_attention(self.positions[:size], h, residual,
+                                                                      self._metadata(size))
+        self.queries[:size, :, : self.nope].copy_(q_nope)
+        self.queries[:size, :, self.nope:].copy_(q_pe)
+        self.residual[:size].copy_(residual)
+
+    def _capture(self, size: int) -> None:
+        """The chain for `size` rows, with every row's latent sent to the scratch block (what the runs
+        before the capture write is garbage)."""
+        self.slots[:size].fill_(self.scratch_slot)
+        chain = []
+        for i in range(len(self.layers) + 1):
+            graph, _ = capture_graph(lambda i=i: self._piece(size, i), self.pool)
+            self.pool = graph.pool()
+            chain.append(graph)
+        self.graphs[size] = chain
+        logger.info("captured %d CUDA graphs around attention for steps of up to %d tokens", len(chain), size)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        for size in reversed(self.sizes):
+            if size not in self.graphs:
+                self._capture(size)
+
+    def replay(self, size: int, i: int) -> None:
+        self.graphs[size][i].replay()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's forward for the step (`ModelRunner._prepare`'s tensors) -> hidden [T, hidden], a view
+        of a buffer the next step rewrites."""
+        n = input_ids.shape[0]
+        size = self.padded(n)
+        if size not in self.graphs:
+            self._capture(size)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slots[:n].copy_(meta.slot_mapping)
+        if n < size:  # padding rows: token 0 at position 0, into the scratch block
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.slots[n:size].fill_(self.scratch_slot)
+        queries = self.queries[:n]
+        for i, layer in enumerate(self.layers):
+            self.replay(size, i)
+            out = layer.self_attn.attend(queries[:, :, : self.nope], queries[:, :, self.nope:], None, meta)
+            self.attn_out[:n].copy_(out)
+        self.replay(size, len(self.layers))
+        return self.hidden[:n]
 
 
 class DecodeGraphs:

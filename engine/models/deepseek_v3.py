@@ -84,6 +84,13 @@ class MLA(nn.Module):
         self.absorb = AbsorbWeights.of(self.kv_b_proj.weight.detach(), self.qk_nope_head_dim, self.v_head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.output(self.attend(*self.project(positions, x, meta), meta))
+
+    def project(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Everything before attention: the queries, and the new tokens' latents written to the cache (at
+        meta.slot_mapping, the only metadata read unless one decoding token's query is absorbed here too)
+        -> (q_nope [T, H, nope], q_pe [T, H, rope] rotated, q_latent [1, H, kv_lora] or None)."""
         num_tokens = x.shape[0]
         if self.fused_input_proj is not None and self.use_kernels:
             q, kv = self.fused_input_proj(x).split(
@@ -117,7 +124,13 @@ class MLA(nn.Module):
             c_kv = self.kv_a_layernorm(c_kv)
             q_pe, k_pe = self.rotary(positions, q_pe), self.rotary(positions, k_pe)
             write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe], dim=-1), meta.slot_mapping, self.kv_lora_rank)
+        return q_nope, q_pe, q_latent
 
+    def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, q_latent: torch.Tensor | None,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """The queries over the cache (prefill chunks first, then decode rows) -> [T, H, v]."""
+        num_tokens = q_nope.shape[0]
+        absorb = self.absorb if self.use_kernels and q_nope.is_cuda else None
         n = meta.num_prefill_tokens
         args = (self.kv_cache, meta, self.kv_b_proj.weight, self.kv_lora_rank, self.v_head_dim, self.softmax_scale)
         prefill, decode = (mla_prefill_fast, mla_decode_fast) if self.use_kernels else (mla_prefill, mla_decode)
@@ -127,9 +140,13 @@ class MLA(nn.Module):
         elif not meta.num_decodes:
             out = prefill(q_nope, q_pe, *args, **kw)
         else:
-            out = torch.empty(num_tokens, self.num_heads, self.v_head_dim, dtype=x.dtype, device=x.device)
+            out = torch.empty(num_tokens, self.num_heads, self.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
             out[:n] = prefill(q_nope[:n], q_pe[:n], *args, **kw)
             out[n:] = decode(q_nope[n:], q_pe[n:], *args, **kw)
+        return out
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """[T, H, v] -> [T, hidden]."""
         return self.o_proj(out.flatten(1))
 
 
@@ -208,11 +225,21 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this layer's MLP output, the residual stream before it); the next norm adds the two, and
         sums a MoE layer's slots: at decode its experts hand them on unsummed ([T, slots, hidden])."""
+        queries, residual = self.before_attention(positions, h, residual, meta)
+        return self.after_attention(self.self_attn.attend(*queries, meta), residual)
+
+    def before_attention(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                         meta: AttentionMetadata) -> tuple[tuple, torch.Tensor]:
+        """The input norm and `MLA.project` -> (its queries, the residual stream)."""
         if residual is None:
             h, residual = self.input_layernorm(h), h
         else:
             h, residual = self.input_layernorm(h, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(positions, h, meta), residual)
+        return self.self_attn.project(positions, h, meta), residual
+
+    def after_attention(self, out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention's output [T, H, v] -> (the MLP's output, the residual stream before it)."""
+        h, residual = self.post_attention_layernorm(self.self_attn.output(out), residual)
         return (self.mlp(h, sum_slots=False) if isinstance(self.mlp, MoE) else self.mlp(h)), residual
 
 

@@ -337,6 +337,22 @@ def test_graph_steps_prefill_and_decode_as_eager_steps_do(tmp_path):
     want += eager.generate([turn], params)
     got += graphed.generate([turn], params)
     assert not eager_steps and got[-1].num_cached_tokens > 0  # prefills and decodes took the graph rows
+    assert_same_outputs(want, got)
+
+
+def eager_and_graphed(path, max_num_seqs: int) -> tuple[LLM, LLM]:
+    """The fast path eager, and with its graphs' bodies run eagerly (`UncapturedGraphs`): float32, blocks of
+    four tokens, steps of up to 48 tokens, nothing captured at start."""
+    args = dict(dtype="float32", attention_backend="triton", block_size=4, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=48)
+    eager = LLM(str(path), **args, extra={"enforce_eager": True, "capture_graphs_at_start": False})
+    graphed = LLM(str(path), **args, extra={"capture_graphs_at_start": False})
+    UncapturedGraphs.install(graphed.engine.runner)
+    return eager, graphed
+
+
+def assert_same_outputs(want, got) -> None:
+    """Same tokens, and top log-probs within LOGIT_TOL at every step."""
     for w, g in zip(want, got):
         assert w.token_ids == g.token_ids
         for lw, lg in zip(w.logprobs, g.logprobs):
@@ -363,13 +379,9 @@ def test_prefill_graph_steps_prefill_as_eager_steps_do(tmp_path):
     first chunk: the prompts' first tokens' distributions and their cache rows are the eager step's; the
     padding rows touch the scratch block only; the chunks after a first one, a chunk over a cached
     prefix, a step of two prompts and a scored prompt stay eager."""
-    path = save_hf_checkpoint(v3_model(29), tmp_path / "ckpt")
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
-    args = dict(dtype="float32", attention_backend="triton", block_size=4, max_num_seqs=2, max_num_batched_tokens=48)
-    eager = LLM(str(path), **args, extra={"enforce_eager": True, "capture_graphs_at_start": False})
-    graphed = LLM(str(path), **args, extra={"capture_graphs_at_start": False})
+    eager, graphed = eager_and_graphed(save_hf_checkpoint(v3_model(29), tmp_path / "ckpt"), max_num_seqs=2)
     runner = graphed.engine.runner
-    UncapturedGraphs.install(runner)
     graphs = UncapturedPrefillGraphs.install(runner, max_tokens=48, multiple=24)
     assert graphs.sizes == [24, 48]  # from 3 rows (the decode graphs take 2) to the step budget
     for layer in (*runner.model.attention_layers(), *eager.engine.runner.model.attention_layers()):
@@ -392,10 +404,7 @@ def test_prefill_graph_steps_prefill_as_eager_steps_do(tmp_path):
     # the turn's chunk (its 20 tokens and the 3 of the last answer past the cached blocks), the two
     # prompts, the scored one (every position's logits)
     assert graphs.sizes_run == [24, 48, 24, 24, 48] and eager_steps == [12, 23, 40, 30]
-    for w, g in zip(want, got):
-        assert w.token_ids == g.token_ids
-        for lw, lg in zip(w.logprobs, g.logprobs):
-            assert lw.keys() == lg.keys() and all(abs(lw[t] - lg[t]) < LOGIT_TOL for t in lw)
+    assert_same_outputs(want, got)
     # the cache: every block but the scratch one holds what the eager engine wrote there, or nothing
     runs = graphed.engine.runner.model.attention_layers(), eager.engine.runner.model.attention_layers()
     scratch = runner.kv_pool.scratch_block
@@ -404,47 +413,109 @@ def test_prefill_graph_steps_prefill_as_eager_steps_do(tmp_path):
         assert torch.allclose(mine.kv_cache[:scratch], theirs.kv_cache[:scratch], atol=1e-5)
 
 
-def test_prefill_graph_step_never_waits_for_the_device(tmp_path):
-    """The graph's body reads nothing back to the host and copies nothing from it: a CUDA graph cannot
-    capture either. Checked on the CPU, where the body runs eagerly, by the operators it dispatches."""
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._python_dispatch import TorchDispatchMode
+class HostAccess:
+    """Records what a CUDA graph cannot capture, as the operators run on the CPU: item(), int(t) and
+    bool(t), a data-dependent shape (nonzero), torch.tensor(data) (a copy from the host), tolist() (which
+    reads a CPU tensor without dispatching)."""
 
-    # item(), int(t), bool(t); a data-dependent shape; torch.tensor(data) (a copy from the host)
-    forbidden = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+    FORBIDDEN = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
                  torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 
-    class HostReads(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
+    def __init__(self):
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in forbidden:
-                self.seen.append(func)
-            return func(*args, **(kwargs or {}))
+        seen = self.seen = []
 
-    class HostLists(TorchFunctionMode):  # tolist() reads a CPU tensor without dispatching
-        def __init__(self, seen):
-            super().__init__()
-            self.seen = seen
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func in HostAccess.FORBIDDEN:
+                    seen.append(str(func))
+                return func(*args, **(kwargs or {}))
 
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is torch.Tensor.tolist:
-                self.seen.append(func)
-            return func(*args, **(kwargs or {}))
+        class Lists(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func is torch.Tensor.tolist:
+                    seen.append("tolist")
+                return func(*args, **(kwargs or {}))
 
+        self.modes = (Ops(), Lists())
+
+    def __enter__(self):
+        for mode in self.modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self.modes):
+            mode.__exit__(*exc)
+
+
+def test_graph_bodies_never_wait_for_the_device(tmp_path):
+    """The prefill graph's body and every piece of the piecewise graphs read nothing back to the host
+    and copy nothing from it (`HostAccess`), checked on the CPU where they run eagerly."""
     path = save_hf_checkpoint(v3_model(30), tmp_path / "ckpt")
     llm = LLM(str(path), dtype="float32", attention_backend="triton", block_size=4, max_num_seqs=2,
               extra={"capture_graphs_at_start": False})
     runner = llm.engine.runner
     UncapturedGraphs.install(runner)
     graphs = UncapturedPrefillGraphs.install(runner, max_tokens=48, multiple=24)
+    pieces = UncapturedPiecewise.install(runner, max_tokens=48, multiple=24)
     graphs.length.fill_(11)
-    with HostReads() as mode, HostLists(mode.seen):
+    with HostAccess() as access:
         logits = graphs._step(24)
+        for i in range(len(pieces.layers) + 1):
+            pieces._piece(24, i)
     assert logits.shape == (1, runner.model_config.vocab_size) and torch.isfinite(logits).all()
-    assert not mode.seen, f"the prefill graph's body reads or copies on the host: {sorted(map(str, set(mode.seen)))}"
+    assert torch.isfinite(pieces.hidden[:24]).all()
+    assert not access.seen, f"a graph's body reads or copies on the host: {sorted(set(access.seen))}"
+
+
+class UncapturedPiecewise:
+    """What the piecewise graphs compute (`PiecewiseGraphs._piece` over their static buffers), run eagerly;
+    `sizes_run` records each step's padded length."""
+
+    @staticmethod
+    def install(runner, max_tokens: int, multiple: int):
+        from engine.model_runner import PiecewiseGraphs, PrefillGraphs
+
+        pieces = PiecewiseGraphs(runner, PrefillGraphs.lengths(runner.graphs.max_batch + 1, max_tokens, multiple), None)
+        pieces.sizes_run = []
+
+        def replay(size: int, i: int) -> None:
+            if i == 0:
+                pieces.sizes_run.append(size)
+            pieces._piece(size, i)
+
+        pieces._capture = lambda size: pieces.graphs.setdefault(size, [])
+        pieces.replay = replay
+        runner.piecewise = pieces
+        return pieces
+
+
+def test_piecewise_steps_run_as_eager_steps_do(tmp_path):
+    """Steps of several prompts, of prompts beside decode rows, of a chunk over a cached prefix, and a
+    scored prompt, in pieces around their eager attention: the same log-probs, tokens and scores as the
+    eager engine's, and the model's whole forward never runs for them."""
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
+    eager, graphed = eager_and_graphed(save_hf_checkpoint(v3_model(34), tmp_path / "ckpt"), max_num_seqs=4)
+    runner = graphed.engine.runner
+    pieces = UncapturedPiecewise.install(runner, max_tokens=48, multiple=24)
+    assert pieces.sizes == [24, 48]  # from 5 rows (the decode graphs take 4) to the step budget
+    whole, forward = [], runner.model.forward
+    runner.model.forward = lambda ids, *a, **k: (len(ids) > 4 and whole.append(len(ids))) or forward(ids, *a, **k)
+    batch = prompts(34, [21, 40, 10])
+    # 48 tokens (the first prompt, 27 of the second); 24 (the second's 13, the third's 10, a decode row)
+    want, got = eager.generate(batch, params), graphed.generate(batch, params)
+    assert pieces.sizes_run[:2] == [48, 24]
+    turn = batch[1] + got[1].token_ids + list(range(5, 25))  # a chunk over a cached prefix
+    want += eager.generate([turn], params)
+    got += graphed.generate([turn], params)
+    assert pieces.sizes_run[2:] == [24] and not whole
+    assert_same_outputs(want, got)
+    scored = prompts(35, [30])
+    assert torch.allclose(eager.score(scored)[0], graphed.score(scored)[0], atol=LOGIT_TOL)
+    assert pieces.sizes_run[3:] == [48] and not whole
 
 
 @gpu
@@ -469,6 +540,47 @@ def test_fp8_prefill_graphs_at_production_tiles(tmp_path, kv_cache_dtype):
     assert fast.engine.runner.model.model.layers[1].mlp.experts.w13.dtype == torch.float8_e4m3fn
     assert_prefill_graphs_as_eager(path, fast, "bfloat16", [100, 1100, 300], [256, 1280, 512],
                                    [256, 512, 768, 1024, 1280], **args)
+    assert_piecewise_as_eager(path, fast, "bfloat16", [500, 600, 80], **args)
+
+
+@gpu
+def test_mixed_steps_replay_the_piecewise_graphs(tmp_path, dtype):
+    path = save_hf_checkpoint(build_hf_model(seed=36), tmp_path / "ckpt")
+    args = dict(block_size=4, max_num_batched_tokens=512)
+    fast = LLM(str(path), dtype=dtype, **args, extra={"prefill_graph_tokens": 512})
+    assert sorted(fast.engine.runner.piecewise.graphs) == [256, 512]  # captured at start
+    assert_piecewise_as_eager(path, fast, dtype, [300, 400, 90], **args)
+
+
+def assert_piecewise_as_eager(path, fast: LLM, dtype: str, lengths: list[int], **engine_args) -> None:
+    """Prompts of `lengths` sent together (steps of several prompts, then one's last chunk beside the
+    others' decode rows), then a next turn over the first one's cached prefix, through `fast`'s piecewise
+    graphs: the log-probs of every step against the eager engine's, and no step of more rows than the
+    decode graphs take ran the model's whole forward."""
+    runner = fast.engine.runner
+    pieces, limit = runner.piecewise, runner.graphs.max_batch
+    replayed, replay = [], pieces.replay
+    pieces.replay = lambda size, i: (replayed.append(size) if i == 0 else None, replay(size, i))[1]
+    whole, forward = [], runner.model.forward
+    runner.model.forward = lambda ids, *a, **k: (whole.append(len(ids)) if len(ids) > limit else None,
+                                                 forward(ids, *a, **k))[1]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
+    batch = prompts(37, lengths)
+    outs = fast.generate(batch, params)
+    turn = batch[0] + outs[0].token_ids + prompts(38, [150])[0]
+    outs += fast.generate([turn], params)
+    assert len(replayed) >= 3 and not whole
+    eager = LLM(str(path), dtype=dtype, **engine_args, extra={"enforce_eager": True})
+    want = eager.generate(batch, params) + eager.generate([turn], params)
+    tol = LOGIT_TOL if dtype == "float32" else 0.1
+    for w, g in zip(want, outs):
+        for lw, lg in zip(w.logprobs, g.logprobs):
+            common = [t for t in lw if t in lg]
+            assert len(common) >= 3 and all(abs(lw[t] - lg[t]) < tol for t in common)
+        if w.token_ids != g.token_ids:  # only where the eager engine's choice was not clear
+            j = next(i for i, (a, b) in enumerate(zip(w.token_ids, g.token_ids)) if a != b)
+            first, second = sorted(w.logprobs[j].values(), reverse=True)[:2]
+            assert first - second <= tol
 
 
 def assert_prefill_graphs_as_eager(path, fast: LLM, dtype: str, lengths: list[int], padded: list[int],

@@ -17,7 +17,7 @@ def test_warm_up_runs_every_step_size_into_the_scratch_block_only(random_checkpo
     before = [layer.kv_cache.clone() for layer in runner.model.attention_layers()]
     sizes = []
     run = runner._run_eager  # warm-up runs eagerly: the steps the graphs do not take need these kernels
-    monkeypatch.setattr(runner, "_run_eager", lambda plan: (sizes.append(plan.query_lens[0]), run(plan))[1])
+    monkeypatch.setattr(runner, "_run_eager", lambda plan, **kw: (sizes.append(plan.query_lens[0]), run(plan, **kw))[1])
     with caplog.at_level(logging.INFO, logger="engine.model_runner"):
         runner.warm_up()
     assert sorted(set(sizes)) == [1, 2, 4, 8, 16, 32, 64, 100]
