@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -271,17 +272,23 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         # not in the profile: the decode graphs' pools and the sampler's [max_num_seqs, vocab] float32
-        # rows (logits, their softmax, the filtered copy): a reserve for both; the prefill graphs' pool
-        # holds a step's activations of their largest length for good (the profile's largest step, scaled)
+        # rows (logits, their softmax, the filtered copy): a reserve for both; the graphs of long steps:
+        # their pool holds a step's activations of their largest length for good (the profile's largest
+        # step, scaled), and the pieces' static buffers
         sampler = 4 * c.max_num_seqs * self.model_config.vocab_size * 4
-        profiled = max(1, min(c.max_num_batched_tokens, self.max_model_len - 1 - self.block_size))  # warm_up's largest
-        prefill_graphs = activations * min(1.0, self.prefill_graph_sizes[-1] / profiled) if self.prefill_graph_sizes else 0
-        reserve = 0.01 * total + sampler + prefill_graphs
+        long_steps = 0
+        if self.prefill_graph_sizes:
+            rows = self.prefill_graph_sizes[-1]
+            profiled = max(1, min(c.max_num_batched_tokens, self.max_model_len - 1 - self.block_size))  # warm_up's
+            heads = self.model_config.num_attention_heads // self.par.tp_size
+            long_steps = (activations * min(1.0, rows / profiled)
+                          + PiecewiseGraphs.buffer_bytes(rows, heads, self.model_config, self.dtype))
+        reserve = 0.01 * total + sampler + long_steps
         budget = total * c.gpu_memory_utilization - (total - free) - activations - reserve
         blocks = self._blocks_in(budget)
         logger.info("KV memory: %.1f GiB of %.1f GiB (gpu_memory_utilization %.2f; in use %.1f GiB, activation "
-                    "peak %.2f GiB, prefill graphs %.2f GiB)", max(budget, 0) / 2**30, total / 2**30,
-                    c.gpu_memory_utilization, (total - free) / 2**30, activations / 2**30, prefill_graphs / 2**30)
+                    "peak %.2f GiB, graphs of long steps %.2f GiB)", max(budget, 0) / 2**30, total / 2**30,
+                    c.gpu_memory_utilization, (total - free) / 2**30, activations / 2**30, long_steps / 2**30)
         if blocks < 1:
             raise MemoryError(f"no room for the KV cache: gpu_memory_utilization {c.gpu_memory_utilization} of "
                               f"{total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB after the weights and "
@@ -367,7 +374,7 @@ class ModelRunner:
             if self.prefill_graph_sizes and not self.num_speculative_tokens:
                 self.prefill_graphs = PrefillGraphs(self, self.prefill_graph_sizes, pool)
             if self.prefill_graph_sizes:
-                self.piecewise = PiecewiseGraphs(self, self.prefill_graph_sizes, pool)
+                self.piecewise = PiecewiseGraphs(self, self.prefill_graph_sizes, pool, self.graphs.max_batch + 1)
             if self.config.extra.get("capture_graphs_at_start", True):
                 from engine.kernels._util import on_compile
 
@@ -1028,9 +1035,9 @@ class PrefillGraphs:
     device time, several times a short prompt's own, but a short prompt's step is bound by the host,
     which the graph takes off.
 
-    Steps of several prompts, a chunk over a cached prefix, or prefill and decode rows together run
-    eagerly: the graph would need every sequence's bounds (and its context's) as buffers, and such steps
-    are where serving already keeps the GPU busy with many rows a launch.
+    Steps of several prompts, a chunk over a cached prefix, or prefill and decode rows together would
+    need every sequence's bounds (and its context's) as buffers, and a graph for each shape: they replay
+    `PiecewiseGraphs` instead, around their eager attention.
     """
 
     MULTIPLE = 256
@@ -1153,9 +1160,9 @@ class PiecewiseGraphs:
     the step's own rows only.
     """
 
-    def __init__(self, runner: ModelRunner, sizes: list[int], pool):
-        self.runner, self.sizes, self.pool = runner, sizes, pool
-        self.min_tokens = runner.graphs.max_batch + 1  # fewer rows: the decode graphs take the step
+    def __init__(self, runner: ModelRunner, sizes: list[int], pool, min_tokens: int):
+        """min_tokens: the fewest rows a step taken has (fewer: the decode graphs take it)."""
+        self.runner, self.sizes, self.pool, self.min_tokens = runner, sizes, pool, min_tokens
         model = runner.model.model
         self.embed, self.layers, self.norm = model.embed_tokens, model.layers, model.norm
         attn = self.layers[0].self_attn
@@ -1171,6 +1178,12 @@ class PiecewiseGraphs:
         self.residual = torch.zeros(n, hidden, dtype=dtype, device=dev)
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=dev)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+
+    @staticmethod
+    def buffer_bytes(rows: int, heads: int, cfg: ModelConfig, dtype: torch.dtype) -> int:
+        """The static buffers' bytes for steps of `rows` rows and `heads` heads on this rank."""
+        per_row = heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) + 2 * cfg.hidden_size
+        return rows * (per_row * (torch.finfo(dtype).bits // 8) + 3 * 8)
 
     def takes(self, plan: StepPlan) -> bool:
         return self.min_tokens <= plan.num_tokens <= self.sizes[-1] and not plan.images
@@ -1212,13 +1225,16 @@ class PiecewiseGraphs:
             self.pool = graph.pool()
             chain.append(graph)
         self.graphs[size] = chain
-        logger.info("captured %d CUDA graphs around attention for steps of up to %d tokens", len(chain), size)
+        logger.debug("captured %d CUDA graphs around attention for steps of up to %d tokens", len(chain), size)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
+        start = time.perf_counter()
         for size in reversed(self.sizes):
             if size not in self.graphs:
                 self._capture(size)
+        logger.info("captured %d graphs around attention (%d lengths) in %.1f s",
+                    sum(map(len, self.graphs.values())), len(self.graphs), time.perf_counter() - start)
 
     def replay(self, size: int, i: int) -> None:
         self.graphs[size][i].replay()

@@ -174,7 +174,7 @@ def _run(opts: BenchOptions) -> dict:
         date=datetime.date.today().isoformat(), torch=torch.__version__,
         dtype=str(runner.dtype).replace("torch.", ""), weights="fp8 e4m3, 128x128 blocks" if fp8 else str(runner.dtype).replace("torch.", ""),
         backend=runner.backend, kv_cache_dtype=opts.kv_cache_dtype, cuda_graphs=runner.graphs is not None,
-        prefill_graph_tokens=runner.prefill_graphs.sizes[-1] if runner.prefill_graphs is not None else 0,
+        prefill_graph_tokens=runner.prefill_graph_sizes[-1] if runner.prefill_graph_sizes else 0,
         pdl=_util.pdl(torch.empty(0, device=device)), num_layers=model_config.num_hidden_layers,
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
         ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),

@@ -733,3 +733,21 @@ def test_a_context_too_short_for_the_cutoff_measurement_drafts_everywhere():
     eng.speculator.times = eng.speculator.limit = None
     assert eng.measure_batch_cutoff(sizes=[1, 2]) == eng.config.max_num_seqs  # 52 tokens a request at k = 2
     assert eng.speculator.times is None and eng.speculator.drafts_at(256) and not eng.requests
+
+
+def test_steps_in_pieces_around_attention_keep_the_greedy_tokens(tiny_prompts, plain_tokens):
+    """Steps of several rows replayed in pieces around their eager attention (`PiecewiseGraphs`, each
+    piece run where its graph would replay): the MTP draft after them reads the hidden state from the
+    pieces' buffer, and greedy tokens are the plain ones."""
+    from engine.model_runner import PiecewiseGraphs, PrefillGraphs
+
+    llm = LLM("deepseek-tiny", dtype="float32", max_num_batched_tokens=64, speculative_config=spec(2))
+    runner = llm.engine.runner
+    pieces = runner.piecewise = PiecewiseGraphs(runner, PrefillGraphs.lengths(8, 64, 32), None, min_tokens=8)
+    pieces._capture = lambda size: pieces.graphs.setdefault(size, [])
+    sizes = []
+    pieces.replay = lambda size, i: (sizes.append(size) if i == 0 else None, pieces._piece(size, i))
+    assert [o.token_ids for o in llm.generate(tiny_prompts, GREEDY)] == plain_tokens
+    assert 64 in sizes and 32 in sizes  # the prompts' steps, and verifications of more than 7 rows
+    s = llm.engine.speculator  # drafts from a wrong hidden state would be rejected
+    assert s.num_draft_tokens > 0 and s.num_accepted_tokens / s.num_draft_tokens > 0.35
