@@ -17,6 +17,16 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _turns(text: str) -> list[tuple[int, int]]:
+    try:
+        turns = [tuple(int(x) for x in item.split(":")) for item in text.split(",") if item.strip()]
+    except ValueError:
+        turns = []
+    if not turns or any(len(t) != 2 or min(t) < 1 for t in turns):
+        raise argparse.ArgumentTypeError(f"expected comma-separated PREFIX:NEW token counts, got {text!r}")
+    return turns
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(PRESETS), help="a named shape with random weights (default v2-lite)")
@@ -28,6 +38,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument("--long-contexts", type=_ints, default=[],
                    help="also decode one stream after prompts this long (e.g. 32768,131072)")
+    p.add_argument("--turns", type=_turns, default=[], metavar="PREFIX:NEW,...",
+                   help="also time a conversation's next turn: NEW tokens over PREFIX cached ones (e.g. 16384:1024)")
     p.add_argument("--hf-decode-steps", type=int, default=8)
     p.add_argument("--hf-max-prompt-len", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=3)
@@ -66,7 +78,7 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
     preset = args.preset or (None if args.model else "v2-lite")
     opts = BenchOptions(preset=preset, model=args.model, compare_hf=args.compare_hf, prompt_lens=args.prompt_lens,
                         concurrency=args.concurrency, decode_context=args.decode_context,
-                        decode_steps=args.decode_steps, long_contexts=args.long_contexts,
+                        decode_steps=args.decode_steps, long_contexts=args.long_contexts, turns=args.turns,
                         hf_decode_steps=args.hf_decode_steps,
                         hf_max_prompt_len=args.hf_max_prompt_len, repeats=args.repeats, kernels=args.kernels,
                         device=args.device, dtype=args.dtype, weights=args.weights, backend=args.backend,
@@ -92,7 +104,7 @@ def summary(result: dict) -> str:
              f"graphs={result['cuda_graphs']}{ranks}{cache}):"]
     hf = result.get("hf") or {}
     for key, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s"),
-                       ("long_context_decode_tok_s", "1 stream at")):
+                       ("long_context_decode_tok_s", "1 stream at"), ("turn_tok_s", "next turn")):
         for k, v in (result.get(key) or {}).items():
             peer = (hf.get(key) or {}).get(k)
             lines.append(f"  {label:14s} {k:>6s}: {v if v is None else round(v, 1)!s:>10s}"

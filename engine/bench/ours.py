@@ -78,6 +78,21 @@ def prefill(runner: ModelRunner, seqs: list[Sequence], planner: PlanBuilder | No
     return firsts
 
 
+def time_to_first_token(once, device: torch.device, repeats: int) -> float:
+    """The median host-observed time of `once()` (which ends on the host), after two untimed runs: the
+    first compiles kernels for the shape, the second reaches a steady state, as a server's (the
+    allocator's blocks for the size, the host's caches)."""
+    once()
+    once()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def measure_prefill(runner: ModelRunner, pool: BlockPool, length: int, vocab: int, repeats: int) -> dict:
     """Time to first token and prefill throughput for one prompt of `length` tokens."""
     ids = random_prompt(length, vocab, seed=length)
@@ -86,16 +101,25 @@ def measure_prefill(runner: ModelRunner, pool: BlockPool, length: int, vocab: in
         pool.reset()
         prefill(runner, [make_sequence(ids, pool.take(length + 1), "prefill")])  # ends on the host: a sync
 
-    once()  # compiles kernels for this shape
-    once()  # and a steady state, as a server's: the allocator's blocks for this size, the host's caches
-    times = []
-    for _ in range(repeats):
-        sync(runner.device)
-        t0 = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t0)
-    seconds = sorted(times)[len(times) // 2]
+    seconds = time_to_first_token(once, runner.device, repeats)
     return dict(seconds=seconds, tok_s=length / seconds)
+
+
+def measure_turn(runner: ModelRunner, pool: BlockPool, prefix: int, new: int, vocab: int, repeats: int) -> dict:
+    """Time to first token of a conversation's next turn: `new` tokens in one chunk over `prefix` tokens
+    already in the cache (computed once, untimed), as a coding agent's next request is."""
+    pool.reset()
+    seq = make_sequence(random_prompt(prefix + new, vocab, seed=prefix + new), pool.take(prefix + new + 1), "turn")
+    planner = make_planner(runner)
+    run_plan(runner, planner, ScheduledBatch(prefills=[(seq, prefix)]))
+    seq.num_computed_tokens = prefix
+
+    def once():  # the chunk's latents land where they did the run before: each run is the same turn
+        _, result = run_plan(runner, planner, ScheduledBatch(prefills=[(seq, new)]))
+        result.logits.argmax(-1).tolist()  # ends on the host: a sync
+
+    seconds = time_to_first_token(once, runner.device, repeats)
+    return dict(seconds=seconds, tok_s=new / seconds, prefix=prefix, new=new)
 
 
 def measure_decode(runner: ModelRunner, pool: BlockPool, concurrency: int, context: int, steps: int,

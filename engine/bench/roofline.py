@@ -110,6 +110,22 @@ class PhaseCosts:
             total_flops += f + c.num_attention_heads * pairs * per_pair
         return total_bytes, total_flops
 
+    def turn(self, prefix: int, new: int) -> tuple[float, float]:
+        """`new` tokens over `prefix` cached ones, logits for the last only: the new tokens' layers, their
+        attention over everything before them, and the whole context's latents read and expanded to
+        per-head keys and values (the un-absorbed prefill's GEMM through W_UKV)."""
+        c = self.cfg
+        context = prefix + new
+        total_bytes, total_flops = self.head_bytes + new * self.embed_row_bytes, 2.0 * self.head_numel
+        pairs = new * prefix + new * (new + 1) / 2
+        per_pair = 2 * (c.qk_nope_head_dim + c.qk_rope_head_dim) + 2 * c.v_head_dim
+        expand = 2.0 * context * c.kv_lora_rank * c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)
+        for i in range(len(self.layers)):
+            b, f = self._layer(i, new, new)
+            total_bytes += b + context * self.kv_row
+            total_flops += f + c.num_attention_heads * pairs * per_pair + expand
+        return total_bytes, total_flops
+
 
 def fractions(seconds: float, n_bytes: float, flops: float, ceilings: Ceilings, fp8: bool) -> dict:
     """The phase's floors and the share of each ceiling the measured time reaches."""

@@ -12,7 +12,7 @@ import torch
 
 from engine.bench.hf_peer import hf_measure_decode, hf_measure_prefill, peer_in_place_of
 from engine.bench.kernels import measure_kernels
-from engine.bench.ours import BlockPool, measure_decode, measure_layers, measure_prefill
+from engine.bench.ours import BlockPool, measure_decode, measure_layers, measure_prefill, measure_turn
 from engine.bench.presets import preset_config
 from engine.bench.report import write_json, write_plot
 from engine.bench.roofline import PhaseCosts, fractions, measure_ceilings
@@ -32,6 +32,7 @@ class BenchOptions:
     decode_context: int = 1024
     decode_steps: int = 64
     long_contexts: list[int] = field(default_factory=list)  # one stream decoding after these many tokens too
+    turns: list[tuple[int, int]] = field(default_factory=list)  # (prefix, new): a next turn over a cached prefix
     hf_decode_steps: int = 8
     hf_max_prompt_len: int = 8192  # longer prompts are left to us (the peer's eager attention runs out of memory)
     repeats: int = 3
@@ -118,7 +119,8 @@ def _run(opts: BenchOptions) -> dict:
     max_conc, bs = max(opts.concurrency), opts.block_size
     decode_len = opts.decode_context + opts.decode_steps + 16
     long_len = max(opts.long_contexts, default=0) + opts.decode_steps + 16
-    max_len = max(opts.prompt_lens + [decode_len, long_len, 4 * opts.decode_context]) + bs
+    turn_len = max((p + n for p, n in opts.turns), default=0)
+    max_len = max(opts.prompt_lens + [decode_len, long_len, turn_len, 4 * opts.decode_context]) + bs
     num_blocks = max(-(-max_len // bs), max_conc * -(-decode_len // bs)) + 4
     engine_config = EngineConfig(model=str(path or name), dtype=opts.dtype, device=opts.device,
                                  attention_backend=opts.backend, max_num_seqs=max_conc, block_size=bs,
@@ -156,6 +158,12 @@ def _run(opts: BenchOptions) -> dict:
         if "seconds_per_step" in m:
             m.update(fractions(m["seconds_per_step"], *costs.decode(1, m["context"]), ceilings, fp8))
         long[str(ctx)] = m
+    turns = {}  # a conversation's next turn: its new tokens over the earlier ones, cached
+    for prefix, new in opts.turns:
+        m = _guard(measure_turn, runner, pool, prefix, new, vocab, opts.repeats)
+        if "seconds" in m:
+            m.update(fractions(m["seconds"], *costs.turn(prefix, new), ceilings, fp8))
+        turns[f"{prefix}:{new}"] = m
     layers = _guard(measure_layers, runner, pool, opts.decode_context, vocab)
     if isinstance(layers, list):
         for entry in layers:
@@ -179,7 +187,8 @@ def _run(opts: BenchOptions) -> dict:
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
         ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),
         decode_tok_s=_summary(decode, "tok_s"), prefill=prefill, decode=decode,
-        long_context_decode_tok_s=_summary(long, "tok_s"), long_context_decode=long, layers=layers, kernels=kernels,
+        long_context_decode_tok_s=_summary(long, "tok_s"), long_context_decode=long,
+        turn_tok_s=_summary(turns, "tok_s"), turn=turns, layers=layers, kernels=kernels,
         variants=variants,
     )
     write_json(result, opts.out_dir)  # ours stays on disk even if the peer then fails

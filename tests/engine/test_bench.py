@@ -17,7 +17,7 @@ from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 def test_bench_writes_results_and_plot_with_the_peer(tmp_path):
     rc = main(["bench", "--preset", "tiny", "--device", "cpu", "--prompt-lens", "32,64", "--concurrency", "1,2",
                "--decode-context", "16", "--decode-steps", "2", "--hf-decode-steps", "2", "--repeats", "1",
-               "--long-contexts", "48,96", "--compare-hf", "--out", str(tmp_path)])
+               "--long-contexts", "48,96", "--turns", "48:16,16:32", "--compare-hf", "--out", str(tmp_path)])
     assert rc == 0
     result = json.loads((tmp_path / "tiny.json").read_text())
     # one stream after longer prompts: its own rows, each against a floor that grows with the context
@@ -25,6 +25,11 @@ def test_bench_writes_results_and_plot_with_the_peer(tmp_path):
     assert set(result["long_context_decode_tok_s"]) == {"48", "96"}
     assert [long[c]["context"] for c in ("48", "96")] == [48 + 3 + 1, 96 + 3 + 1]  # + warm-up, half the timed steps
     assert long["96"]["bytes"] > long["48"]["bytes"] > result["decode"]["1"]["bytes"]
+    # a next turn over a cached prefix: the new tokens' rate, against floors that count the whole context
+    turn = result["turn"]
+    assert set(result["turn_tok_s"]) == {"48:16", "16:32"} and all(v > 0 for v in result["turn_tok_s"].values())
+    assert (turn["48:16"]["prefix"], turn["48:16"]["new"]) == (48, 16)
+    assert turn["48:16"]["flops"] > result["prefill"]["32"]["flops"] / 2 and turn["48:16"]["bytes"] > 0
     for key in ("preset", "gpu", "date", "command", "ceilings", "ttft_s", "prefill_tok_s", "decode_tok_s", "hf"):
         assert key in result
     assert result["preset"] == "tiny" and result["gpu"] == "cpu" and result["command"].startswith("deepseek-engine bench")
@@ -114,6 +119,19 @@ def test_v3_slice_keeps_fp8_blocks_and_counts_them_as_bytes():
     assert abs(per_expert - 3 * 7168 * 2048 * (1 + 1 / 128**2 * 4)) < 1e4  # FP8 weights + float32 block scales
     layer_bytes, _ = costs.decode_layer(1, batch=1, context=1)
     assert abs(layer_bytes - costs.layers[1]["rest_bytes"] - 8 * per_expert - 1152) < 1.0
+
+
+def test_a_turn_costs_its_new_tokens_over_the_whole_context():
+    costs, _ = _costs("v2-lite")
+    cfg = costs.cfg
+    # no prefix: the prompt's own prefill plus the expansion of its latents through W_UKV
+    expand = 2.0 * 2048 * cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    assert costs.turn(0, 2048)[1] == pytest.approx(costs.prefill(2048)[1] + len(costs.layers) * expand)
+    # a longer prefix: more attention, expansion and cache read; the weights' FLOPs stay the new tokens'
+    (b1, f1), (b2, f2) = costs.turn(16384, 1024), costs.turn(32768, 1024)
+    assert b2 - b1 == pytest.approx(16384 * costs.kv_row * len(costs.layers))
+    per_token = cfg.num_attention_heads * 1024 * (2 * cfg.qk_head_dim + 2 * cfg.v_head_dim) + expand / 2048
+    assert f2 - f1 == pytest.approx(16384 * per_token * len(costs.layers))
 
 
 def test_expected_experts():
