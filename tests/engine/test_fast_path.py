@@ -415,11 +415,22 @@ def test_prefill_graph_steps_prefill_as_eager_steps_do(tmp_path):
 
 class HostAccess:
     """Records what a CUDA graph cannot capture, as the operators run on the CPU: item(), int(t) and
-    bool(t), a data-dependent shape (nonzero), torch.tensor(data) (a copy from the host), tolist() (which
-    reads a CPU tensor without dispatching)."""
+    bool(t); data-dependent shapes (nonzero, masked_select, unique, an index by a boolean mask,
+    repeat_interleave without its output size); torch.tensor(data) (a copy from the host); tolist()
+    (which reads a CPU tensor without dispatching)."""
 
     FORBIDDEN = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-                 torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+                 torch.ops.aten.masked_select.default, torch.ops.aten._unique2.default,
+                 torch.ops.aten.unique_consecutive.default, torch.ops.aten.lift_fresh.default,
+                 torch.ops.aten.lift_fresh_copy.default}
+
+    @staticmethod
+    def data_dependent(func, args, kwargs) -> bool:
+        if func is torch.ops.aten.index.Tensor:
+            return any(i is not None and i.dtype == torch.bool for i in args[1])
+        if func is torch.ops.aten.repeat_interleave.Tensor:
+            return kwargs.get("output_size") is None
+        return func in HostAccess.FORBIDDEN
 
     def __init__(self):
         from torch.overrides import TorchFunctionMode
@@ -429,7 +440,7 @@ class HostAccess:
 
         class Ops(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func in HostAccess.FORBIDDEN:
+                if HostAccess.data_dependent(func, args, kwargs or {}):
                     seen.append(str(func))
                 return func(*args, **(kwargs or {}))
 
