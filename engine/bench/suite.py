@@ -94,9 +94,12 @@ def _run(opts: BenchOptions) -> dict:
         hf_config = {k: v for k, v in hf_config.items() if k not in ("quantization_config", "expert_dtype")}
         name = f"{name}-bf16"
     model_config = ModelConfig.from_hf(hf_config)
-    if opts.kv_cache_dtype != "auto" and (opts.tensor_parallel_size > 1 or opts.parallel_path or model_config.architecture
-                                          in ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM")):
-        raise ValueError("--kv-cache-dtype is measured for V3-family models on one rank")
+    v3_one_rank = not (opts.tensor_parallel_size > 1 or opts.parallel_path or model_config.architecture
+                       in ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"))
+    for given, flag in ((opts.kv_cache_dtype != "auto", "--kv-cache-dtype"), (opts.turns, "--turns"),
+                        (opts.prefill_graphs, "--prefill-graphs")):
+        if given and not v3_one_rank:
+            raise ValueError(f"{flag} is measured for V3-family models on one rank")
     if model_config.architecture in ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"):
         from engine.bench.v4 import run_v4
         from engine.bench.v41 import run_v41

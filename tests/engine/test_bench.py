@@ -85,6 +85,11 @@ def test_bench_rejects_bad_arguments(tmp_path, capsys):
     assert e.value.code == 2 and "positive integers" in capsys.readouterr().err
     assert main(["bench", "--model", str(tmp_path / "missing"), "--device", "cpu", "--out", str(tmp_path)]) == 2
     assert "neither a directory" in capsys.readouterr().err
+    assert main(["bench", "--preset", "v4-tiny", "--device", "cpu", "--turns", "64:16", "--out", str(tmp_path)]) == 2
+    assert "--turns is measured for V3-family models on one rank" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--preset", "tiny", "--turns", "64"])
+    assert "PREFIX:NEW" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.json"))
 
 
