@@ -1025,8 +1025,8 @@ class PrefillGraphs:
     A prefill of a few thousand tokens is bound by the host: the eager step launches ~70 kernels a
     layer from Python, and at 2k tokens that takes longer than the kernels run (docs/perf.md, "A 2k-token
     prefill is bound by the host"). A step that is one prompt with nothing cached, longer than the decode
-    graphs' rows and at most `max_tokens`, replays the graph of the next multiple of STEP tokens: the
-    prompt's rows, then padding rows as a second sequence of their own (causal attention keeps the
+    graphs' rows and at most the longest of `sizes`, replays the graph of its padded length: the prompt's
+    rows, then padding rows as a second sequence of their own (causal attention keeps the
     prompt's rows from seeing them; their tokens and positions are 0, their latents go to the scratch
     block). What varies lives in static buffers (the prompt's length, its tokens, its block table) and
     the step derives positions, cache slots and both sequences' bounds from them on the device, so
