@@ -218,7 +218,7 @@ class ModelRunner:
                else f"{model_type.__name__} has no prefill graphs" if not getattr(model_type, "graph_prefills", False)
                else None)
         c = self.config
-        sizes = [] if why else PrefillGraphs.lengths(
+        sizes = [] if why else LongStepGraphs.lengths(
             DecodeGraphs.num_rows(c.max_num_seqs, self.num_speculative_tokens) + 1,
             min(wanted, c.max_num_batched_tokens, self.max_model_len - 1))
         if not sizes:
@@ -371,10 +371,11 @@ class ModelRunner:
             # one pool for both: neither's replays leave anything in it that the other's could overwrite
             # but the prefill graphs' logits, which stay allocated
             pool = torch.cuda.graph_pool_handle() if self.prefill_graph_sizes else None
+            args = (self.prefill_graph_sizes, pool, self.graphs.max_batch + 1)
             if self.prefill_graph_sizes and not self.num_speculative_tokens:
-                self.prefill_graphs = PrefillGraphs(self, self.prefill_graph_sizes, pool)
+                self.prefill_graphs = PrefillGraphs(self, *args)
             if self.prefill_graph_sizes:
-                self.piecewise = PiecewiseGraphs(self, self.prefill_graph_sizes, pool, self.graphs.max_batch + 1)
+                self.piecewise = PiecewiseGraphs(self, *args)
             if self.config.extra.get("capture_graphs_at_start", True):
                 from engine.kernels._util import on_compile
 
@@ -1019,7 +1020,36 @@ class SpecGraphs:
                            out[next_at : next_at + n], out[next_at + end : next_at + end + n])
 
 
-class PrefillGraphs:
+class LongStepGraphs:
+    """What the graphs of steps longer than the decode graphs' rows share: their padded lengths, the rows
+    a step they take has, and the memory pool they capture into."""
+
+    MULTIPLE = 256
+
+    @classmethod
+    def lengths(cls, min_tokens: int, max_tokens: int, multiple: int = MULTIPLE) -> list[int]:
+        """The padded lengths of graphs taking steps of min_tokens to max_tokens tokens: multiples of
+        `multiple`, from 4k on of an eighth of the power of two at or below (at most 12.5 % padding
+        there); lengths the un-absorbed prefill takes, so the whole-prompt graphs' metadata bounds
+        never pick the absorbed path."""
+        size, sizes = -(-max(min_tokens, ABSORBED_MAX_QUERY + 1) // multiple) * multiple, []
+        while size <= max_tokens:
+            sizes.append(size)
+            size += max(multiple, (1 << (size.bit_length() - 1)) // 8)
+        return sizes
+
+    def __init__(self, runner: ModelRunner, sizes: list[int], pool, min_tokens: int):
+        """min_tokens: the fewest rows a step taken has (fewer: the decode graphs take it)."""
+        self.runner, self.sizes, self.pool, self.min_tokens = runner, sizes, pool, min_tokens
+
+    def fits(self, num_tokens: int) -> bool:
+        return self.min_tokens <= num_tokens <= self.sizes[-1]
+
+    def padded(self, num_tokens: int) -> int:
+        return next(s for s in self.sizes if s >= num_tokens)
+
+
+class PrefillGraphs(LongStepGraphs):
     """One fresh prompt's prefill, alone in its step, as a CUDA graph of its padded length.
 
     A prefill of a few thousand tokens is bound by the host: the eager step launches ~70 kernels a
@@ -1030,32 +1060,17 @@ class PrefillGraphs:
     prompt's rows from seeing them; their tokens and positions are 0, their latents go to the scratch
     block). What varies lives in static buffers (the prompt's length, its tokens, its block table) and
     the step derives positions, cache slots and both sequences' bounds from them on the device, so
-    loading a step is two small copies. Lengths step by MULTIPLE tokens, from 4k on by an eighth of the
-    power of two at or below (at most 12.5 % padding there). Up to MULTIPLE - 1 padding rows cost
-    device time, several times a short prompt's own, but a short prompt's step is bound by the host,
-    which the graph takes off.
+    loading a step is two small copies. Up to MULTIPLE - 1 padding rows (`lengths`) cost device time,
+    several times a short prompt's own, but a short prompt's step is bound by the host, which the graph
+    takes off.
 
     Steps of several prompts, a chunk over a cached prefix, or prefill and decode rows together would
     need every sequence's bounds (and its context's) as buffers, and a graph for each shape: they replay
     `PiecewiseGraphs` instead, around their eager attention.
     """
 
-    MULTIPLE = 256
-
-    @classmethod
-    def lengths(cls, min_tokens: int, max_tokens: int, multiple: int = MULTIPLE) -> list[int]:
-        """The padded lengths of graphs taking prompts of min_tokens to max_tokens tokens (lengths the
-        un-absorbed prefill takes: the metadata's bounds must not pick the absorbed path)."""
-        size, sizes = -(-max(min_tokens, ABSORBED_MAX_QUERY + 1) // multiple) * multiple, []
-        while size <= max_tokens:
-            sizes.append(size)
-            size += max(multiple, (1 << (size.bit_length() - 1)) // 8)
-        return sizes
-
-    def __init__(self, runner: ModelRunner, sizes: list[int], pool=None):
-        self.runner = runner
-        self.min_tokens = runner.graphs.max_batch + 1  # fewer rows: the decode graphs take the step
-        self.sizes = sizes
+    def __init__(self, runner: ModelRunner, sizes: list[int], pool, min_tokens: int):
+        super().__init__(runner, sizes, pool, min_tokens)
         dev, width = runner.device, runner.tables.width
         self.input_ids = torch.zeros(sizes[-1], dtype=torch.long, device=dev)
         self.length = torch.ones(1, dtype=torch.long, device=dev)  # the prompt's tokens
@@ -1063,14 +1078,10 @@ class PrefillGraphs:
         self.table = torch.full((2, width), runner.kv_pool.scratch_block, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = pool
-
-    def padded(self, num_tokens: int) -> int:
-        return next(s for s in self.sizes if s >= num_tokens)
 
     def takes(self, plan: StepPlan) -> bool:
         n = plan.num_tokens
-        return (self.min_tokens <= n <= self.sizes[-1] and plan.num_prefills == 1
+        return (self.fits(n) and plan.num_prefills == 1
                 and len(plan.slots) == 1 and plan.num_computed[0] == 0 and plan.input_ids is not None
                 and plan.sample_indices in ([], [n - 1]) and not plan.collect_logits and not plan.images
                 and not plan.shifted and plan.lookback is None)
@@ -1142,7 +1153,7 @@ class PrefillGraphs:
         return StepResult(logits.clone() if plan.sample_indices else None)
 
 
-class PiecewiseGraphs:
+class PiecewiseGraphs(LongStepGraphs):
     """Steps no whole graph takes, replayed in pieces around each layer's attention, one chain of pieces
     per padded length.
 
@@ -1161,8 +1172,7 @@ class PiecewiseGraphs:
     """
 
     def __init__(self, runner: ModelRunner, sizes: list[int], pool, min_tokens: int):
-        """min_tokens: the fewest rows a step taken has (fewer: the decode graphs take it)."""
-        self.runner, self.sizes, self.pool, self.min_tokens = runner, sizes, pool, min_tokens
+        super().__init__(runner, sizes, pool, min_tokens)
         model = runner.model.model
         self.embed, self.layers, self.norm = model.embed_tokens, model.layers, model.norm
         attn = self.layers[0].self_attn
@@ -1186,10 +1196,7 @@ class PiecewiseGraphs:
         return rows * (per_row * (torch.finfo(dtype).bits // 8) + 3 * 8)
 
     def takes(self, plan: StepPlan) -> bool:
-        return self.min_tokens <= plan.num_tokens <= self.sizes[-1] and not plan.images
-
-    def padded(self, num_tokens: int) -> int:
-        return next(s for s in self.sizes if s >= num_tokens)
+        return self.fits(plan.num_tokens) and not plan.images
 
     def _metadata(self, size: int) -> AttentionMetadata:
         """What the pieces read of a step's metadata: the cache slots alone (`MLA.project`); the rest

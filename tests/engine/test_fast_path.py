@@ -351,6 +351,22 @@ def eager_and_graphed(path, max_num_seqs: int) -> tuple[LLM, LLM]:
     return eager, graphed
 
 
+def fill_caches(*llms: LLM) -> None:
+    """Every latent cache row set to 7.0: rows no step writes keep it (`assert_same_caches`)."""
+    for llm in llms:
+        for layer in llm.engine.runner.model.attention_layers():
+            layer.kv_cache.fill_(7.0)
+
+
+def assert_same_caches(eager: LLM, graphed: LLM) -> None:
+    """Every block but the scratch one holds what the eager engine wrote there, or nothing: the graphs'
+    padding rows wrote the scratch block only."""
+    scratch = graphed.engine.runner.kv_pool.scratch_block
+    layers = zip(graphed.engine.runner.model.attention_layers(), eager.engine.runner.model.attention_layers())
+    for mine, theirs in layers:
+        assert torch.allclose(mine.kv_cache[:scratch], theirs.kv_cache[:scratch], atol=1e-5)
+
+
 def assert_same_outputs(want, got) -> None:
     """Same tokens, and top log-probs within LOGIT_TOL at every step."""
     for w, g in zip(want, got):
@@ -367,7 +383,8 @@ class UncapturedPrefillGraphs:
     def install(runner, max_tokens: int, multiple: int):
         from engine.model_runner import PrefillGraphs
 
-        graphs = PrefillGraphs(runner, PrefillGraphs.lengths(runner.graphs.max_batch + 1, max_tokens, multiple))
+        smallest = runner.graphs.max_batch + 1
+        graphs = PrefillGraphs(runner, PrefillGraphs.lengths(smallest, max_tokens, multiple), None, smallest)
         graphs.sizes_run = []
         graphs.replay = lambda size: graphs.sizes_run.append(size) or graphs._step(size)
         runner.prefill_graphs = graphs
@@ -384,8 +401,7 @@ def test_prefill_graph_steps_prefill_as_eager_steps_do(tmp_path):
     runner = graphed.engine.runner
     graphs = UncapturedPrefillGraphs.install(runner, max_tokens=48, multiple=24)
     assert graphs.sizes == [24, 48]  # from 3 rows (the decode graphs take 2) to the step budget
-    for layer in (*runner.model.attention_layers(), *eager.engine.runner.model.attention_layers()):
-        layer.kv_cache.fill_(7.0)  # rows no step writes keep it
+    fill_caches(eager, graphed)
     eager_steps, run_eager = [], runner._run_eager
     runner._run_eager = lambda *a: eager_steps.append(a[0].num_tokens) or run_eager(*a)
     batch = prompts(29, [21, 24, 60])
@@ -400,12 +416,9 @@ def test_prefill_graph_steps_prefill_as_eager_steps_do(tmp_path):
     assert torch.allclose(eager.score(scored)[0], graphed.score(scored)[0], atol=LOGIT_TOL)
     assert graphs.sizes_run == [24, 24, 48] and eager_steps == [12, 30]  # every position's logits: eager
     assert_same_outputs(want, got)
-    # the cache: every block but the scratch one holds what the eager engine wrote there, or nothing
-    runs = graphed.engine.runner.model.attention_layers(), eager.engine.runner.model.attention_layers()
     scratch = runner.kv_pool.scratch_block
-    for mine, theirs in zip(*runs):
-        assert (theirs.kv_cache[:scratch] != 7.0).any()
-        assert torch.allclose(mine.kv_cache[:scratch], theirs.kv_cache[:scratch], atol=1e-5)
+    assert all((layer.kv_cache[:scratch] != 7.0).any() for layer in eager.engine.runner.model.attention_layers())
+    assert_same_caches(eager, graphed)
 
 
 class HostAccess:
@@ -483,10 +496,10 @@ class UncapturedPiecewise:
 
     @staticmethod
     def install(runner, max_tokens: int, multiple: int):
-        from engine.model_runner import PiecewiseGraphs, PrefillGraphs
+        from engine.model_runner import PiecewiseGraphs
 
         smallest = runner.graphs.max_batch + 1
-        pieces = PiecewiseGraphs(runner, PrefillGraphs.lengths(smallest, max_tokens, multiple), None, smallest)
+        pieces = PiecewiseGraphs(runner, PiecewiseGraphs.lengths(smallest, max_tokens, multiple), None, smallest)
         pieces.sizes_run = []
 
         def replay(size: int, i: int) -> None:
@@ -510,8 +523,7 @@ def test_piecewise_steps_run_as_eager_steps_do(tmp_path):
     runner = graphed.engine.runner
     pieces = UncapturedPiecewise.install(runner, max_tokens=48, multiple=24)
     assert pieces.sizes == [24, 48]  # from 5 rows (the decode graphs take 4) to the step budget
-    for layer in (*runner.model.attention_layers(), *eager.engine.runner.model.attention_layers()):
-        layer.kv_cache.fill_(7.0)  # rows no step writes keep it
+    fill_caches(eager, graphed)
     whole, forward = [], runner.model.forward
     runner.model.forward = lambda ids, *a, **k: (len(ids) > 4 and whole.append(len(ids))) or forward(ids, *a, **k)
     batch = prompts(34, [21, 40, 10])
@@ -526,10 +538,7 @@ def test_piecewise_steps_run_as_eager_steps_do(tmp_path):
     scored = prompts(35, [30])
     assert torch.allclose(eager.score(scored)[0], graphed.score(scored)[0], atol=LOGIT_TOL)
     assert pieces.sizes_run[3:] == [48] and not whole
-    # the padding rows wrote the scratch block only
-    scratch = runner.kv_pool.scratch_block
-    for mine, theirs in zip(runner.model.attention_layers(), eager.engine.runner.model.attention_layers()):
-        assert torch.allclose(mine.kv_cache[:scratch], theirs.kv_cache[:scratch], atol=1e-5)
+    assert_same_caches(eager, graphed)
 
 
 @gpu

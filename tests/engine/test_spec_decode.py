@@ -739,11 +739,11 @@ def test_steps_in_pieces_around_attention_keep_the_greedy_tokens(tiny_prompts, p
     """Steps of several rows replayed in pieces around their eager attention (`PiecewiseGraphs`, each
     piece run where its graph would replay): the MTP draft after them reads the hidden state from the
     pieces' buffer, and greedy tokens are the plain ones."""
-    from engine.model_runner import PiecewiseGraphs, PrefillGraphs
+    from engine.model_runner import PiecewiseGraphs
 
     llm = LLM("deepseek-tiny", dtype="float32", max_num_batched_tokens=64, speculative_config=spec(2))
     runner = llm.engine.runner
-    pieces = runner.piecewise = PiecewiseGraphs(runner, PrefillGraphs.lengths(8, 64, 32), None, min_tokens=8)
+    pieces = runner.piecewise = PiecewiseGraphs(runner, PiecewiseGraphs.lengths(8, 64, 32), None, min_tokens=8)
     pieces._capture = lambda size: pieces.graphs.setdefault(size, [])
     sizes = []
     pieces.replay = lambda size, i: (sizes.append(size) if i == 0 else None, pieces._piece(size, i))
