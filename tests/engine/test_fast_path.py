@@ -653,6 +653,79 @@ def test_short_prefill_steps_replay_the_decode_graphs(tmp_path, dtype):
         assert len(common) >= 4 and all(abs(w.logprobs[0][t] - g.logprobs[0][t]) < tol for t in common)
 
 
+def test_layers_ask_l2_for_their_weights_at_small_steps_only(tmp_path, monkeypatch, caplog):
+    """`l2_prefetch_mb`: at decode steps each layer asks L2 (here: the kernel traced, the interpreter has
+    no PTX) for its o_proj and MLP weights after the latent write, or for the MLP's before o_proj; prefill
+    steps ask nothing; the tokens are those of no asking. Where there is no Hopper, the engine says so."""
+    from engine.kernels import l2_prefetch
+    from engine.models import deepseek_v3
+
+    path = save_hf_checkpoint(v3_model(33), tmp_path / "ckpt")
+    args = dict(dtype="float32", attention_backend="triton", block_size=4, max_num_seqs=1,
+                enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="L2 prefetch site"):
+        LLM(str(path), **args, extra={"l2_prefetch_mb": 8, "l2_prefetch_site": "before"})
+    with caplog.at_level("WARNING"):
+        llm = LLM(str(path), **args, extra={"l2_prefetch_mb": 8})
+    assert "nothing asked of L2 (it asks through Hopper's bulk prefetch" in caplog.text
+    model = llm.engine.runner.model
+    assert all(layer.l2_prefetch is None for layer in model.model.layers)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
+    batch = prompts(33, [12])  # more tokens than the MoE GEMVs take (8)
+    want = llm.generate(batch, params)
+
+    events = []  # ("ask", layer), ("attend",), ("o_proj", layer), in the order they ran
+
+    def ask(ranges):
+        trace = torch.zeros(ranges.programs() * l2_prefetch.CHUNKS, 2, dtype=torch.int64)
+        l2_prefetch._prefetch_kernel[(ranges.programs(),)](
+            *ranges.args(), trace, CHUNK=l2_prefetch.CHUNK, CHUNKS=l2_prefetch.CHUNKS, TRACE=True, PDL=False)
+        assert [tuple(r) for r in trace.tolist() if r[1]] == l2_prefetch.reference_chunks(ranges)
+        events.append(("ask", next(i for i, layer in enumerate(model.model.layers)
+                                   if layer.l2_prefetch.ranges is ranges)))
+    monkeypatch.setattr(l2_prefetch, "prefetch_l2_", ask)
+    attend = deepseek_v3.mla_decode_fast
+    monkeypatch.setattr(deepseek_v3, "mla_decode_fast", lambda *a, **k: events.append(("attend",)) or attend(*a, **k))
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a, i=i: events.append(("o_proj", i)))
+    for site, first in (("write", ["o_proj"]), ("output", [])):
+        model.set_l2_prefetch(site, 1 << 20)
+        for layer in model.model.layers:  # o_proj's (from the write), then the dense MLP's or the shared experts'
+            mlp = layer.mlp.shared_experts if isinstance(layer.mlp, deepseek_v3.MoE) else layer.mlp
+            names = first + ["gate_up_proj", "down_proj"]
+            owners = [layer.self_attn.o_proj if n == "o_proj" else getattr(mlp, n) for n in names]
+            assert [t.data_ptr() for t in layer.l2_prefetch.ranges.tensors] == [m.weight.data_ptr() for m in owners]
+        events.clear()
+        assert_same_outputs(want, llm.generate(batch, params))
+        # the prompt's step (12 tokens) asked nothing; each decode step (1 token), per layer, in order:
+        # write: ask, attention, o_proj; output: attention, ask, o_proj
+        order = [("ask", 0), ("attend",), ("o_proj", 0), ("ask", 1), ("attend",), ("o_proj", 1)]
+        if site == "output":
+            order = [order[1], order[0], order[2], order[4], order[3], order[5]]
+        prefill, decodes = events[:2], events[2:]
+        assert prefill == [("o_proj", 0), ("o_proj", 1)] and decodes == order * (params.max_tokens - 1)
+    model.set_l2_prefetch("write", 0)
+    assert all(layer.l2_prefetch is None for layer in model.model.layers)
+
+
+@gpu
+@pytest.mark.parametrize("site", ["write", "write-fused", "output"])
+def test_l2_prefetch_leaves_the_outputs_as_they_were(tmp_path, site):
+    """Asking L2 for weights changes no bit: one stream (the write's launch absorbing the query, which
+    asks from its own programs at write-fused) and two (a launch of its own), decode graphs replayed."""
+    path = save_hf_checkpoint(build_hf_model(seed=34), tmp_path / "ckpt")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    plain = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False)
+    asking = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False,
+                 extra={"l2_prefetch_mb": 32, "l2_prefetch_site": site})
+    layers = asking.engine.runner.model.model.layers
+    assert all(layer.l2_prefetch is not None and layer.l2_prefetch.site == site for layer in layers)
+    batch = prompts(34, [7, 30])
+    for requests in ([batch[0]], [batch[1]], batch):
+        assert_same_outputs(plain.generate(requests, params), asking.generate(requests, params))
+    assert asking.engine.runner.graphs.graphs
+
+
 def test_warm_up_runs_the_fast_path_and_every_decode_slice_count(tmp_path):
     from engine.kernels.mla_decode import SPLIT_CHOICES, default_num_splits
 
