@@ -375,6 +375,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             ranges = L2Ranges.of(layer.l2_prefetch_weights(site), budget) if budget > 0 else None
             layer.l2_prefetch = LayerPrefetch(site, ranges, max_tokens) if ranges else None
+            if isinstance(layer.mlp, MoE):  # the routed experts, streamed once, make room first
+                layer.mlp.experts.evict_first = ranges is not None
 
     def draft(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
               meta: AttentionMetadata) -> torch.Tensor:
