@@ -663,13 +663,13 @@ def test_layers_ask_l2_for_their_weights_at_small_steps_only(tmp_path, monkeypat
     path = save_hf_checkpoint(v3_model(33), tmp_path / "ckpt")
     args = dict(dtype="float32", attention_backend="triton", block_size=4, max_num_seqs=1,
                 enable_prefix_caching=False)
-    with pytest.raises(ValueError, match="L2 prefetch site"):
-        LLM(str(path), **args, extra={"l2_prefetch_mb": 8, "l2_prefetch_site": "before"})
     with caplog.at_level("WARNING"):
         llm = LLM(str(path), **args, extra={"l2_prefetch_mb": 8})
     assert "nothing asked of L2 (it asks through Hopper's bulk prefetch" in caplog.text
     model = llm.engine.runner.model
     assert all(layer.l2_prefetch is None for layer in model.model.layers)
+    with pytest.raises(ValueError, match="L2 prefetch site"):
+        llm.engine.runner._set_l2_prefetch(8, "before")  # on every machine, before the card is asked
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
     batch = prompts(33, [12])  # more tokens than the MoE GEMVs take (8)
     want = llm.generate(batch, params)
