@@ -102,28 +102,29 @@ def _latent_write_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slo
 @triton.jit
 def _write_absorb_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt,
                          stride_qh, stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads,
-                         QN, W, QLat, nope, rows, num_gemv, stride_w, B0, n0, c0, B1, n1, c1, B2, n2, c2,
+                         QN, W, QLat, nope, rows, num_gemv, stride_w, num_l2, B0, n0, c0, B1, n1, c1, B2, n2, c2,
                          LORA: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr, FP8: tl.constexpr, EXACT_CAST: tl.constexpr, SPLIT_PAIRS: tl.constexpr,
                          GROUP_K: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, WAIT_FIRST: tl.constexpr,
                          PREFETCH: tl.constexpr, L2: tl.constexpr, L2_CHUNK: tl.constexpr, L2_CHUNKS: tl.constexpr,
                          PDL: tl.constexpr):
-    # programs [0, num_gemv): the absorption's GEMV (`gemv` with one group a head: BLOCK_N rows of
-    # W_UK^T, all of one head, times that head's q_nope); program num_gemv: the token's latent write;
-    # any after it (L2): weights asked of L2 (`l2_prefetch`), leaving without a wait (they read and write
-    # nothing, and the write's program keeps the stream's order)
+    # programs [0, num_l2) (L2; num_l2 = 0 otherwise): weights asked of L2 (`l2_prefetch`), first so that
+    # they are scheduled first, leaving without a wait (they read and write nothing; the other programs
+    # keep the stream's order); then num_gemv programs of the absorption's GEMV (`gemv` with one group a
+    # head: BLOCK_N rows of W_UK^T, all of one head, times that head's q_nope); the last: the token's
+    # latent write
     pid = tl.program_id(0)
-    if pid < num_gemv:
-        gemv_block(QN, W, W, QLat, 0, pid, rows, nope, LORA, 0, stride_qh, stride_w, 0, 0, False, 1, GROUP_K, GROUPS,
-                   False, BLOCK_N, WAIT_FIRST, PREFETCH)
-    elif pid == num_gemv:
+    if pid < num_l2:
+        if L2:
+            issue_l2_prefetch(B0, n0, c0, B1, n1, c1, B2, n2, c2, B0, pid, L2_CHUNK, L2_CHUNKS, False)
+    elif pid < num_l2 + num_gemv:
+        gemv_block(QN, W, W, QLat, 0, pid - num_l2, rows, nope, LORA, 0, stride_qh, stride_w, 0, 0, False, 1, GROUP_K,
+                   GROUPS, False, BLOCK_N, WAIT_FIRST, PREFETCH)
+    else:
         wait_for_inputs(PDL)
         _write_token(0, KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt,
                      stride_qh, stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads, LORA,
                      HALF, BLOCK_C, BLOCK_H, BLOCK_D, FP8, EXACT_CAST, SPLIT_PAIRS)
-    else:  # only launched with L2
-        if L2:
-            issue_l2_prefetch(B0, n0, c0, B1, n1, c1, B2, n2, c2, B0, pid - num_gemv - 1, L2_CHUNK, L2_CHUNKS, False)
 
 
 def write_latent_(kv_cache: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -170,8 +171,9 @@ def write_latent_absorbed_(kv_cache: torch.Tensor, kv: torch.Tensor, norm_weight
     check(l2 is None or not interpreted(kv), "an L2 prefetch runs on a GPU")
     l2_args = l2.args() if l2 is not None else (w_uk_t, 0, 0) * 3
     l2_chunks = 32 * warps  # one a thread
-    _write_absorb_kernel[(num_gemv + 1 + (l2.programs(l2_chunks) if l2 is not None else 0),)](
-        *args, q_nope, w_uk_t, q_latent, nope, rows, num_gemv, w_uk_t.stride(0), *l2_args, **consts,
+    num_l2 = l2.programs(l2_chunks) if l2 is not None else 0
+    _write_absorb_kernel[(num_l2 + num_gemv + 1,)](
+        *args, q_nope, w_uk_t, q_latent, nope, rows, num_gemv, w_uk_t.stride(0), num_l2, *l2_args, **consts,
         GROUP_K=128, GROUPS=k_groups, BLOCK_N=block_n, WAIT_FIRST=on and not PREFETCH["bf16"],
         PREFETCH=on and PREFETCH["bf16"], L2=l2 is not None, L2_CHUNK=L2_CHUNK, L2_CHUNKS=l2_chunks, PDL=on,
         launch_pdl=on, num_warps=warps)
