@@ -56,8 +56,8 @@ def _gemv_step(acc, w, x_ptrs, scales, k0, K, offs_g, offs_k, USE_FP8: tl.conste
 
 @triton.jit
 def gemv_rows(w_ptrs, x_ptrs, scales, mask_n, K, USE_FP8: tl.constexpr, GROUP_K: tl.constexpr,
-              GROUPS: tl.constexpr, PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr = False,
-              EVICT: tl.constexpr = ""):
+              GROUPS: tl.constexpr, PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+              EVICT: tl.constexpr):
     """sum_k w[n, k] x[k] over K for a program's BLOCK_N rows -> [BLOCK_N] float32.
     w_ptrs [BLOCK_N, GROUPS, GROUP_K] and x_ptrs [GROUPS, GROUP_K] point at k = 0 (k = g * GROUP_K + j);
     FP8: scales points at the rows' scale block for k = 0 (one scale per GROUP_K columns).
@@ -94,7 +94,8 @@ def gemv_block(X, W, WS, Out, row, pid_n, N, K, rows_per_group, stride_xm, strid
     w_ptrs = W + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, :, :]
     scales = WS + ((pid_n * BLOCK_N) // GROUP_N) * stride_wsn
     x = X + row * stride_xm + ((pid_n * BLOCK_N) // rows_per_group) * stride_xg  # block-diagonal: the rows' group of x
-    y = gemv_rows(w_ptrs, x + offs_k, scales, offs_n < N, K, USE_FP8, GROUP_K, GROUPS, PRE_ROUND, BLOCK_N, PREFETCH)
+    y = gemv_rows(w_ptrs, x + offs_k, scales, offs_n < N, K, USE_FP8, GROUP_K, GROUPS, PRE_ROUND, BLOCK_N, PREFETCH,
+                  "")  # (a default string is not a constexpr to Triton 3.6)
     tl.store(Out + row * stride_om + offs_n, y.to(Out.dtype.element_ty), mask=offs_n < N)
 
 
