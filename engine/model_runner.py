@@ -183,8 +183,6 @@ class ModelRunner:
                                                 DecodeGraphs.num_rows(config.max_num_seqs, self.num_speculative_tokens))
         if self.backend == "triton":
             enable_kernels(self.model)
-            self._set_l2_prefetch(float(config.extra.get("l2_prefetch_mb", 0)),
-                                  str(config.extra.get("l2_prefetch_site", "write")))
         self.kv_specs = self._kv_cache_specs(config.kv_cache_dtype)
         self.use_cuda_graphs = (self.backend == "triton" and self.device.type == "cuda"
                                 and getattr(M, "cuda_graphs", True)  # V4.1: no device-only decode path yet
@@ -210,25 +208,6 @@ class ModelRunner:
         # image key -> its span's embeddings [span, hidden], kept from the step that reaches the image to
         # the one that reaches its end (engine.step_plan.PlanImage)
         self.image_embeds: dict[str, torch.Tensor] = {}
-
-    def _set_l2_prefetch(self, mb: float, site: str) -> None:
-        """extra["l2_prefetch_mb"]: at small steps each V3-family layer asks L2 for up to this many MB of
-        the weights it reads after attention whatever the tokens, while the attention's latency-bound
-        kernels leave the HBM idle (`kernels.l2_prefetch`); extra["l2_prefetch_site"] says from where
-        ("write", "write-fused", "output"). 0: nothing asked."""
-        from engine.kernels.l2_prefetch import check_site
-
-        if not mb:
-            return
-        check_site(site)  # a wrong name fails on every machine, not only where the prefetch runs
-        why = ("it asks through Hopper's bulk prefetch (sm_90 and later)"
-               if self.device.type != "cuda" or torch.cuda.get_device_capability(self.device)[0] < 9
-               else f"{type(self.model).__name__} has no such layers"
-               if not isinstance(self.model, DeepseekV3ForCausalLM) else None)
-        if why:
-            logger.warning("l2_prefetch_mb=%g: nothing asked of L2 (%s)", mb, why)
-            return
-        self.model.set_l2_prefetch(site, int(mb * 2**20))
 
     def _prefill_graph_sizes(self, wanted: int, model_type: type) -> list[int]:
         """The prefill and piecewise graphs' padded lengths for steps of up to `wanted` tokens ([]: none,

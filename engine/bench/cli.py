@@ -57,13 +57,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-graphs", type=int, default=0, metavar="TOKENS",
                    help="a prompt's prefill of up to TOKENS tokens replayed from a CUDA graph of its padded "
                         "length, as the engine's extra prefill_graph_tokens does (0: eager)")
-    p.add_argument("--l2-prefetch", type=float, default=0, metavar="MB",
-                   help="at steps of a few tokens each layer asks L2 for up to MB of the weights it reads after "
-                        "attention whatever the tokens (o_proj, shared experts), as the engine's extra "
-                        "l2_prefetch_mb does (0: nothing; Hopper)")
-    p.add_argument("--l2-prefetch-site", default="write", choices=["write", "write-fused", "output"],
-                   help="where the layer asks: after the latent write (its own launch, or write-fused: programs of "
-                        "the write's launch), or before o_proj")
     p.add_argument("--no-pdl", dest="pdl", action="store_false",
                    help="kernels without programmatic dependent launch (Hopper+), to measure what it gives")
     p.add_argument("--seed", type=int, default=0)
@@ -91,7 +84,6 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
                         device=args.device, dtype=args.dtype, weights=args.weights, backend=args.backend,
                         block_size=args.block_size, eager=args.eager, prefill_graphs=args.prefill_graphs,
                         pdl=args.pdl, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
-                        l2_prefetch_mb=args.l2_prefetch, l2_prefetch_site=args.l2_prefetch_site,
                         out_dir=args.out, command=command,
                         tensor_parallel_size=args.tensor_parallel_size,
                         enable_expert_parallel=args.enable_expert_parallel, parallel_path=args.parallel_path)

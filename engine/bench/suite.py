@@ -46,8 +46,6 @@ class BenchOptions:
     eager: bool = False
     prefill_graphs: int = 0  # a fresh prompt's prefill of up to this many tokens from a CUDA graph (0: eager)
     pdl: bool = True  # kernels launched with programmatic dependent launch where the card has it
-    l2_prefetch_mb: float = 0  # the engine's extra of that name: weights asked of L2 during attention (0: none)
-    l2_prefetch_site: str = "write"
     seed: int = 0
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -65,16 +63,6 @@ def _guard(fn, *args, **kwargs) -> dict:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-
-
-def _l2_prefetch_summary(runner) -> dict | None:
-    """What the layers ask of L2 at small steps (None: nothing): site, MB a layer, up to how many tokens."""
-    asks = [p for layer in getattr(getattr(runner.model, "model", None), "layers", [])
-            if (p := getattr(layer, "l2_prefetch", None)) is not None]
-    if not asks:
-        return None
-    return {"site": asks[0].site, "max_tokens": asks[0].max_tokens,
-            "mb_per_layer": sorted({round(p.ranges.total / 2**20, 1) for p in asks})}
 
 
 def _summary(phases: dict, field_name: str) -> dict:
@@ -109,7 +97,7 @@ def _run(opts: BenchOptions) -> dict:
     v3_one_rank = not (opts.tensor_parallel_size > 1 or opts.parallel_path or model_config.architecture
                        in ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"))
     for given, flag in ((opts.kv_cache_dtype != "auto", "--kv-cache-dtype"), (opts.turns, "--turns"),
-                        (opts.prefill_graphs, "--prefill-graphs"), (opts.l2_prefetch_mb, "--l2-prefetch")):
+                        (opts.prefill_graphs, "--prefill-graphs")):
         if given and not v3_one_rank:
             raise ValueError(f"{flag} is measured for V3-family models on one rank")
     if model_config.architecture in ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"):
@@ -143,9 +131,7 @@ def _run(opts: BenchOptions) -> dict:
                                  num_kv_blocks=num_blocks, seed=opts.seed, show_progress=False,
                                  max_num_batched_tokens=max(EngineConfig.max_num_batched_tokens, opts.prefill_graphs),
                                  extra={"enforce_eager": opts.eager, "capture_graphs_at_start": False,
-                                        "prefill_graph_tokens": opts.prefill_graphs,
-                                        "l2_prefetch_mb": opts.l2_prefetch_mb,
-                                        "l2_prefetch_site": opts.l2_prefetch_site})
+                                        "prefill_graph_tokens": opts.prefill_graphs})
     runner = ModelRunner(engine_config, model_config, path, max_len)
     runner.init_cache(num_blocks)
     gc.collect()
@@ -201,7 +187,6 @@ def _run(opts: BenchOptions) -> dict:
         backend=runner.backend, kv_cache_dtype=opts.kv_cache_dtype, cuda_graphs=runner.graphs is not None,
         prefill_graph_tokens=runner.prefill_graph_sizes[-1] if runner.prefill_graph_sizes else 0,
         pdl=_util.pdl(torch.empty(0, device=device)), num_layers=model_config.num_hidden_layers,
-        l2_prefetch=_l2_prefetch_summary(runner),
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
         ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),
         decode_tok_s=_summary(decode, "tok_s"), prefill=prefill, decode=decode,

@@ -56,28 +56,24 @@ def _gemv_step(acc, w, x_ptrs, scales, k0, K, offs_g, offs_k, USE_FP8: tl.conste
 
 @triton.jit
 def gemv_rows(w_ptrs, x_ptrs, scales, mask_n, K, USE_FP8: tl.constexpr, GROUP_K: tl.constexpr,
-              GROUPS: tl.constexpr, PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
-              EVICT: tl.constexpr):
+              GROUPS: tl.constexpr, PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr = False):
     """sum_k w[n, k] x[k] over K for a program's BLOCK_N rows -> [BLOCK_N] float32.
     w_ptrs [BLOCK_N, GROUPS, GROUP_K] and x_ptrs [GROUPS, GROUP_K] point at k = 0 (k = g * GROUP_K + j);
     FP8: scales points at the rows' scale block for k = 0 (one scale per GROUP_K columns).
     PREFETCH (under PDL): the first step's weights are loaded before `wait_for_inputs` (x is the previous kernel's
-    output; the weights were written two or more launches back), so they arrive during its tail.
-    EVICT: the weights' L2 eviction policy ("evict_first": read once, they make room first)."""
+    output; the weights were written two or more launches back), so they arrive during its tail."""
     offs_g = tl.arange(0, GROUPS)
     offs_k = offs_g[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
     acc = tl.zeros([BLOCK_N, GROUPS, GROUP_K], tl.float32)
     k_start = 0
     if PREFETCH:  # the first step peeled off: its weights in flight while waiting
-        w = tl.load(w_ptrs, mask=mask_n[:, None, None] & (offs_k < K)[None, :, :], other=0.0,
-                    eviction_policy=EVICT).to(tl.float32)
+        w = tl.load(w_ptrs, mask=mask_n[:, None, None] & (offs_k < K)[None, :, :], other=0.0).to(tl.float32)
         wait_for_inputs(PREFETCH)
         acc = _gemv_step(acc, w, x_ptrs, scales, 0, K, offs_g, offs_k, USE_FP8, GROUP_K, PRE_ROUND)
         k_start = GROUPS * GROUP_K
     for k0 in range(k_start, K, GROUPS * GROUP_K):
         mask_k = offs_k < K - k0
-        w = tl.load(w_ptrs + k0, mask=mask_n[:, None, None] & mask_k[None, :, :], other=0.0,
-                    eviction_policy=EVICT).to(tl.float32)
+        w = tl.load(w_ptrs + k0, mask=mask_n[:, None, None] & mask_k[None, :, :], other=0.0).to(tl.float32)
         acc = _gemv_step(acc, w, x_ptrs, scales, k0, K, offs_g, offs_k, USE_FP8, GROUP_K, PRE_ROUND)
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
@@ -94,8 +90,7 @@ def gemv_block(X, W, WS, Out, row, pid_n, N, K, rows_per_group, stride_xm, strid
     w_ptrs = W + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, :, :]
     scales = WS + ((pid_n * BLOCK_N) // GROUP_N) * stride_wsn
     x = X + row * stride_xm + ((pid_n * BLOCK_N) // rows_per_group) * stride_xg  # block-diagonal: the rows' group of x
-    y = gemv_rows(w_ptrs, x + offs_k, scales, offs_n < N, K, USE_FP8, GROUP_K, GROUPS, PRE_ROUND, BLOCK_N, PREFETCH,
-                  "")  # (a default string is not a constexpr to Triton 3.6)
+    y = gemv_rows(w_ptrs, x + offs_k, scales, offs_n < N, K, USE_FP8, GROUP_K, GROUPS, PRE_ROUND, BLOCK_N, PREFETCH)
     tl.store(Out + row * stride_om + offs_n, y.to(Out.dtype.element_ty), mask=offs_n < N)
 
 

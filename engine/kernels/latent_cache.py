@@ -16,7 +16,6 @@ import triton.language as tl
 
 from engine.kernels._util import check, check_last_contiguous, interpreted, pdl, pow2, wait_for_inputs
 from engine.kernels.gemv import PREFETCH, gemv_block, tile
-from engine.kernels.l2_prefetch import CHUNK as L2_CHUNK, L2Ranges, issue_l2_prefetch
 from engine.kernels.rotary import rotate_heads_, rotate_pair
 from engine.layers.fp8_latent import FP8_MAX as _FP8_MAX, MIN_SCALE as _MIN_SCALE, FP8LatentLayout
 
@@ -102,24 +101,16 @@ def _latent_write_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slo
 @triton.jit
 def _write_absorb_kernel(KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt,
                          stride_qh, stride_cos, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb, page, num_heads,
-                         QN, W, QLat, nope, rows, num_gemv, stride_w, num_l2, B0, n0, c0, B1, n1, c1, B2, n2, c2,
-                         LORA: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_D: tl.constexpr, FP8: tl.constexpr, EXACT_CAST: tl.constexpr, SPLIT_PAIRS: tl.constexpr,
-                         GROUP_K: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, WAIT_FIRST: tl.constexpr,
-                         PREFETCH: tl.constexpr, L2: tl.constexpr, L2_CHUNK: tl.constexpr, L2_CHUNKS: tl.constexpr,
-                         PDL: tl.constexpr):
-    # programs [0, num_l2) (L2; num_l2 = 0 otherwise): weights asked of L2 (`l2_prefetch`), first so that
-    # they are scheduled first, leaving without a wait (they read and write nothing; the other programs
-    # keep the stream's order); then num_gemv programs of the absorption's GEMV (`gemv` with one group a
-    # head: BLOCK_N rows of W_UK^T, all of one head, times that head's q_nope); the last: the token's
-    # latent write
+                         QN, W, QLat, nope, rows, num_gemv, stride_w, LORA: tl.constexpr, HALF: tl.constexpr,
+                         BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+                         EXACT_CAST: tl.constexpr, SPLIT_PAIRS: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, WAIT_FIRST: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    # programs [0, num_gemv): the absorption's GEMV (`gemv` with one group a head: BLOCK_N rows of
+    # W_UK^T, all of one head, times that head's q_nope); the last program: the token's latent write
     pid = tl.program_id(0)
-    if pid < num_l2:
-        if L2:
-            issue_l2_prefetch(B0, n0, c0, B1, n1, c1, B2, n2, c2, B0, pid, L2_CHUNK, L2_CHUNKS, False)
-    elif pid < num_l2 + num_gemv:
-        gemv_block(QN, W, W, QLat, 0, pid - num_l2, rows, nope, LORA, 0, stride_qh, stride_w, 0, 0, False, 1, GROUP_K,
-                   GROUPS, False, BLOCK_N, WAIT_FIRST, PREFETCH)
+    if pid < num_gemv:
+        gemv_block(QN, W, W, QLat, 0, pid, rows, nope, LORA, 0, stride_qh, stride_w, 0, 0, False, 1, GROUP_K, GROUPS,
+                   False, BLOCK_N, WAIT_FIRST, PREFETCH)
     else:
         wait_for_inputs(PDL)
         _write_token(0, KV, NormW, Q, Pos, Cos, Sin, Cache, CacheR, CacheS, Slots, eps, stride_kv, stride_qt,
@@ -145,15 +136,12 @@ def write_latent_(kv_cache: torch.Tensor, kv: torch.Tensor, norm_weight: torch.T
 
 def write_latent_absorbed_(kv_cache: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                            q_nope: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-                           sin_cache: torch.Tensor, slot_mapping: torch.Tensor, w_uk_t: torch.Tensor,
-                           l2: L2Ranges | None = None) -> torch.Tensor:
+                           sin_cache: torch.Tensor, slot_mapping: torch.Tensor, w_uk_t: torch.Tensor) -> torch.Tensor:
     """`write_latent_` for one token, its queries' absorption through W_UK in the same launch ->
     q_latent [1, H, kv_lora], what `gemv(q_nope, w_uk_t, groups=H)` gives (the same programs, the same
     bits). q_nope [1, H, nope] (a strided view is fine), w_uk_t [H * kv_lora, nope]
     (`layers.attention.AbsorbWeights`). The two are independent (q_nope is not rotated): one launch, the
-    write beside the GEMV's programs, instead of two in a row at every decode layer. l2: weights to ask
-    of L2 from more programs of the same launch (`l2_prefetch.prefetch_l2_`'s work, a launch fewer; GPU
-    only)."""
+    write beside the GEMV's programs, instead of two in a row at every decode layer."""
     args, consts = _write_args(kv_cache, kv, norm_weight, eps, q_pe, positions, cos_cache, sin_cache, slot_mapping)
     check(kv.shape[0] == 1 and q_nope.shape[:2] == q_pe.shape[:2] and q_nope.stride(-1) == 1,
           f"one token's q_nope [1, H, nope] contiguous in nope, got {tuple(q_nope.shape)}")
@@ -168,15 +156,10 @@ def write_latent_absorbed_(kv_cache: torch.Tensor, kv: torch.Tensor, norm_weight
     q_latent = torch.empty(1, num_heads, lora, dtype=q_nope.dtype, device=q_nope.device)
     num_gemv = triton.cdiv(rows, block_n)
     on = pdl(kv)
-    check(l2 is None or not interpreted(kv), "an L2 prefetch runs on a GPU")
-    l2_args = l2.args() if l2 is not None else (w_uk_t, 0, 0) * 3
-    l2_chunks = 32 * warps  # one a thread
-    num_l2 = l2.programs(l2_chunks) if l2 is not None else 0
-    _write_absorb_kernel[(num_l2 + num_gemv + 1,)](
-        *args, q_nope, w_uk_t, q_latent, nope, rows, num_gemv, w_uk_t.stride(0), num_l2, *l2_args, **consts,
+    _write_absorb_kernel[(num_gemv + 1,)](
+        *args, q_nope, w_uk_t, q_latent, nope, rows, num_gemv, w_uk_t.stride(0), **consts,
         GROUP_K=128, GROUPS=k_groups, BLOCK_N=block_n, WAIT_FIRST=on and not PREFETCH["bf16"],
-        PREFETCH=on and PREFETCH["bf16"], L2=l2 is not None, L2_CHUNK=L2_CHUNK, L2_CHUNKS=l2_chunks, PDL=on,
-        launch_pdl=on, num_warps=warps)
+        PREFETCH=on and PREFETCH["bf16"], PDL=on, launch_pdl=on, num_warps=warps)
     return q_latent
 
 

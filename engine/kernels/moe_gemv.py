@@ -93,7 +93,7 @@ def _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn, stride_
 def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, limit, stride_xm, stride_we, stride_wn,
                stride_wse, stride_wsn, stride_sn, stride_ssn, stride_am,
                USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
-               PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr):
+               PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     wait_for_inputs(PDL)  # the expert ids are the routing's output
     token, piece, _, w, row_stride, s, srow = _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn,
@@ -116,8 +116,8 @@ def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, limit
     for k0 in range(0, K, GROUPS * GROUP_K):
         mask_k = offs_k < K - k0
         mask = mask_n[:, None, None] & mask_k[None, :, :]
-        g = tl.load(gate_ptrs + k0, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        u = tl.load(up_ptrs + k0, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        g = tl.load(gate_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
         a = tl.load(X + token * stride_xm + k0 + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         a_up = a
         if USE_FP8:  # the block scales go onto the activations (one per GROUP_K), not every weight
@@ -137,8 +137,7 @@ def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, limit
 def _down_kernel(Act, W, WS, SW, SWS, Out, Weights, Ids, N, K, top_k, slots, stride_am, stride_we, stride_wn,
                  stride_wse, stride_wsn, stride_sn, stride_ssn, stride_om,
                  USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
-                 PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, WAIT_FIRST: tl.constexpr, PREFETCH: tl.constexpr,
-                 EVICT: tl.constexpr):
+                 PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, WAIT_FIRST: tl.constexpr, PREFETCH: tl.constexpr):
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     wait_for_inputs(WAIT_FIRST)
     # PREFETCH: the ids and routing weights come from before the up kernel (which waited for them): read before
@@ -153,7 +152,7 @@ def _down_kernel(Act, W, WS, SW, SWS, Out, Weights, Ids, N, K, top_k, slots, str
     w_ptrs = w + offs_n[:, None, None].to(tl.int64) * row_stride + col0 + offs_k[None, :, :]
     scales = s + ((pid_n * BLOCK_N) // GROUP_N) * srow + col0 // GROUP_K
     y = gemv_rows(w_ptrs, Act + pair * stride_am + offs_k, scales, offs_n < N, K, USE_FP8, GROUP_K, GROUPS,
-                  PRE_ROUND, BLOCK_N, PREFETCH, EVICT)
+                  PRE_ROUND, BLOCK_N, PREFETCH)
     # rounded to the activation dtype before the weight, as the reference path's expert outputs are
     y = y.to(Out.dtype.element_ty).to(tl.float32)
     tl.store(Out + pair * stride_om + offs_n, (y * weight).to(Out.dtype.element_ty), mask=offs_n < N)
@@ -284,8 +283,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
              block: tuple[int, int] | None = None, shared: SharedExperts | None = None,
              config: tuple[int, int, int] | None = None, swiglu_limit: float | None = None,
-             fp4_decode: str | None = None, planar_x: bool | None = None, sum_slots: bool = True,
-             evict_first: bool = False) -> torch.Tensor:
+             fp4_decode: str | None = None, planar_x: bool | None = None, sum_slots: bool = True) -> torch.Tensor:
     """`fused_moe.fused_experts`'s contract, plus the shared experts' output when `shared` is given;
     meant for T * top_k up to a few dozen pairs. `config`: (BLOCK_N, K groups per step, num_warps); a
     K group is 128 columns for bf16 weights and the scale block's width for FP8 ones. `swiglu_limit` l:
@@ -297,9 +295,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     None: FP4_PLANAR_X) lays x out as float32 planes first (contiguous activation reads in the up kernel,
     one launch more). sum_slots=False (bf16 and FP8 experts; MXFP4 ones always sum): the token's slots
     come back unsummed, [T, top_k (+ shared pieces), H] in x's dtype, for a consumer that sums them as
-    it reads them (`rms_norm`); each slot is already weighted. evict_first (bf16 and FP8 experts): the
-    weights are read as L2's first to go, so that what was asked of L2 for later (`l2_prefetch`: the
-    shared experts' down matrix, read after the routed experts' up matrices stream through) stays."""
+    it reads them (`rms_norm`); each slot is already weighted."""
     check_float("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] contiguous, got {tuple(x.shape)}")
     if is_mxfp4(w13):
@@ -348,8 +344,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     ss13, ss2 = ((shared.gate_up_scale, shared.down_scale) if shared is not None else (s13, s2)) if fp8 else (sw13, sw2)
     on, prefetch = pdl(x), PREFETCH["fp8" if fp8 else "bf16"]
     common = dict(USE_FP8=fp8, GROUP_N=block[0] if fp8 else 1, GROUP_K=block[1] if fp8 else 128, GROUPS=groups,
-                  PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n, EVICT="evict_first" if evict_first else "",
-                  launch_pdl=on, num_warps=warps)
+                  PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n, launch_pdl=on, num_warps=warps)
     _up_kernel[(num_tokens * slots, triton.cdiv(inter, block_n))](
         x, w13, s13, sw13, ss13, act, ids, inter, hidden, top_k, slots, sw13.shape[0] // 2,
         float("inf") if swiglu_limit is None else float(swiglu_limit),

@@ -110,9 +110,6 @@ class FusedExperts(nn.Module):
         self.num_experts, self.inter = num_experts, inter
         self.block = quant.weight_block_size if quant is not None else None
         self.fp4 = expert_dtype == "fp4"
-        # one token's GEMVs read the experts as L2's first lines to go, so what the layer asked of L2 for
-        # later stays (`DeepseekV3ForCausalLM.set_l2_prefetch`)
-        self.evict_first = False
         if expert_dtype not in (None, "fp4"):
             raise ValueError(f"unsupported expert_dtype {expert_dtype!r}; supported: fp4 (MXFP4)")
         if self.fp4:
@@ -227,8 +224,7 @@ class FusedExperts(nn.Module):
             scales = (self.w13_scale_inv, self.w2_scale_inv) if quantized else (None, None)
             if self.takes_gemv(topk_ids):
                 return moe_gemv(x, self.w13, self.w2, topk_weights, topk_ids, *scales, block=self.block, shared=shared,
-                                swiglu_limit=self.swiglu_limit, sum_slots=sum_slots,
-                                evict_first=self.evict_first and x.shape[0] == 1)
+                                swiglu_limit=self.swiglu_limit, sum_slots=sum_slots)
             if shared is not None:
                 raise ValueError("shared experts fold into the GEMV path only")
             if self.fp4 and topk_ids.numel() >= self.dequantize_pairs_per_expert * self.num_experts:

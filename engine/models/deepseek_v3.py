@@ -4,8 +4,6 @@ Module and parameter names follow the released checkpoints (model.layers.N.self_
 mlp.experts.E.gate_proj, ...), so loading is a name map (see `stacked_params`).
 """
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,10 +33,6 @@ from engine.layers.moe import FusedExperts, Gate
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from engine.parallel import SINGLE, ParallelContext
-
-
-if TYPE_CHECKING:  # the kernels import Triton: only where the fast path runs
-    from engine.kernels.l2_prefetch import L2Ranges, LayerPrefetch
 
 
 class MLA(nn.Module):
@@ -92,14 +86,11 @@ class MLA(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.output(self.attend(*self.project(positions, x, meta), meta))
 
-    def project(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
-                l2: "L2Ranges | None" = None, l2_in_write: bool = False
+    def project(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Everything before attention: the queries, and the new tokens' latents written to the cache (at
         meta.slot_mapping, the only metadata read unless one decoding token's query is absorbed here too)
-        -> (q_nope [T, H, nope], q_pe [T, H, rope] rotated, q_latent [1, H, kv_lora] or None). l2: weights
-        asked of L2 once the latents are written (l2_in_write: by the write's own launch where it absorbs
-        the query)."""
+        -> (q_nope [T, H, nope], q_pe [T, H, rope] rotated, q_latent [1, H, kv_lora] or None)."""
         num_tokens = x.shape[0]
         if self.fused_input_proj is not None and self.use_kernels:
             q, kv = self.fused_input_proj(x).split(
@@ -125,8 +116,7 @@ class MLA(nn.Module):
             rope = (self.rotary.cos_cache, self.rotary.sin_cache, meta.slot_mapping)
             if absorb is not None and num_tokens == 1 and not meta.num_prefills:
                 q_latent = write_latent_absorbed_(self.kv_cache, kv, *kv_norm, q_nope, q_pe, positions, *rope,
-                                                  absorb.w_uk_t, l2=l2 if l2_in_write else None)
-                l2 = None if l2_in_write else l2
+                                                  absorb.w_uk_t)
             else:
                 write_latent_(self.kv_cache, kv, *kv_norm, q_pe, positions, *rope)
         else:
@@ -134,10 +124,6 @@ class MLA(nn.Module):
             c_kv = self.kv_a_layernorm(c_kv)
             q_pe, k_pe = self.rotary(positions, q_pe), self.rotary(positions, k_pe)
             write_kv_cache(self.kv_cache, torch.cat([c_kv, k_pe], dim=-1), meta.slot_mapping, self.kv_lora_rank)
-        if l2 is not None:
-            from engine.kernels.l2_prefetch import prefetch_l2_
-
-            prefetch_l2_(l2)
         return q_nope, q_pe, q_latent
 
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, q_latent: torch.Tensor | None,
@@ -234,9 +220,6 @@ class DecoderLayer(nn.Module):
                     else MLP(cfg.hidden_size, cfg.intermediate_size, par, cfg.quant))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # weights asked of L2 at small steps while attention runs (`l2_prefetch.LayerPrefetch`), set by the
-        # model runner from the engine's `l2_prefetch_mb`; None: nothing asked
-        self.l2_prefetch: "LayerPrefetch | None" = None
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,33 +235,12 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(h), h
         else:
             h, residual = self.input_layernorm(h, residual)
-        p = self.l2_prefetch
-        return self.self_attn.project(positions, h, meta, l2=self._l2_ranges(h, ("write", "write-fused")),
-                                      l2_in_write=p is not None and p.site == "write-fused"), residual
+        return self.self_attn.project(positions, h, meta), residual
 
     def after_attention(self, out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention's output [T, H, v] -> (the MLP's output, the residual stream before it)."""
-        l2 = self._l2_ranges(out, ("output",))
-        if l2 is not None:
-            from engine.kernels.l2_prefetch import prefetch_l2_
-
-            prefetch_l2_(l2)
         h, residual = self.post_attention_layernorm(self.self_attn.output(out), residual)
         return (self.mlp(h, sum_slots=False) if isinstance(self.mlp, MoE) else self.mlp(h)), residual
-
-    def l2_prefetch_weights(self, site: str) -> list[torch.Tensor]:
-        """The weights read after `site` whatever the tokens, in the order they are read: o_proj's (from
-        the latent write on), then the MLP's that no routing picks (a MoE layer's shared experts, a dense
-        layer's MLP). `l2_prefetch.L2Ranges.of` cuts them at a budget."""
-        mlp = self.mlp.shared_experts if isinstance(self.mlp, MoE) else self.mlp
-        weights = [self.self_attn.o_proj.weight] if site != "output" else []
-        if mlp is not None:
-            weights += [mlp.gate_up_proj.weight, mlp.down_proj.weight]
-        return weights
-
-    def _l2_ranges(self, x: torch.Tensor, sites: tuple[str, ...]) -> "L2Ranges | None":
-        p = self.l2_prefetch
-        return p.ranges if p is not None and p.site in sites and x.shape[0] <= p.max_tokens else None
 
 
 class MultiTokenPredictor(DecoderLayer):
@@ -362,21 +324,6 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
-
-    def set_l2_prefetch(self, site: str, budget: int) -> None:
-        """At steps of up to the MoE GEMVs' tokens, each decoder layer asks L2, from `site`, for up to
-        `budget` bytes of the weights it reads after attention whatever the tokens
-        (`DecoderLayer.l2_prefetch_weights`); budget 0: nothing asked. The weights must not move after."""
-        from engine.kernels.l2_prefetch import L2Ranges, LayerPrefetch, check_site
-
-        check_site(site)
-        experts = [layer.mlp.experts for layer in self.model.layers if isinstance(layer.mlp, MoE)]
-        max_tokens = experts[0].gemv_max_tokens if experts else 8  # the bf16 experts' GEMV bound
-        for layer in self.model.layers:
-            ranges = L2Ranges.of(layer.l2_prefetch_weights(site), budget) if budget > 0 else None
-            layer.l2_prefetch = LayerPrefetch(site, ranges, max_tokens) if ranges else None
-            if isinstance(layer.mlp, MoE):  # the routed experts, streamed once, make room first
-                layer.mlp.experts.evict_first = ranges is not None
 
     def draft(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
               meta: AttentionMetadata) -> torch.Tensor:

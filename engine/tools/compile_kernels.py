@@ -21,7 +21,7 @@ from unittest import mock
 
 import torch
 
-KERNEL_MODULES = ["activation", "compressed_decode", "compressor", "fp8_gemm", "mhc", "norm_rope", "fused_moe", "gemv", "l2_prefetch", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing", "mxfp4",
+KERNEL_MODULES = ["activation", "compressed_decode", "compressor", "fp8_gemm", "mhc", "norm_rope", "fused_moe", "gemv", "latent_cache", "mla_decode", "mla_prefill", "moe_gemv", "moe_routing", "mxfp4",
                   "rms_norm", "rotary", "sampling", "spec_step"]
 # largest shared memory one block may use, by compute capability (bytes)
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
@@ -119,7 +119,6 @@ def launch_all() -> None:
     from engine.kernels.fp8_gemm import FP8, fp8_block_gemm_tma, fp8_linear, per_token_group_quant
     from engine.kernels.fused_moe import HALF_TMA_CONFIG, TMA_CONFIGS, _launch_tma, fused_experts, fused_experts_tma
     from engine.kernels.gemv import gemv
-    from engine.kernels.l2_prefetch import L2Ranges, prefetch_l2_
     from engine.kernels.latent_cache import gather_latent, write_latent_, write_latent_absorbed_
     from engine.kernels.mla_decode import mla_decode_attention
     from engine.kernels.mla_prefill import mla_prefill_attention
@@ -147,16 +146,9 @@ def launch_all() -> None:
             write_latent_(_empty(64, page, fp8_row, dtype=torch.uint8), kv, _empty(lora), 1e-6, q[..., nope:], pos,
                           cos, sin, pos)
             if tokens == 1:  # one decoding token's write with its query absorption
-                wdtype = FP8 if fp8 else torch.bfloat16
-                # o_proj's and the shared experts' weights asked of L2 (`--l2-prefetch`): a launch of their
-                # own, or programs of the write's
-                l2 = L2Ranges.of([_empty(hidden, heads * vdim, dtype=wdtype), _empty(2 * shared * inter, hidden,
-                                  dtype=wdtype), _empty(hidden, shared * inter, dtype=wdtype)], 32 << 20)
-                prefetch_l2_(l2)
-                for cache, ask in itertools.product((_empty(64, page, lora + rope),
-                                                     _empty(64, page, fp8_row, dtype=torch.uint8)), (None, l2)):
+                for cache in (_empty(64, page, lora + rope), _empty(64, page, fp8_row, dtype=torch.uint8)):
                     write_latent_absorbed_(cache, kv, _empty(lora), 1e-6, q[..., :nope], q[..., nope:], pos, cos,
-                                           sin, pos, _empty(heads * lora, nope), l2=ask)
+                                           sin, pos, _empty(heads * lora, nope))
             if tokens > 1:  # the prefill paths' read of an FP8 cache
                 gather_latent(_empty(64, page, fp8_row, dtype=torch.uint8), pos, lora, rope, torch.bfloat16)
             ids = torch.randint(0, experts, (tokens, experts)).argsort(-1)[:, :top_k].to(i32).contiguous()
@@ -180,9 +172,6 @@ def launch_all() -> None:
                                    *((_empty(2 * shared * inter // 128, hidden // 128, dtype=f32),
                                       _empty(hidden // 128, shared * inter // 128, dtype=f32)) if fp8 else ()))
                 moe_gemv(x, w13, w2, weights, ids, *scales, block=block if fp8 else None, shared=sh)
-                if tokens == 1:  # the experts read as L2's first lines to go (with `--l2-prefetch`)
-                    moe_gemv(x, w13, w2, weights, ids, *scales, block=block if fp8 else None, shared=sh,
-                             evict_first=True)
                 # the next layer's norm summing the slots moe_gemv hands on unsummed
                 rms_norm(_empty(tokens, top_k + shared, hidden), _empty(hidden), 1e-6, _empty(tokens, hidden))
             if fp8:

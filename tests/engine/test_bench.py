@@ -87,9 +87,6 @@ def test_bench_rejects_bad_arguments(tmp_path, capsys):
     assert "neither a directory" in capsys.readouterr().err
     assert main(["bench", "--preset", "v4-tiny", "--device", "cpu", "--turns", "64:16", "--out", str(tmp_path)]) == 2
     assert "--turns is measured for V3-family models on one rank" in capsys.readouterr().err
-    assert main(["bench", "--preset", "v4-tiny", "--device", "cpu", "--l2-prefetch", "32", "--out",
-                 str(tmp_path)]) == 2
-    assert "--l2-prefetch is measured for V3-family models on one rank" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "--preset", "tiny", "--turns", "64"])
     assert "PREFIX:NEW" in capsys.readouterr().err

@@ -179,7 +179,6 @@ def test_write_latent_absorbed_is_the_write_and_the_absorption_gemv(fp8):
     rotated q_pe and q_latent are bit for bit what `write_latent_` and then `gemv(q_nope, W_UK^T,
     groups=heads)` give; q_nope is left as it was."""
     from engine.kernels.gemv import gemv
-    from engine.kernels.l2_prefetch import L2Ranges
     from engine.kernels.latent_cache import write_latent_, write_latent_absorbed_
     from engine.layers.fp8_latent import FP8LatentLayout
 
@@ -204,47 +203,6 @@ def test_write_latent_absorbed_is_the_write_and_the_absorption_gemv(fp8):
     with pytest.raises(ValueError, match="w_uk_t"):
         write_latent_absorbed_(caches[1], kv, weight, 1e-6, qs[1][..., :nope], qs[1][..., nope:], pos, cos, sin,
                                slots, w_uk_t[:-1])
-    # with programs asking L2 for weights after its own (`--l2-prefetch-site write-fused`): the same bits
-    l2 = L2Ranges.of([w_uk_t, weight], 1 << 20)
-    cache, q_again = torch.zeros_like(caches[0]), q.clone()
-    args = (cache, kv, weight, 1e-6, q_again[..., :nope], q_again[..., nope:], pos, cos, sin, slots, w_uk_t)
-    if DEV == "cpu":  # the interpreter runs no PTX
-        with pytest.raises(ValueError, match="L2 prefetch runs on a GPU"):
-            write_latent_absorbed_(*args, l2=l2)
-        return
-    got = write_latent_absorbed_(*args, l2=l2)
-    assert torch.equal(cache, caches[0]) and torch.equal(q_again, qs[0]) and torch.equal(got, want)
-
-
-# -- weights asked of L2 ---------------------------------------------------------------------------
-def test_l2_prefetch_asks_for_every_chunk_of_its_ranges_once():
-    """The chunks `prefetch_l2_` asks for (traced: the address and size each lane would hand the bulk
-    prefetch) are its ranges' bytes, each once, in order, never past a range's end: sizes rounded down
-    to 16 bytes, the last range cut at the budget, a fourth range dropped."""
-    from engine.kernels.l2_prefetch import CHUNK, CHUNKS, L2Ranges, prefetch_l2_, reference_chunks
-
-    def traced(ranges):
-        trace = torch.full((ranges.programs() * CHUNKS, 2), -1, dtype=torch.int64, device=DEV)
-        prefetch_l2_(ranges, trace=trace)
-        rows = trace.tolist()
-        asked = [tuple(r) for r in rows if r[1] > 0]
-        assert all(r[1] == 0 for r in rows[len(asked):])  # the lanes past the last chunk ask for nothing
-        return asked
-
-    sizes = [3 * CHUNK + 40, 100, 40 * CHUNK + 16, 5000]  # bytes
-    tensors = [torch.empty(n, dtype=torch.uint8, device=DEV) for n in sizes]
-    whole = L2Ranges.of(tensors, 1 << 30)
-    assert whole.nbytes == (3 * CHUNK + 32, 96, 40 * CHUNK + 16) and whole.chunks() == (4, 1, 41)
-    assert whole.programs() == 2 and traced(whole) == reference_chunks(whole)
-    assert all(a % 16 == 0 and n % 16 == 0 for a, n in reference_chunks(whole))
-    cut = L2Ranges.of(tensors[::-1], 5000 + 2 * CHUNK + 100)  # 4992 bytes, then 2 chunks and 96 bytes
-    assert cut.nbytes == (4992, 2 * CHUNK + 96) and cut.chunks() == (1, 3)
-    assert traced(cut) == reference_chunks(cut) == [
-        (tensors[3].data_ptr(), 4992), (tensors[2].data_ptr(), CHUNK), (tensors[2].data_ptr() + CHUNK, CHUNK),
-        (tensors[2].data_ptr() + 2 * CHUNK, 96)]
-    assert L2Ranges.of(tensors, 15) is None  # nothing left once rounded to 16 bytes
-    with pytest.raises(ValueError, match="16-byte aligned"):
-        L2Ranges.of([tensors[0][1:]], 1 << 20)
 
 
 # -- MLA decode ------------------------------------------------------------------------------------
