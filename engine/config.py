@@ -530,6 +530,11 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+# a 2k-token prompt's prefill is bound by the host when eager (docs/perf.md, "Prefill steps from CUDA
+# graphs"): from 33-63k to 76-78k tokens/s for DeepSeek-V2-Lite on an H200
+DEFAULT_PREFILL_GRAPH_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Settings of one engine instance; derived values are properties."""
@@ -569,6 +574,11 @@ class EngineConfig:
     show_progress: bool = True
     # launch a decode step before the tokens of the one running reach the host: auto = on a CUDA device
     async_scheduling: str = "auto"  # auto | on | off
+    # steps of up to this many tokens, longer than the decode graphs', replay CUDA graphs of their padded
+    # length: a fresh prompt whole, the others in pieces around attention (engine.model_runner's
+    # PrefillGraphs, PiecewiseGraphs). None: DEFAULT_PREFILL_GRAPH_TOKENS where the model has them (V3
+    # family, CUDA graphs on), else off; 0: eager
+    prefill_graph_tokens: int | None = None
     # cross-replica KV reuse (None: local prefix cache only)
     kv_directory: str | None = None  # redis://...
     replica_id: str | None = None
@@ -592,6 +602,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.prefill_graph_tokens is not None and self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
         if self.kv_transfer_streams is not None and self.kv_transfer_streams < 1:
             raise ValueError(f"kv_transfer_streams must be >= 1, got {self.kv_transfer_streams}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

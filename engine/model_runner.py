@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import DEFAULT_PREFILL_GRAPH_TOKENS, EngineConfig, ModelConfig
 from engine.copies import HostSpan, index_to_device, to_device
 from engine.kv_pool import KVPool, block_bytes, window_of
 from engine.layers.attention import ABSORBED_MAX_QUERY, AttentionMetadata
@@ -187,11 +187,11 @@ class ModelRunner:
         self.use_cuda_graphs = (self.backend == "triton" and self.device.type == "cuda"
                                 and getattr(M, "cuda_graphs", True)  # V4.1: no device-only decode path yet
                                 and not config.extra.get("enforce_eager", False))
-        # steps of up to extra["prefill_graph_tokens"] tokens replayed from graphs of their padded length: a
+        # steps of up to config.prefill_graph_tokens tokens replayed from graphs of their padded length: a
         # fresh prompt's whole (`PrefillGraphs`; not with the MTP draft, which reads the eager step's
         # metadata), others in pieces around attention (`PiecewiseGraphs`); V3-family models, whose layers
         # read device tensors only outside attention; these lengths ([]: none)
-        self.prefill_graph_sizes = self._prefill_graph_sizes(int(config.extra.get("prefill_graph_tokens", 0)), M)
+        self.prefill_graph_sizes = self._prefill_graph_sizes(config.prefill_graph_tokens, M)
         self.kv_pool: KVPool | None = None
         self.tables: BlockTables | None = None
         self.graphs: DecodeGraphs | None = None
@@ -209,9 +209,12 @@ class ModelRunner:
         # the one that reaches its end (engine.step_plan.PlanImage)
         self.image_embeds: dict[str, torch.Tensor] = {}
 
-    def _prefill_graph_sizes(self, wanted: int, model_type: type) -> list[int]:
+    def _prefill_graph_sizes(self, wanted: int | None, model_type: type) -> list[int]:
         """The prefill and piecewise graphs' padded lengths for steps of up to `wanted` tokens ([]: none,
-        said in a warning where some were asked for)."""
+        said in a warning where some were asked for; None: DEFAULT_PREFILL_GRAPH_TOKENS, quietly none
+        where there can be none)."""
+        asked = wanted is not None
+        wanted = DEFAULT_PREFILL_GRAPH_TOKENS if wanted is None else wanted
         if not wanted:
             return []
         why = ("CUDA graphs are off" if not self.use_cuda_graphs
@@ -221,7 +224,7 @@ class ModelRunner:
         sizes = [] if why else LongStepGraphs.lengths(
             DecodeGraphs.num_rows(c.max_num_seqs, self.num_speculative_tokens) + 1,
             min(wanted, c.max_num_batched_tokens, self.max_model_len - 1))
-        if not sizes:
+        if not sizes and asked:
             logger.warning("prefill_graph_tokens=%d: no prefill graphs (%s)", wanted, why or
                            "no padded length fits between the decode graphs' rows and the step budget")
         return sizes

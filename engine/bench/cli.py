@@ -54,9 +54,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"],
                    help="the latent cache's dtype (fp8: e4m3 c_kv with a scale per token; V3-family models, one rank)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--prefill-graphs", type=int, default=0, metavar="TOKENS",
-                   help="a prompt's prefill of up to TOKENS tokens replayed from a CUDA graph of its padded "
-                        "length, as the engine's extra prefill_graph_tokens does (0: eager)")
+    p.add_argument("--prefill-graphs", type=int, metavar="TOKENS",
+                   help="steps of up to TOKENS tokens replayed from CUDA graphs of their padded length, as the "
+                        "engine's --prefill-graph-tokens (default: the engine's, 2048; 0: eager)")
     p.add_argument("--no-pdl", dest="pdl", action="store_false",
                    help="kernels without programmatic dependent launch (Hopper+), to measure what it gives")
     p.add_argument("--seed", type=int, default=0)

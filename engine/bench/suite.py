@@ -44,7 +44,9 @@ class BenchOptions:
     block_size: int = 64
     kv_cache_dtype: str = "auto"  # EngineConfig's: auto, bf16, fp8 (the V3-family latent cache, one rank)
     eager: bool = False
-    prefill_graphs: int = 0  # a fresh prompt's prefill of up to this many tokens from a CUDA graph (0: eager)
+    # steps of up to this many tokens from CUDA graphs (EngineConfig.prefill_graph_tokens; None: the engine's
+    # default, 0: eager)
+    prefill_graphs: int | None = None
     pdl: bool = True  # kernels launched with programmatic dependent launch where the card has it
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -129,9 +131,10 @@ def _run(opts: BenchOptions) -> dict:
                                  attention_backend=opts.backend, max_num_seqs=max_conc, block_size=bs,
                                  kv_cache_dtype=opts.kv_cache_dtype,
                                  num_kv_blocks=num_blocks, seed=opts.seed, show_progress=False,
-                                 max_num_batched_tokens=max(EngineConfig.max_num_batched_tokens, opts.prefill_graphs),
-                                 extra={"enforce_eager": opts.eager, "capture_graphs_at_start": False,
-                                        "prefill_graph_tokens": opts.prefill_graphs})
+                                 max_num_batched_tokens=max(EngineConfig.max_num_batched_tokens,
+                                                            opts.prefill_graphs or 0),
+                                 prefill_graph_tokens=opts.prefill_graphs,
+                                 extra={"enforce_eager": opts.eager, "capture_graphs_at_start": False})
     runner = ModelRunner(engine_config, model_config, path, max_len)
     runner.init_cache(num_blocks)
     gc.collect()

@@ -45,6 +45,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--async-scheduling", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
         help="launch each decode step before the host reads the last one's tokens (auto: on a GPU)",
     )  # fmt: skip
+    model.add_argument("--prefill-graph-tokens", type=_non_negative_int,
+                       help="steps of up to this many tokens replay CUDA graphs (a fresh prompt whole, others in "
+                            "pieces around attention; V3-family models on a GPU; default 2048; 0: eager)")
     model.add_argument("--engram-tables", default="device", choices=["device", "host"],
                        help="where DeepSeek-V4.1's Engram tables live: host keeps them in pinned host memory "
                             "(~200 GB a replica in the release) and copies each step's rows over")
@@ -202,7 +205,8 @@ def engine_config(args: argparse.Namespace) -> Any:
         "engram_tables": args.engram_tables,
     }  # fmt: skip
     # Unset: the engine's own defaults.
-    for name in ("max_num_seqs", "max_num_batched_tokens", "advertise_host", "kv_transfer_streams"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "advertise_host", "kv_transfer_streams",
+                 "prefill_graph_tokens"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     try:

@@ -199,3 +199,24 @@ def test_on_the_gpu_draws_in_the_graph_are_the_eager_draws():
     assert replays and len({tuple(t) for t in in_graph}) == 4
     runner.draw_graphs = None
     assert [o.token_ids for o in llm.generate(prompts, params)] == in_graph
+
+
+def test_prefill_graphs_are_on_by_default_where_the_model_has_them(caplog):
+    """prefill_graph_tokens None: 2048 tokens' lengths where CUDA graphs run a V3-family model, and quietly
+    none elsewhere (V4, eager, CPU); a number asked for where there can be none says why; 0: none."""
+    from engine.config import DEFAULT_PREFILL_GRAPH_TOKENS
+    from engine.model_runner import LongStepGraphs, ModelRunner
+    from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    def sizes(wanted, model_type=DeepseekV3ForCausalLM, graphs=True):
+        runner = SimpleNamespace(use_cuda_graphs=graphs, num_speculative_tokens=0, max_model_len=32768,
+                                 config=SimpleNamespace(max_num_seqs=64, max_num_batched_tokens=4096))
+        return ModelRunner._prefill_graph_sizes(runner, wanted, model_type)
+
+    with caplog.at_level("WARNING"):
+        assert sizes(None) == LongStepGraphs.lengths(65, DEFAULT_PREFILL_GRAPH_TOKENS) and sizes(None)[-1] == 2048
+        assert sizes(None, DeepseekV4ForCausalLM) == sizes(None, graphs=False) == sizes(0) == []
+        assert not caplog.text
+        assert sizes(4096)[-1] == 4096 and sizes(512, graphs=False) == []
+    assert "prefill_graph_tokens=512: no prefill graphs (CUDA graphs are off)" in caplog.text

@@ -544,7 +544,7 @@ def test_piecewise_steps_run_as_eager_steps_do(tmp_path):
 @gpu
 def test_fresh_prompts_replay_the_prefill_graphs(tmp_path, dtype):
     path = save_hf_checkpoint(build_hf_model(seed=32), tmp_path / "ckpt")
-    fast = LLM(str(path), dtype=dtype, block_size=4, extra={"prefill_graph_tokens": 512})
+    fast = LLM(str(path), dtype=dtype, block_size=4, prefill_graph_tokens=512)
     assert_prefill_graphs_as_eager(path, fast, dtype, [100, 512, 300], [256, 512, 512], [256, 512], block_size=4)
 
 
@@ -559,7 +559,7 @@ def test_fp8_prefill_graphs_at_production_tiles(tmp_path, kv_cache_dtype):
                         v_head_dim=128, num_experts_per_tok=4, max_position_embeddings=2048, initializer_range=0.02)
     path = save_fp8_checkpoint(hf, tmp_path / "ckpt", (128, 128))
     args = dict(block_size=64, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=1280)
-    fast = LLM(str(path), dtype="bfloat16", **args, extra={"prefill_graph_tokens": 1280})
+    fast = LLM(str(path), dtype="bfloat16", **args, prefill_graph_tokens=1280)
     assert fast.engine.runner.model.model.layers[1].mlp.experts.w13.dtype == torch.float8_e4m3fn
     assert_prefill_graphs_as_eager(path, fast, "bfloat16", [100, 1100, 300], [256, 1280, 512],
                                    [256, 512, 768, 1024, 1280], **args)
@@ -572,7 +572,7 @@ def test_fp8_prefill_graphs_at_production_tiles(tmp_path, kv_cache_dtype):
 def test_mixed_steps_replay_the_piecewise_graphs(tmp_path, dtype):
     path = save_hf_checkpoint(build_hf_model(seed=36), tmp_path / "ckpt")
     args = dict(block_size=4, max_num_batched_tokens=512)
-    fast = LLM(str(path), dtype=dtype, **args, extra={"prefill_graph_tokens": 512})
+    fast = LLM(str(path), dtype=dtype, **args, prefill_graph_tokens=512)
     assert sorted(fast.engine.runner.piecewise.graphs) == [256, 512]  # captured at start
     assert_piecewise_as_eager(path, fast, dtype, [300, 400, 90], **args)
 
