@@ -48,6 +48,7 @@ class BenchOptions:
     # default, 0: eager)
     prefill_graphs: int | None = None
     pdl: bool = True  # kernels launched with programmatic dependent launch where the card has it
+    gluon_prefill: bool = False  # bf16 prefill attention through the Gluon kernel on Hopper (mla_prefill.GLUON)
     seed: int = 0
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -67,6 +68,13 @@ def _guard(fn, *args, **kwargs) -> dict:
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
+def _gluon_prefill(device: torch.device) -> bool:
+    """Whether bf16 prefill attention ran through the Gluon kernel (switched on, on a Hopper card)."""
+    from engine.kernels import mla_prefill
+
+    return bool(mla_prefill.GLUON and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9)
+
+
 def _summary(phases: dict, field_name: str) -> dict:
     return {k: v.get(field_name) for k, v in phases.items()}
 
@@ -75,11 +83,15 @@ def run(opts: BenchOptions) -> dict:
     """-> the results dict (also written to opts.out_dir as <preset>.json and .png)."""
     from engine.kernels import _util
 
+    from engine.kernels import mla_prefill
+
     before, _util.PDL = _util.PDL, opts.pdl
+    gluon_before = mla_prefill.GLUON
+    mla_prefill.GLUON = gluon_before or opts.gluon_prefill
     try:
         return _run(opts)
     finally:
-        _util.PDL = before
+        _util.PDL, mla_prefill.GLUON = before, gluon_before
         gc.unfreeze()
 
 
@@ -190,6 +202,7 @@ def _run(opts: BenchOptions) -> dict:
         backend=runner.backend, kv_cache_dtype=opts.kv_cache_dtype, cuda_graphs=runner.graphs is not None,
         prefill_graph_tokens=runner.prefill_graph_sizes[-1] if runner.prefill_graph_sizes else 0,
         pdl=_util.pdl(torch.empty(0, device=device)), num_layers=model_config.num_hidden_layers,
+        gluon_prefill=_gluon_prefill(device),
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
         ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),
         decode_tok_s=_summary(decode, "tok_s"), prefill=prefill, decode=decode,

@@ -18,6 +18,9 @@ import triton.language as tl
 from engine.kernels._util import check, check_float, check_last_contiguous, interpreted, mma, pow2
 
 LOG2E = 1.4426950408889634
+# bf16 prefill on Hopper through the warp-specialised Gluon kernel (`mla_prefill_gluon`), which ran
+# 1.14-1.25x this one alone on an H200: off until an A/B in the engine keeps it (`bench --gluon-prefill`)
+GLUON = False
 
 
 @triton.jit
@@ -174,6 +177,12 @@ def mla_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torc
     batch = cu_seqlens_q.shape[0] - 1
     if num_q == 0 or batch == 0:
         return out
+    if GLUON and tiles is None and not interpreted(q_nope):
+        from engine.kernels import mla_prefill_gluon
+
+        if mla_prefill_gluon.applies(q_nope, q_pe, k_nope, k_pe, v):
+            return mla_prefill_gluon.ws_prefill(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                softmax_scale)
     cfg = dict(_tiles(nope + rope, interpreted(q_nope)), **(tiles or {}))
     num_m_blocks = triton.cdiv(max_seqlen_q, cfg["block_m"])
     tma = cfg.get("tma", False) and not (pow2(nope) != nope or pow2(rope) != rope or pow2(vdim) != vdim)

@@ -8,7 +8,8 @@ and fails on the first GPU. Here every launcher runs on CPU tensors of DeepSeek-
 DeepSeek-V3's (FP8) real shapes with the GPU's choices (tiles, no interpreter workarounds); each
 kernel launch is caught and compiled for the target instead (through PTX to a cubin, with Triton's
 own ptxas), and its shared memory checked against the architecture's per-block limit. Weights keep
-their real rows and columns; expert counts are cut, since they change no compiled code.
+their real rows and columns; expert counts are cut, since they change no compiled code. For sm_90 the
+Gluon kernels (Hopper's only) are compiled too, at the engine's constants.
 """
 
 import argparse
@@ -303,11 +304,40 @@ def launch_v4_decode() -> None:
                             (_empty(batch, 3 * width, dtype=f32), torch.zeros(batch, dtype=i64)))
 
 
+def compile_gluon() -> list[dict]:
+    """The Gluon kernels, Hopper's only (warpgroup products, TMA, register moves between partitions), at
+    the engine's constants: the warp-specialised prefill attention (`mla_prefill_gluon`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from engine.kernels import mla_prefill_gluon as g
+
+    kernel = g._ws_prefill_kernel
+    rows = int(g.WG_ROWS)
+    blocks = dict(qn_desc=[rows, g.NOPE], qp_desc=[rows, g.ROPE], kn_desc=[g.BLOCK_N, g.NOPE],
+                  kp_desc=[g.BLOCK_N, g.ROPE], v_desc=[g.BLOCK_N, g.VDIM])
+    sig = {name: g.signature_of(g._desc(_empty(256, 512), block)) for name, block in blocks.items()}
+    sig.update(O="*bf16", CuQ="*i32", CuK="*i32", stride_ot="i32", stride_oh="i32", num_m_blocks="i32",
+               scale_log2="fp32")
+    # the head strides of the engine's views: q [T, H, 192], the expanded latents [T, H, 256]
+    constexprs = dict(HEAD_QN=192, HEAD_QP=192, HEAD_KN=256, HEAD_V=256, BLOCK_N=g.BLOCK_N, STAGES=g.STAGES,
+                      PINGPONG=False, CONSUMER_REGS=g.CONSUMER_REGS, PRODUCER_REGS=g.PRODUCER_REGS)
+    sig.update(dict.fromkeys(constexprs, "constexpr"))
+    options = dict(num_warps=4)
+    compiled = triton.compile(GluonASTSource(kernel, {n: sig[n] for n in kernel.arg_names}, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    return [dict(key=(kernel.__name__,), kernel=kernel.__name__, shared=compiled.metadata.shared,
+                 constexprs=constexprs, options=options, waits=False)]
+
+
 def compile_all(arch: int = 90) -> list[dict]:
     """-> one entry per distinct kernel variant compiled: name, shared memory bytes, constexprs."""
     results: list[dict] = []
     with compiling_for(arch, results):
         launch_all()
+    if arch == 90:
+        results += compile_gluon()
     return results
 
 

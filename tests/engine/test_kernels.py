@@ -524,6 +524,56 @@ def test_mla_prefill_tma_tiles_match_pointer_ones(dtype):
     assert rel_err(out, reference_mla_prefill_attention(*moved, 0.3)) < tol
 
 
+def _engine_prefill_operands(q_len: int, k_len: int, heads: int, g: torch.Generator, dtype=torch.bfloat16,
+                             nope: int = 128, rope: int = 64):
+    """Prefill attention's operands laid out as the engine hands them over: q_nope / q_pe views of the
+    queries [Tq, H, nope + rope], k_nope / v views of the expanded latents [Tk, H, nope + 128], k_pe a view
+    of the latent rows [Tk, 512 + rope]."""
+    q = torch.randn(q_len, heads, nope + rope, generator=g).to(DEV, dtype)
+    kv = torch.randn(k_len, heads, nope + 128, generator=g).to(DEV, dtype)
+    latent = torch.randn(k_len, 512 + rope, generator=g).to(DEV, dtype)
+    return q[..., :nope], q[..., nope:], kv[..., :nope], latent[:, 512:], kv[..., nope:]
+
+
+def test_gluon_prefill_takes_only_what_it_is_built_for():
+    """The Gluon kernel is Hopper's, bf16's and DeepSeek's head widths' (nope 128, rope 64, v 128), over
+    operands a TMA descriptor can describe; anything else stays on the Triton kernel."""
+    from engine.kernels.mla_prefill_gluon import applies
+
+    g = torch.Generator().manual_seed(47)
+    args = _engine_prefill_operands(8, 8, 2, g)
+    hopper = DEV == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    assert applies(*args) == hopper
+    assert not applies(*(a.float() for a in args))
+    assert not applies(*_engine_prefill_operands(8, 8, 2, g, nope=64, rope=32))
+    latent = torch.randn(8, 577, generator=g).to(DEV, torch.bfloat16)
+    assert not applies(*args[:3], latent[:, 513:], args[4])  # k_pe 2 bytes past a 16-byte boundary
+
+
+@gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gluon_prefill_is_the_triton_kernels_math(heads, monkeypatch):
+    """Three sequences (a prompt, a chunk over a cached prefix, one shorter than a block) in the engine's
+    layout: the Gluon kernel within bf16 rounding of the float32 reference, and within 1e-3 of the Triton
+    kernel it replaces (4e-6-7e-6 measured)."""
+    from engine.kernels import mla_prefill, mla_prefill_gluon
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is built for Hopper")
+    g = torch.Generator().manual_seed(48)
+    args = _engine_prefill_operands(1050, 2398, heads, g)
+    cu_q = torch.tensor([0, 700, 1000, 1050], dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0, 700, 2348, 2398], dtype=torch.int32, device=DEV)
+    scale = 192 ** -0.5
+    ref = reference_mla_prefill_attention(*args, cu_q, cu_k, scale)
+    triton_out = mla_prefill_attention(*args, cu_q, cu_k, 700, scale)
+    calls, ws = [], mla_prefill_gluon.ws_prefill
+    monkeypatch.setattr(mla_prefill_gluon, "ws_prefill", lambda *a, **k: calls.append(1) or ws(*a, **k))
+    monkeypatch.setattr(mla_prefill, "GLUON", True)
+    out = mla_prefill_attention(*args, cu_q, cu_k, 700, scale)
+    assert calls and rel_err(out, ref) < 2e-2 and rel_err(out, triton_out) < 1e-3
+
+
 @pytest.mark.parametrize("q_lens", [[3, 5], [16, 17]])  # absorbed (all chunks <= 16 tokens) / plain
 def test_mla_prefill_fast_paths_match_the_reference_layer(q_lens):
     from engine.layers.attention import AttentionMetadata, mla_prefill, mla_prefill_fast
