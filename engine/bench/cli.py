@@ -58,8 +58,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="steps of up to TOKENS tokens replayed from CUDA graphs of their padded length, as the "
                         "engine's --prefill-graph-tokens (default: the engine's, 2048; 0: eager)")
     p.add_argument("--gluon-prefill", action="store_true",
-                   help="bf16 prefill attention through the warp-specialised Gluon kernel (Hopper), to measure it "
-                        "in the engine")
+                   help="prefill through the warp-specialised Gluon kernels (Hopper: bf16 attention, FP8 expert "
+                        "GEMMs), to measure them in the engine")
     p.add_argument("--no-pdl", dest="pdl", action="store_false",
                    help="kernels without programmatic dependent launch (Hopper+), to measure what it gives")
     p.add_argument("--seed", type=int, default=0)

@@ -48,7 +48,8 @@ class BenchOptions:
     # default, 0: eager)
     prefill_graphs: int | None = None
     pdl: bool = True  # kernels launched with programmatic dependent launch where the card has it
-    gluon_prefill: bool = False  # bf16 prefill attention through the Gluon kernel on Hopper (mla_prefill.GLUON)
+    # prefill through the Gluon kernels on Hopper: bf16 attention, FP8 expert GEMMs (mla_prefill / fused_moe.GLUON)
+    gluon_prefill: bool = False
     seed: int = 0
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -69,10 +70,11 @@ def _guard(fn, *args, **kwargs) -> dict:
 
 
 def _gluon_prefill(device: torch.device) -> bool:
-    """Whether bf16 prefill attention ran through the Gluon kernel (switched on, on a Hopper card)."""
-    from engine.kernels import mla_prefill
+    """Whether prefill ran through the Gluon kernels where they apply (switched on, on a Hopper card)."""
+    from engine.kernels import fused_moe, mla_prefill
 
-    return bool(mla_prefill.GLUON and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9)
+    on = mla_prefill.GLUON or fused_moe.GLUON
+    return bool(on and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9)
 
 
 def _summary(phases: dict, field_name: str) -> dict:
@@ -83,15 +85,16 @@ def run(opts: BenchOptions) -> dict:
     """-> the results dict (also written to opts.out_dir as <preset>.json and .png)."""
     from engine.kernels import _util
 
-    from engine.kernels import mla_prefill
+    from engine.kernels import fused_moe, mla_prefill
 
     before, _util.PDL = _util.PDL, opts.pdl
-    gluon_before = mla_prefill.GLUON
-    mla_prefill.GLUON = gluon_before or opts.gluon_prefill
+    gluon_before = mla_prefill.GLUON, fused_moe.GLUON
+    mla_prefill.GLUON, fused_moe.GLUON = (flag or opts.gluon_prefill for flag in gluon_before)
     try:
         return _run(opts)
     finally:
-        _util.PDL, mla_prefill.GLUON = before, gluon_before
+        _util.PDL = before
+        mla_prefill.GLUON, fused_moe.GLUON = gluon_before
         gc.unfreeze()
 
 

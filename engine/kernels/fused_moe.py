@@ -287,6 +287,10 @@ def _launch(a, a_scale, w, w_scale, out, weights, align, num_pairs, top_k, gated
 
 # the activations' formats `tl.dot_scaled` takes beside MXFP4 weights
 DOT_SCALED_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# FP8 experts' prefill GEMMs on Hopper through the warp-specialised Gluon kernels (`fused_moe_gluon`), which
+# gave the same outputs 1.17x faster at 32k tokens of V3's experts on an H200: off until an A/B in the
+# engine keeps them (`bench --gluon-prefill`)
+GLUON = False
 
 
 # (fewest pairs per expert, BLOCK_M, BLOCK_N of w13's gate and up tiles, BLOCK_N of w2, num_warps,
@@ -450,6 +454,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     tma = tma_config(num_pairs / num_experts, block, inter, hidden, x, half) if fp8 or half else None
     check(not tma_path or tma is not None, "the TMA grouped GEMM does not take these experts or this batch")
     if tma is not None and (not interpreted(x) if tma_path is None else tma_path):
+        if GLUON and fp8 and tma_path is None:
+            from engine.kernels import fused_moe_gluon
+
+            if fused_moe_gluon.applies(x, w13, w2, block, swiglu_limit):
+                return fused_moe_gluon.ws_fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
         return fused_experts_tma(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, tma, swiglu_limit)
     bk = block[1] if fp8 else None
     cfg13 = _config(num_pairs / num_experts, not interpreted(x), True, bk, half)

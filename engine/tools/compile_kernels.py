@@ -306,11 +306,13 @@ def launch_v4_decode() -> None:
 
 def compile_gluon() -> list[dict]:
     """The Gluon kernels, Hopper's only (warpgroup products, TMA, register moves between partitions), at
-    the engine's constants: the warp-specialised prefill attention (`mla_prefill_gluon`)."""
+    the engine's constants: the warp-specialised prefill attention (`mla_prefill_gluon`) and the FP8
+    experts' GEMMs (`fused_moe_gluon`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    from engine.kernels import fused_moe_gluon as m
     from engine.kernels import mla_prefill_gluon as g
 
     kernel = g._ws_prefill_kernel
@@ -324,11 +326,26 @@ def compile_gluon() -> list[dict]:
     constexprs = dict(HEAD_QN=192, HEAD_QP=192, HEAD_KN=256, HEAD_V=256, BLOCK_N=g.BLOCK_N, STAGES=g.STAGES,
                       PINGPONG=False, CONSUMER_REGS=g.CONSUMER_REGS, PRODUCER_REGS=g.PRODUCER_REGS)
     sig.update(dict.fromkeys(constexprs, "constexpr"))
-    options = dict(num_warps=4)
-    compiled = triton.compile(GluonASTSource(kernel, {n: sig[n] for n in kernel.arg_names}, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options=options)
-    return [dict(key=(kernel.__name__,), kernel=kernel.__name__, shared=compiled.metadata.shared,
-                 constexprs=constexprs, options=options, waits=False)]
+    builds = [(kernel, sig, constexprs)]
+    # the FP8 experts' GEMMs (`fused_moe_gluon`): w13 gated, w2 weighted
+    kernel, fp8 = m._ws_moe_gemm_kernel, torch.float8_e4m3fn
+    for gated, block_n in ((True, m.BLOCK_N13), (False, m.BLOCK_N2)):
+        sig = dict(a_desc=g.signature_of(m._desc(_empty(256, 512, dtype=fp8), [rows, 128])),
+                   b_desc=g.signature_of(m._desc(_empty(256, 512, dtype=fp8), [block_n, 128])),
+                   AS="*fp32", BS="*fp32", C="*bf16", Weights="*fp32", SortedIds="*i32", BlockExpert="*i32",
+                   NumPadded="*i32", N="i32", K="i32", num_pairs="i32", top_k="i32", stride_asm="i32",
+                   stride_ask="i32", stride_bse="i32", stride_bsn="i32", stride_cm="i32")
+        constexprs = dict(GATED=gated, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, STAGES=m.STAGES, NUM_PROGRAMS=132,
+                          CONSUMER_REGS=m.CONSUMER_REGS, PRODUCER_REGS=m.PRODUCER_REGS, AHEAD=False)
+        sig.update(dict.fromkeys(constexprs, "constexpr"))
+        builds.append((kernel, sig, constexprs))
+    options, results = dict(num_warps=4), []
+    for kernel, sig, constexprs in builds:
+        source = GluonASTSource(kernel, {n: sig[n] for n in kernel.arg_names}, constexprs=constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        results.append(dict(key=(kernel.__name__, str(constexprs)), kernel=kernel.__name__,
+                            shared=compiled.metadata.shared, constexprs=constexprs, options=options, waits=False))
+    return results
 
 
 def compile_all(arch: int = 90) -> list[dict]:

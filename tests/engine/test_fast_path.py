@@ -570,29 +570,33 @@ def test_fp8_prefill_graphs_at_production_tiles(tmp_path, kv_cache_dtype):
 
 @gpu
 def test_gluon_prefill_in_the_engine_keeps_its_outputs(tmp_path, monkeypatch):
-    """`mla_prefill.GLUON` on a Hopper card: a model of DeepSeek's head widths prefills through the Gluon
-    kernel (inside the prefill graphs captured at start, and eagerly over a cached prefix), its first
-    tokens' distributions within bf16 noise of the Triton kernel's and the same tokens where clear."""
-    from engine.kernels import mla_prefill, mla_prefill_gluon
+    """`mla_prefill.GLUON` and `fused_moe.GLUON` on a Hopper card: a model of DeepSeek's head widths with
+    FP8 128 x 128 experts prefills through both Gluon kernels (inside the prefill graphs captured at start,
+    and eagerly over a cached prefix), its first tokens' distributions within bf16 noise of the Triton
+    kernels' and the same tokens where clear."""
+    from engine.kernels import fused_moe, fused_moe_gluon, mla_prefill, mla_prefill_gluon
 
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernel is built for Hopper")
+        pytest.skip("the Gluon kernels are built for Hopper")
     hf = build_hf_model(seed=39, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256,
                         q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                         v_head_dim=128, num_experts_per_tok=4, max_position_embeddings=4096, initializer_range=0.02)
-    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    path = save_fp8_checkpoint(hf, tmp_path / "ckpt", (128, 128))
     args = dict(dtype="bfloat16", block_size=64, enable_prefix_caching=True)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
     batch = prompts(39, [100, 1100, 2500])
     turn = batch[1] + prompts(40, [600])[0]  # a next turn: a chunk over 1,100 cached tokens
     triton_path = LLM(str(path), **args)
     want = [triton_path.generate([ids], params)[0] for ids in batch + [turn]]
-    calls, ws = [], mla_prefill_gluon.ws_prefill
-    monkeypatch.setattr(mla_prefill_gluon, "ws_prefill", lambda *a, **k: calls.append(1) or ws(*a, **k))
+    calls = []
+    for module, name in ((mla_prefill_gluon, "ws_prefill"), (fused_moe_gluon, "ws_fused_experts")):
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, fn=fn, name=name, **k: calls.append(name) or fn(*a, **k))
     monkeypatch.setattr(mla_prefill, "GLUON", True)
+    monkeypatch.setattr(fused_moe, "GLUON", True)
     gluon = LLM(str(path), **args)
     got = [gluon.generate([ids], params)[0] for ids in batch + [turn]]
-    assert calls and got[-1].num_cached_tokens >= 1024
+    assert {"ws_prefill", "ws_fused_experts"} <= set(calls) and got[-1].num_cached_tokens >= 1024
     for w, g in zip(want, got):
         common = [t for t in w.logprobs[0] if t in g.logprobs[0]]
         assert len(common) >= 4 and all(abs(w.logprobs[0][t] - g.logprobs[0][t]) < 0.1 for t in common)

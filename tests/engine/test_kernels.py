@@ -574,6 +574,45 @@ def test_gluon_prefill_is_the_triton_kernels_math(heads, monkeypatch):
     assert calls and rel_err(out, ref) < 2e-2 and rel_err(out, triton_out) < 1e-3
 
 
+def test_gluon_expert_gemms_take_only_what_they_are_built_for():
+    """Hopper, bf16 activations, FP8 experts with 128 x 128 blocks, no SwiGLU clamp; else the Triton kernels."""
+    from engine.kernels.fused_moe_gluon import applies
+
+    x = torch.zeros(4, 256, dtype=torch.bfloat16, device=DEV)
+    w13, w2 = torch.zeros(2, 256, 256, device=DEV).to(FP8), torch.zeros(2, 256, 128, device=DEV).to(FP8)
+    hopper = DEV == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    assert applies(x, w13, w2, (128, 128), None) == hopper
+    assert not applies(x, w13, w2, (128, 128), 7.0) and not applies(x, w13, w2, (64, 64), None)
+    assert not applies(x.float(), w13, w2, (128, 128), None)
+    assert not applies(x, w13.to(torch.bfloat16), w2.to(torch.bfloat16), None, None)
+
+
+@gpu
+def test_gluon_expert_gemms_are_the_triton_kernels_math(monkeypatch):
+    """FP8 experts (128 x 128 blocks) over enough pairs for the TMA kernels: the Gluon GEMMs' output is the
+    Triton TMA kernels' (bit for bit at V3's experts on an H200; here within 1e-3), and `fused_experts`
+    takes them when switched on."""
+    from engine.kernels import fused_moe, fused_moe_gluon
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are built for Hopper")
+    g = torch.Generator().manual_seed(49)
+    tokens, experts, top_k, hidden, inter, block = 2048, 16, 8, 1024, 512, (128, 128)
+    x = torch.randn(tokens, hidden, generator=g).to(DEV, torch.bfloat16)
+    w13, s13 = quantize_fp8_block((torch.randn(experts * 2 * inter, hidden, generator=g) * 0.05).to(DEV), block)
+    w2, s2 = quantize_fp8_block((torch.randn(experts * hidden, inter, generator=g) * 0.05).to(DEV), block)
+    w13, w2 = w13.view(experts, 2 * inter, hidden), w2.view(experts, hidden, inter)
+    s13, s2 = s13.view(experts, 2 * inter // 128, hidden // 128), s2.view(experts, hidden // 128, inter // 128)
+    ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1).indices.int().to(DEV)
+    weights = torch.rand(tokens, top_k, generator=g).to(DEV)
+    want = fused_moe.fused_experts(x, w13, w2, weights, ids, s13, s2, block)
+    calls, ws = [], fused_moe_gluon.ws_fused_experts
+    monkeypatch.setattr(fused_moe_gluon, "ws_fused_experts", lambda *a, **k: calls.append(1) or ws(*a, **k))
+    monkeypatch.setattr(fused_moe, "GLUON", True)
+    got = fused_moe.fused_experts(x, w13, w2, weights, ids, s13, s2, block)
+    assert calls and rel_err(got, want) < 1e-3
+
+
 @pytest.mark.parametrize("q_lens", [[3, 5], [16, 17]])  # absorbed (all chunks <= 16 tokens) / plain
 def test_mla_prefill_fast_paths_match_the_reference_layer(q_lens):
     from engine.layers.attention import AttentionMetadata, mla_prefill, mla_prefill_fast
