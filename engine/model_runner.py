@@ -1133,9 +1133,12 @@ class PrefillGraphs(LongStepGraphs):
     def capture_all(self) -> None:
         """Every padded length, largest first (the smaller graphs reuse its memory pool; captured on first
         use instead, each larger one grows the pool)."""
+        start = time.perf_counter()
         for size in reversed(self.sizes):
             if size not in self.graphs:
                 self._capture(size)
+        logger.info("captured %d CUDA graphs of fresh prompts (up to %d tokens) in %.1f s", len(self.graphs),
+                    self.sizes[-1], time.perf_counter() - start)
 
     def replay(self, size: int) -> torch.Tensor:
         if size not in self.graphs:
