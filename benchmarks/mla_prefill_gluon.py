@@ -30,9 +30,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-from engine.kernels.mla_prefill_gluon import (LOG2E, _desc, _first_softmax, _issue_scores, _load_kv, _next_softmax,
-                                              _store_rows, _view2d, _ws_prefill_kernel, program_block, signature_of,
-                                              tma_load, ws_prefill)
+from engine.kernels._gluon import descriptor, signature_of, tma_load
+from engine.kernels.mla_prefill import LOG2E
+from engine.kernels.mla_prefill_gluon import (_first_softmax, _issue_scores, _load_kv, _next_softmax, _store_rows, _view2d,
+                                              _ws_prefill_kernel, program_block, ws_prefill)
 
 
 @gluon.jit
@@ -131,9 +132,9 @@ def fa3_prefill(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_s
     vdim, rope = v.shape[2], q_pe.shape[2]
     out = torch.empty(tq, heads, vdim, dtype=q_nope.dtype, device=q_nope.device)
 
-    descs = (_desc(_view2d(q_nope), [block_m, nope]), _desc(_view2d(q_pe), [block_m, rope]),
-             _desc(_view2d(k_nope), [block_n, nope]), _desc(k_pe, [block_n, rope]),
-             _desc(_view2d(v), [block_n, vdim]))
+    descs = (descriptor(_view2d(q_nope), [block_m, nope]), descriptor(_view2d(q_pe), [block_m, rope]),
+             descriptor(_view2d(k_nope), [block_n, nope]), descriptor(k_pe, [block_n, rope]),
+             descriptor(_view2d(v), [block_n, vdim]))
     num_m_blocks = triton.cdiv(max_seqlen_q, block_m)
     grid = (num_m_blocks, heads, cu_seqlens_q.shape[0] - 1)
     _fa3_prefill_kernel[grid](*descs, out, cu_seqlens_q, cu_seqlens_k, out.stride(0), out.stride(1), num_m_blocks,
@@ -160,7 +161,7 @@ def compile_only():
         names = ["qn_desc", "qp_desc", "kn_desc", "kp_desc", "v_desc"]
         blocks = [[q_rows, 128], [q_rows, 64], [block_n, 128], [block_n, 64], [block_n, 128]]
         for name, block in zip(names, blocks):
-            sig[name] = signature_of(_desc(torch.empty(256, 512, dtype=torch.bfloat16), block))
+            sig[name] = signature_of(descriptor(torch.empty(256, 512, dtype=torch.bfloat16), block))
         sig.update(O="*bf16", CuQ="*i32", CuK="*i32", stride_ot="i32", stride_oh="i32", num_m_blocks="i32",
                    scale_log2="fp32")
         constexprs = dict(HEAD_QN=192, HEAD_QP=192, HEAD_KN=256, HEAD_V=256, BLOCK_N=block_n, **constexprs)

@@ -27,7 +27,8 @@ import sys
 import torch
 import triton
 
-from engine.kernels.fused_moe_gluon import _desc, _ws_moe_gemm_kernel, ws_fused_experts
+from engine.kernels._gluon import descriptor, signature_of
+from engine.kernels.fused_moe_gluon import _ws_moe_gemm_kernel, ws_fused_experts
 
 
 def compile_only():
@@ -35,12 +36,12 @@ def compile_only():
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from mla_prefill_gluon import report_compiled, signature_of  # this folder's
+    from mla_prefill_gluon import report_compiled  # this folder's
 
     for gated, block_n, stages, ahead in [(True, 64, 5, False), (False, 128, 5, False), (True, 64, 4, False),
                                           (False, 128, 4, False), (True, 64, 5, True), (False, 128, 5, True)]:
-        sig = dict(a_desc=signature_of(_desc(torch.empty(256, 512, dtype=torch.float8_e4m3fn), [64, 128])),
-                   b_desc=signature_of(_desc(torch.empty(256, 512, dtype=torch.float8_e4m3fn), [block_n, 128])),
+        sig = dict(a_desc=signature_of(descriptor(torch.empty(256, 512, dtype=torch.float8_e4m3fn), [64, 128])),
+                   b_desc=signature_of(descriptor(torch.empty(256, 512, dtype=torch.float8_e4m3fn), [block_n, 128])),
                    AS="*fp32", BS="*fp32", C="*bf16", Weights="*fp32", SortedIds="*i32", BlockExpert="*i32",
                    NumPadded="*i32", N="i32", K="i32", num_pairs="i32", top_k="i32", stride_asm="i32",
                    stride_ask="i32", stride_bse="i32", stride_bsn="i32", stride_cm="i32")

@@ -83,9 +83,7 @@ def _summary(phases: dict, field_name: str) -> dict:
 
 def run(opts: BenchOptions) -> dict:
     """-> the results dict (also written to opts.out_dir as <preset>.json and .png)."""
-    from engine.kernels import _util
-
-    from engine.kernels import fused_moe, mla_prefill
+    from engine.kernels import _util, fused_moe, mla_prefill
 
     before, _util.PDL = _util.PDL, opts.pdl
     gluon_before = mla_prefill.GLUON, fused_moe.GLUON

@@ -19,25 +19,15 @@ the same outputs bit for bit, 1.17x the Triton kernels at 32k tokens, 1.02x at 8
 sm_90 on CPU (`engine.tools.compile_kernels`), checked on a card.
 """
 
-import inspect
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from engine.kernels._gluon import WG_ROWS, WS_LIST_FORM, descriptor, tma_load
 from engine.kernels.fp8_gemm import tile_of  # the engine's work-item order (a Triton function Gluon calls)
 
-# Gluon's TMA load is `async_load` in newer Triton, `async_copy_global_to_shared` before
-tma_load = tma.async_copy_global_to_shared
-if hasattr(tma, "async_load"):
-    tma_load = tma.async_load
-# newer Gluon: warp_specialize([(fn, args), ...], warps, regs); earlier: (default_args, default_fn,
-# worker_args, worker_fns, warps, regs), the workers sharing one argument tuple
-_WS_LIST_FORM = gl.constexpr("functions_and_args" in inspect.signature(gl.warp_specialize).parameters)
-WG_ROWS = gl.constexpr(64)  # rows of one consumer warpgroup (wgmma's M); a block is 2 x 64
 GROUP_N = gl.constexpr(128)  # DeepSeek's weight block: one scale per 128 x 128
 # the measured best: w13's and w2's column tiles, the ring's depth; registers a thread of each consumer
 # warpgroup / of the producer warp
@@ -214,7 +204,7 @@ def _ws_moe_gemm_kernel(a_desc, b_desc, AS, BS, C, Weights, SortedIds, BlockExpe
     ops = (a_desc, b_desc, a_s, b_s, u_s, full, empty, AS, BS, C, Weights, SortedIds, BlockExpert, NumPadded,
            num_pairs, top_k, stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm)
     # the constexprs written out in each call: a tuple of them assigned to a name would make them runtime values
-    if _WS_LIST_FORM:
+    if WS_LIST_FORM:
         gl.warp_specialize([
             (_consumer0, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, AHEAD)),
             (_consumer1, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, AHEAD)),
@@ -226,19 +216,14 @@ def _ws_moe_gemm_kernel(a_desc, b_desc, AS, BS, C, Weights, SortedIds, BlockExpe
                            [_consumer1, _producer], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def _desc(t, block):
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
 def _launch(a, a_s, w, w_s, out, weights, align, num_pairs, top_k, gated, block_n, stages, num_sms,
             consumer_regs=CONSUMER_REGS, producer_regs=PRODUCER_REGS, ahead=False):
     sorted_ids, block_expert, num_padded = align
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     block_k = 128
-    a_desc = _desc(a, [int(WG_ROWS), block_k])
-    b_desc = _desc(w.view(-1, k), [block_n, block_k])
+    a_desc = descriptor(a, [int(WG_ROWS), block_k])
+    b_desc = descriptor(w.view(-1, k), [block_n, block_k])
     programs = min(num_sms, sorted_ids.shape[0] // (2 * int(WG_ROWS)) * (n // block_n))
     _ws_moe_gemm_kernel[(programs, )](a_desc, b_desc, a_s, w_s, out, weights, sorted_ids, block_expert, num_padded,
                                       n, k, num_pairs, top_k, a_s.stride(0), a_s.stride(1), w_s.stride(0),

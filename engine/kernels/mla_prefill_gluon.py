@@ -15,22 +15,15 @@ Triton's interpreter runs no Gluon: the CPU tests keep to the Triton kernel, thi
 sm_90 there (`engine.tools.compile_kernels`) and checked against the reference on a card.
 """
 
-import inspect
-
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-LOG2E = 1.4426950408889634
-# Gluon's TMA load is `async_load` in newer Triton, `async_copy_global_to_shared` before (kept there as a
-# deprecated alias that raises)
-tma_load = tma.async_copy_global_to_shared
-if hasattr(tma, "async_load"):
-    tma_load = tma.async_load
+from engine.kernels._gluon import WG_ROWS, WS_LIST_FORM, descriptor, tma_load
+from engine.kernels.mla_prefill import LOG2E
 NOPE, ROPE, VDIM = 128, 64, 128  # the head widths the kernel is built for (every DeepSeek MLA model's)
 BLOCK_N, STAGES = 64, 3  # key tiles and the ring's depth (the measured best)
 CONSUMER_REGS, PRODUCER_REGS = 240, 24  # registers a thread of each consumer warpgroup / of the producer warp
@@ -122,13 +115,6 @@ def _store_rows(o, l_i, O, q_start, r0, q_len, h, stride_ot, stride_oh, ROWS: gl
 # ---------------------------------------------------------------------------------------------------------
 # FlashAttention-3's whole schedule: a producer warp, two consumer warpgroups taking turns
 # ---------------------------------------------------------------------------------------------------------
-# Newer Gluon takes warp_specialize([(fn, args), ...], warps, regs); earlier Gluon took (default_args,
-# default_fn, worker_args, worker_fns, warps, regs), the workers sharing one argument tuple. Every
-# partition below takes the same arguments, so either form is one call.
-_WS_LIST_FORM = gl.constexpr("functions_and_args" in inspect.signature(gl.warp_specialize).parameters)
-WG_ROWS = gl.constexpr(64)  # query rows of one consumer warpgroup (wgmma's M); a program's block is 2 x 64
-
-
 @gluon.jit
 def _ws_producer(ops, HEAD_QN: gl.constexpr, HEAD_QP: gl.constexpr, HEAD_KN: gl.constexpr, HEAD_V: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
@@ -250,7 +236,7 @@ def _ws_prefill_kernel(qn_desc, qp_desc, kn_desc, kp_desc, v_desc, O, CuQ, CuK, 
                stride_ot, stride_oh, q_start, q_len, k_start, k_len, m0, h, scale_log2)
         # the constexprs written out in each call: a tuple of them assigned to a name would make them runtime
         # values
-        if _WS_LIST_FORM:
+        if WS_LIST_FORM:
             gl.warp_specialize([
                 (_ws_consumer0, (ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG)),
                 (_ws_consumer1, (ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG)),
@@ -260,11 +246,6 @@ def _ws_prefill_kernel(qn_desc, qp_desc, kn_desc, kp_desc, v_desc, O, CuQ, CuK, 
             gl.warp_specialize((ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG), _ws_consumer0,
                                (ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG),
                                [_ws_consumer1, _ws_producer], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-def _desc(t2d, block):
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-    return TensorDescriptor(t2d, list(t2d.shape), list(t2d.stride()), block, layout)
 
 
 def ws_prefill(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
@@ -279,9 +260,9 @@ def ws_prefill(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_se
     vdim, rope = v.shape[2], q_pe.shape[2]
     out = torch.empty(tq, heads, vdim, dtype=q_nope.dtype, device=q_nope.device)
     rows = int(WG_ROWS)
-    descs = (_desc(_view2d(q_nope), [rows, nope]), _desc(_view2d(q_pe), [rows, rope]),
-             _desc(_view2d(k_nope), [block_n, nope]), _desc(k_pe, [block_n, rope]),
-             _desc(_view2d(v), [block_n, vdim]))
+    descs = (descriptor(_view2d(q_nope), [rows, nope]), descriptor(_view2d(q_pe), [rows, rope]),
+             descriptor(_view2d(k_nope), [block_n, nope]), descriptor(k_pe, [block_n, rope]),
+             descriptor(_view2d(v), [block_n, vdim]))
     num_m_blocks = triton.cdiv(max_seqlen_q, 2 * rows)
     grid = (num_m_blocks, heads, cu_seqlens_q.shape[0] - 1)
     _ws_prefill_kernel[grid](*descs, out, cu_seqlens_q, cu_seqlens_k, out.stride(0), out.stride(1), num_m_blocks,
@@ -295,14 +276,6 @@ def _view2d(t):
     """[T, H, d] strided -> a 2-D [T, columns] view starting at head 0's first column."""
     cols = (t.shape[1] - 1) * t.stride(1) + t.shape[2]
     return t.as_strided((t.shape[0], cols), (t.stride(0), 1))
-
-
-def signature_of(desc) -> str:
-    """A tensor descriptor's type in a kernel signature (Triton 3.9 asks the descriptor, 3.6 the runtime)."""
-    if hasattr(desc, "__mangle__"):
-        return desc.__mangle__()
-    from triton.runtime.jit import mangle_type
-    return mangle_type(desc)
 
 
 def _aligned(t: torch.Tensor) -> bool:

@@ -314,12 +314,13 @@ def compile_gluon() -> list[dict]:
 
     from engine.kernels import fused_moe_gluon as m
     from engine.kernels import mla_prefill_gluon as g
+    from engine.kernels._gluon import WG_ROWS, descriptor, signature_of
 
     kernel = g._ws_prefill_kernel
-    rows = int(g.WG_ROWS)
+    rows = int(WG_ROWS)
     blocks = dict(qn_desc=[rows, g.NOPE], qp_desc=[rows, g.ROPE], kn_desc=[g.BLOCK_N, g.NOPE],
                   kp_desc=[g.BLOCK_N, g.ROPE], v_desc=[g.BLOCK_N, g.VDIM])
-    sig = {name: g.signature_of(g._desc(_empty(256, 512), block)) for name, block in blocks.items()}
+    sig = {name: signature_of(descriptor(_empty(256, 512), block)) for name, block in blocks.items()}
     sig.update(O="*bf16", CuQ="*i32", CuK="*i32", stride_ot="i32", stride_oh="i32", num_m_blocks="i32",
                scale_log2="fp32")
     # the head strides of the engine's views: q [T, H, 192], the expanded latents [T, H, 256]
@@ -330,8 +331,8 @@ def compile_gluon() -> list[dict]:
     # the FP8 experts' GEMMs (`fused_moe_gluon`): w13 gated, w2 weighted
     kernel, fp8 = m._ws_moe_gemm_kernel, torch.float8_e4m3fn
     for gated, block_n in ((True, m.BLOCK_N13), (False, m.BLOCK_N2)):
-        sig = dict(a_desc=g.signature_of(m._desc(_empty(256, 512, dtype=fp8), [rows, 128])),
-                   b_desc=g.signature_of(m._desc(_empty(256, 512, dtype=fp8), [block_n, 128])),
+        sig = dict(a_desc=signature_of(descriptor(_empty(256, 512, dtype=fp8), [rows, 128])),
+                   b_desc=signature_of(descriptor(_empty(256, 512, dtype=fp8), [block_n, 128])),
                    AS="*fp32", BS="*fp32", C="*bf16", Weights="*fp32", SortedIds="*i32", BlockExpert="*i32",
                    NumPadded="*i32", N="i32", K="i32", num_pairs="i32", top_k="i32", stride_asm="i32",
                    stride_ask="i32", stride_bse="i32", stride_bsn="i32", stride_cm="i32")

@@ -1,0 +1,36 @@
+"""What the Gluon kernels (Hopper's warp-specialised ones) share: the TMA load under its name in the
+installed Triton, the form `warp_specialize` takes there, the consumer warpgroups' rows, and host-side
+TMA descriptors."""
+
+import inspect
+
+import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# Gluon's TMA load is `async_load` in newer Triton, `async_copy_global_to_shared` before (kept there as a
+# deprecated alias that raises)
+tma_load = tma.async_copy_global_to_shared
+if hasattr(tma, "async_load"):
+    tma_load = tma.async_load
+# newer Gluon: warp_specialize([(fn, args), ...], warps, regs); earlier: (default_args, default_fn,
+# worker_args, worker_fns, warps, regs), the workers sharing one argument tuple
+WS_LIST_FORM = gl.constexpr("functions_and_args" in inspect.signature(gl.warp_specialize).parameters)
+WG_ROWS = gl.constexpr(64)  # rows of one consumer warpgroup (wgmma's M); a block is 2 x 64
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
+def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor of the 2-D tensor t, `block` a tile, in the default swizzled shared layout."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def signature_of(desc) -> str:
+    """A tensor descriptor's type in a kernel signature (Triton 3.9 asks the descriptor, 3.6 the runtime)."""
+    if hasattr(desc, "__mangle__"):
+        return desc.__mangle__()
+    from triton.runtime.jit import mangle_type
+    return mangle_type(desc)
