@@ -57,9 +57,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-graphs", type=int, metavar="TOKENS",
                    help="steps of up to TOKENS tokens replayed from CUDA graphs of their padded length, as the "
                         "engine's --prefill-graph-tokens (default: the engine's, 2048; 0: eager)")
-    p.add_argument("--gluon-prefill", action="store_true",
-                   help="prefill through the warp-specialised Gluon kernels (Hopper: bf16 attention, FP8 expert "
-                        "GEMMs), to measure them in the engine")
+    p.add_argument("--no-gluon", dest="gluon", action="store_false",
+                   help="prefill through the Triton kernels where Hopper would take the warp-specialised Gluon "
+                        "ones (bf16 attention, FP8 expert GEMMs), to measure what they give")
     p.add_argument("--no-pdl", dest="pdl", action="store_false",
                    help="kernels without programmatic dependent launch (Hopper+), to measure what it gives")
     p.add_argument("--seed", type=int, default=0)
@@ -86,7 +86,7 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
                         hf_max_prompt_len=args.hf_max_prompt_len, repeats=args.repeats, kernels=args.kernels,
                         device=args.device, dtype=args.dtype, weights=args.weights, backend=args.backend,
                         block_size=args.block_size, eager=args.eager, prefill_graphs=args.prefill_graphs,
-                        pdl=args.pdl, gluon_prefill=args.gluon_prefill, seed=args.seed,
+                        pdl=args.pdl, gluon=args.gluon, seed=args.seed,
                         kv_cache_dtype=args.kv_cache_dtype,
                         out_dir=args.out, command=command,
                         tensor_parallel_size=args.tensor_parallel_size,

@@ -48,8 +48,9 @@ class BenchOptions:
     # default, 0: eager)
     prefill_graphs: int | None = None
     pdl: bool = True  # kernels launched with programmatic dependent launch where the card has it
-    # prefill through the Gluon kernels on Hopper: bf16 attention, FP8 expert GEMMs (mla_prefill / fused_moe.GLUON)
-    gluon_prefill: bool = False
+    # prefill through the Gluon kernels on Hopper (bf16 attention, FP8 expert GEMMs: mla_prefill / fused_moe.GLUON);
+    # False: the Triton kernels
+    gluon: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -87,7 +88,7 @@ def run(opts: BenchOptions) -> dict:
 
     before, _util.PDL = _util.PDL, opts.pdl
     gluon_before = mla_prefill.GLUON, fused_moe.GLUON
-    mla_prefill.GLUON, fused_moe.GLUON = (flag or opts.gluon_prefill for flag in gluon_before)
+    mla_prefill.GLUON = fused_moe.GLUON = opts.gluon
     try:
         return _run(opts)
     finally:

@@ -109,6 +109,17 @@ def prefetch_l2(Base, nbytes, LINES: tl.constexpr):
                               dtype=tl.int32, is_pure=False, pack=1)
 
 
+@functools.cache
+def gluon_available() -> bool:
+    """Whether the installed Triton has Gluon with Hopper's TMA and warp specialization (3.5 on), which the
+    Gluon kernels are written in; without it the Triton kernels serve."""
+    try:
+        from engine.kernels import _gluon  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def interpreted(t: torch.Tensor) -> bool:
     """Kernels on CPU tensors run in Triton's interpreter."""
     return not t.is_cuda

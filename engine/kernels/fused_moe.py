@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, interpreted, mma, shared_memory, upcast_fp8_dot
+from engine.kernels._util import check, check_float, gluon_available, interpreted, mma, shared_memory, upcast_fp8_dot
 from engine.kernels.fp8_gemm import FP8, TensorDescriptor, num_sms, per_token_group_quant, tile_of, tma_capable
 from engine.kernels.moe_routing import align_by_expert
 from engine.kernels.mxfp4 import as_bytes, check_mxfp4, e2m1, e8m0, is_mxfp4
@@ -287,10 +287,10 @@ def _launch(a, a_scale, w, w_scale, out, weights, align, num_pairs, top_k, gated
 
 # the activations' formats `tl.dot_scaled` takes beside MXFP4 weights
 DOT_SCALED_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-# FP8 experts' prefill GEMMs on Hopper through the warp-specialised Gluon kernels (`fused_moe_gluon`), which
-# gave the same outputs 1.17x faster at 32k tokens of V3's experts on an H200: off until an A/B in the
-# engine keeps them (`bench --gluon-prefill`)
-GLUON = False
+# FP8 experts' prefill GEMMs on Hopper through the warp-specialised Gluon kernels (`fused_moe_gluon`): the
+# same outputs 1.17x faster at 32k tokens of V3's experts on an H200; with the Gluon attention, 7-16 % more
+# V3-slice prefill tokens/s at 8k-32k in the engine on an H100 (`bench --no-gluon` measures without them)
+GLUON = True
 
 
 # (fewest pairs per expert, BLOCK_M, BLOCK_N of w13's gate and up tiles, BLOCK_N of w2, num_warps,
@@ -454,7 +454,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     tma = tma_config(num_pairs / num_experts, block, inter, hidden, x, half) if fp8 or half else None
     check(not tma_path or tma is not None, "the TMA grouped GEMM does not take these experts or this batch")
     if tma is not None and (not interpreted(x) if tma_path is None else tma_path):
-        if GLUON and fp8 and tma_path is None:
+        if GLUON and fp8 and tma_path is None and gluon_available():
             from engine.kernels import fused_moe_gluon
 
             if fused_moe_gluon.applies(x, w13, w2, block, swiglu_limit):

@@ -15,12 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, check_last_contiguous, interpreted, mma, pow2
+from engine.kernels._util import check, check_float, check_last_contiguous, gluon_available, interpreted, mma, pow2
 
 LOG2E = 1.4426950408889634
-# bf16 prefill on Hopper through the warp-specialised Gluon kernel (`mla_prefill_gluon`), which ran
-# 1.14-1.25x this one alone on an H200: off until an A/B in the engine keeps it (`bench --gluon-prefill`)
-GLUON = False
+# bf16 prefill on Hopper through the warp-specialised Gluon kernel (`mla_prefill_gluon`): 1.14-1.25x this
+# one alone on an H200, and 8-15 % more prefill tokens/s at 32k-128k in the engine on an H100
+# (`bench --no-gluon` measures without it)
+GLUON = True
 
 
 @triton.jit
@@ -177,7 +178,7 @@ def mla_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torc
     batch = cu_seqlens_q.shape[0] - 1
     if num_q == 0 or batch == 0:
         return out
-    if GLUON and tiles is None and not interpreted(q_nope):
+    if GLUON and tiles is None and not interpreted(q_nope) and gluon_available():
         from engine.kernels import mla_prefill_gluon
 
         if mla_prefill_gluon.applies(q_nope, q_pe, k_nope, k_pe, v):

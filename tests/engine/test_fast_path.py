@@ -570,10 +570,10 @@ def test_fp8_prefill_graphs_at_production_tiles(tmp_path, kv_cache_dtype):
 
 @gpu
 def test_gluon_prefill_in_the_engine_keeps_its_outputs(tmp_path, monkeypatch):
-    """`mla_prefill.GLUON` and `fused_moe.GLUON` on a Hopper card: a model of DeepSeek's head widths with
-    FP8 128 x 128 experts prefills through both Gluon kernels (inside the prefill graphs captured at start,
-    and eagerly over a cached prefix), its first tokens' distributions within bf16 noise of the Triton
-    kernels' and the same tokens where clear."""
+    """`mla_prefill.GLUON` and `fused_moe.GLUON` (Hopper's default) on a Hopper card: a model of
+    DeepSeek's head widths with FP8 128 x 128 experts prefills through both Gluon kernels (inside the
+    prefill graphs captured at start, and eagerly over a cached prefix), its first tokens' distributions
+    within bf16 noise of the Triton kernels' and the same tokens where clear."""
     from engine.kernels import fused_moe, fused_moe_gluon, mla_prefill, mla_prefill_gluon
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -586,6 +586,8 @@ def test_gluon_prefill_in_the_engine_keeps_its_outputs(tmp_path, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
     batch = prompts(39, [100, 1100, 2500])
     turn = batch[1] + prompts(40, [600])[0]  # a next turn: a chunk over 1,100 cached tokens
+    monkeypatch.setattr(mla_prefill, "GLUON", False)
+    monkeypatch.setattr(fused_moe, "GLUON", False)
     triton_path = LLM(str(path), **args)
     want = [triton_path.generate([ids], params)[0] for ids in batch + [turn]]
     calls = []

@@ -566,6 +566,7 @@ def test_gluon_prefill_is_the_triton_kernels_math(heads, monkeypatch):
     cu_k = torch.tensor([0, 700, 2348, 2398], dtype=torch.int32, device=DEV)
     scale = 192 ** -0.5
     ref = reference_mla_prefill_attention(*args, cu_q, cu_k, scale)
+    monkeypatch.setattr(mla_prefill, "GLUON", False)
     triton_out = mla_prefill_attention(*args, cu_q, cu_k, 700, scale)
     calls, ws = [], mla_prefill_gluon.ws_prefill
     monkeypatch.setattr(mla_prefill_gluon, "ws_prefill", lambda *a, **k: calls.append(1) or ws(*a, **k))
@@ -591,7 +592,7 @@ def test_gluon_expert_gemms_take_only_what_they_are_built_for():
 def test_gluon_expert_gemms_are_the_triton_kernels_math(monkeypatch):
     """FP8 experts (128 x 128 blocks) over enough pairs for the TMA kernels: the Gluon GEMMs' output is the
     Triton TMA kernels' (bit for bit at V3's experts on an H200; here within 1e-3), and `fused_experts`
-    takes them when switched on."""
+    takes them by default."""
     from engine.kernels import fused_moe, fused_moe_gluon
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -605,6 +606,7 @@ def test_gluon_expert_gemms_are_the_triton_kernels_math(monkeypatch):
     s13, s2 = s13.view(experts, 2 * inter // 128, hidden // 128), s2.view(experts, hidden // 128, inter // 128)
     ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1).indices.int().to(DEV)
     weights = torch.rand(tokens, top_k, generator=g).to(DEV)
+    monkeypatch.setattr(fused_moe, "GLUON", False)
     want = fused_moe.fused_experts(x, w13, w2, weights, ids, s13, s2, block)
     calls, ws = [], fused_moe_gluon.ws_fused_experts
     monkeypatch.setattr(fused_moe_gluon, "ws_fused_experts", lambda *a, **k: calls.append(1) or ws(*a, **k))
@@ -1305,7 +1307,9 @@ def test_fused_experts_mxfp4_decodes_tiles_in_the_kernel(dtype):
 
 # `fp4_dot_scaled` is an option still to be timed, not the engine's path; on an H200 (Triton 3.6, 2026-12-05)
 # this test failed, its output not kept: the next card session reads why before the option is timed
-@pytest.mark.xfail(DEV == "cuda", reason="fails on an H200 with Triton 3.6; cause not yet read", strict=False)
+# on an H200 with Triton 3.6 the output is unrelated to the reference (relative error 1.29, not rounding):
+# a layout the compiled dot_scaled reads otherwise than the interpreter; no served path takes this option
+@pytest.mark.xfail(DEV == "cuda", reason="wrong output on Hopper with Triton 3.6 (relative error 1.29)", strict=False)
 def test_fused_experts_mxfp4_through_dot_scaled():
     """The same grouped GEMM with the codes and scales handed to `tl.dot_scaled` (Triton widens them):
     the dequantized experts' function, and the tile-decoding kernel's result within bf16 rounding."""
