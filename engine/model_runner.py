@@ -17,6 +17,7 @@ import torch
 from engine.config import DEFAULT_PREFILL_GRAPH_TOKENS, EngineConfig, ModelConfig
 from engine.copies import HostSpan, index_to_device, to_device
 from engine.kv_pool import KVPool, block_bytes, window_of
+from engine.layers import attention
 from engine.layers.attention import ABSORBED_MAX_QUERY, AttentionMetadata
 from engine.layers.fp8 import quantize_fp8_block, quantize_mxfp4
 from engine.loader import load_weights
@@ -433,9 +434,13 @@ class ModelRunner:
                 q = torch.zeros(batch, attn.num_heads, attn.kv_lora_rank, dtype=self.dtype, device=dev)
                 q_pe = torch.zeros(batch, attn.num_heads, attn.qk_rope_head_dim, dtype=self.dtype, device=dev)
                 table = torch.full((batch, 1), self.kv_pool.scratch_block, dtype=torch.int32, device=dev)
+                lens = torch.ones(batch, dtype=torch.int32, device=dev)
                 for splits in SPLIT_CHOICES:
-                    mla_decode_attention(q, q_pe, cache, table, torch.ones(batch, dtype=torch.int32, device=dev),
-                                         attn.softmax_scale, num_splits=splits)
+                    mla_decode_attention(q, q_pe, cache, table, lens, attn.softmax_scale, num_splits=splits)
+                    absorb = getattr(attn, "absorb", None)
+                    if batch == 1 and attention.MERGE_ABSORBS and absorb is not None:  # and its merge with W_UV
+                        mla_decode_attention(q, q_pe, cache, table, lens, attn.softmax_scale, num_splits=splits,
+                                             w_uv=absorb.w_uv, counter=absorb.counter)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warmed_up = True

@@ -51,6 +51,7 @@ class BenchOptions:
     # prefill through the Gluon kernels on Hopper (bf16 attention, FP8 expert GEMMs: mla_prefill / fused_moe.GLUON);
     # False: the Triton kernels
     gluon: bool = True
+    merge_absorbs: bool = False  # one token's W_UV applied by the decode merge (layers.attention.MERGE_ABSORBS)
     seed: int = 0
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -85,15 +86,18 @@ def _summary(phases: dict, field_name: str) -> dict:
 def run(opts: BenchOptions) -> dict:
     """-> the results dict (also written to opts.out_dir as <preset>.json and .png)."""
     from engine.kernels import _util, fused_moe, mla_prefill
+    from engine.layers import attention
 
     before, _util.PDL = _util.PDL, opts.pdl
-    gluon_before = mla_prefill.GLUON, fused_moe.GLUON
+    gluon_before, merge_before = (mla_prefill.GLUON, fused_moe.GLUON), attention.MERGE_ABSORBS
     mla_prefill.GLUON = fused_moe.GLUON = opts.gluon
+    attention.MERGE_ABSORBS = opts.merge_absorbs
     try:
         return _run(opts)
     finally:
         _util.PDL = before
         mla_prefill.GLUON, fused_moe.GLUON = gluon_before
+        attention.MERGE_ABSORBS = merge_before
         gc.unfreeze()
 
 
@@ -205,6 +209,7 @@ def _run(opts: BenchOptions) -> dict:
         prefill_graph_tokens=runner.prefill_graph_sizes[-1] if runner.prefill_graph_sizes else 0,
         pdl=_util.pdl(torch.empty(0, device=device)), num_layers=model_config.num_hidden_layers,
         gluon_prefill=_gluon_prefill(device),
+        merge_absorbs=opts.merge_absorbs,
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
         ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),
         decode_tok_s=_summary(decode, "tok_s"), prefill=prefill, decode=decode,
