@@ -65,24 +65,27 @@ def _fp4_dot_scaled_loop(A, B, BS, K, N, rows, mask_m, expert, offs_n, mask_n, s
                          stride_bse, stride_bsn, acc, acc_up, GATED: tl.constexpr, BLOCK_K: tl.constexpr,
                          A_FORMAT: tl.constexpr):
     """The K loop of `_fp4_gemm_tile` through `tl.dot_scaled`: per step the activations [BLOCK_M, BLOCK_K],
-    the codes [BLOCK_N, BLOCK_K / 2] (transposed: packed along K) and their scales [BLOCK_N, BLOCK_K / 32]."""
+    the codes [BLOCK_K / 2, BLOCK_N] (packed along K) and their scales [BLOCK_N, BLOCK_K / 32]. The codes
+    are loaded in that shape rather than loaded [BLOCK_N, BLOCK_K / 2] and `tl.trans`-posed: the
+    transposed form gave unrelated outputs on Hopper with Triton 3.6 (a candidate fix, to be checked on
+    the card)."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_j = tl.arange(0, BLOCK_K // 2)
     offs_g = tl.arange(0, BLOCK_K // 32)
     a_ptr = A + rows[:, None] * stride_am + offs_k[None, :]
-    b_ptr = B + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_j[None, :]
+    b_ptr = B + expert * stride_be + offs_j[:, None] + offs_n[None, :].to(tl.int64) * stride_bn
     bs_ptr = BS + expert * stride_bse + offs_n[:, None].to(tl.int64) * stride_bsn + offs_g[None, :]
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         left = K - kb * BLOCK_K
         a = tl.load(a_ptr, mask=mask_m[:, None] & (offs_k < left)[None, :], other=0.0)
-        mask_b = mask_n[:, None] & (2 * offs_j < left)[None, :]
+        mask_b = (2 * offs_j < left)[:, None] & mask_n[None, :]
         mask_s = mask_n[:, None] & (32 * offs_g < left)[None, :]
         b = tl.load(b_ptr, mask=mask_b, other=0)
-        acc = tl.dot_scaled(a, None, A_FORMAT, tl.trans(b), tl.load(bs_ptr, mask=mask_s, other=0), "e2m1", acc)
+        acc = tl.dot_scaled(a, None, A_FORMAT, b, tl.load(bs_ptr, mask=mask_s, other=0), "e2m1", acc)
         if GATED:
             u = tl.load(b_ptr + N * stride_bn, mask=mask_b, other=0)
             u_s = tl.load(bs_ptr + N * stride_bsn, mask=mask_s, other=0)
-            acc_up = tl.dot_scaled(a, None, A_FORMAT, tl.trans(u), u_s, "e2m1", acc_up)
+            acc_up = tl.dot_scaled(a, None, A_FORMAT, u, u_s, "e2m1", acc_up)
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K // 2
         bs_ptr += BLOCK_K // 32
