@@ -206,15 +206,12 @@ def _split_kernel(QL, QP, Cache, CacheR, CacheS, Tables, Lens, MidO, MidLse, Out
         tl.store(MidLse + (b * num_heads + offs_h) * num_splits + s, lse, mask=mask_h)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_kernel(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits,
-                  KV_LORA: tl.constexpr, BLOCK_CM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
-    # one program per (sequence, head, BLOCK_CM columns): at batch 1 the merge still spreads over the chip
-    b, h, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    wait_for_inputs(PDL)
+@triton.jit
+def _merged(MidO, MidLse, b, h, offs_c, mask_c, stride_mb, stride_mh, stride_ms, num_heads, num_splits,
+            BLOCK_S: tl.constexpr):
+    """Columns offs_c of head h's output, its slices' partial outputs weighted by their log-sum-exps ->
+    float32 [len(offs_c)] (zeros where no slice saw a token)."""
     offs_s = tl.arange(0, BLOCK_S)
-    offs_c = cb * BLOCK_CM + tl.arange(0, BLOCK_CM)
-    mask_c = offs_c < KV_LORA
     lse = tl.load(MidLse + (b * num_heads + h) * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     live = lse > float("-inf")  # slices past the context wrote no partial output
     m = tl.max(lse, axis=0)
@@ -223,7 +220,18 @@ def _merge_kernel(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_ob,
     o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_c[None, :],
                 mask=live[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
     total = tl.sum(w, axis=0)
-    res = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    return tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_kernel(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits,
+                  KV_LORA: tl.constexpr, BLOCK_CM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    # one program per (sequence, head, BLOCK_CM columns): at batch 1 the merge still spreads over the chip
+    b, h, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    wait_for_inputs(PDL)
+    offs_c = cb * BLOCK_CM + tl.arange(0, BLOCK_CM)
+    mask_c = offs_c < KV_LORA
+    res = _merged(MidO, MidLse, b, h, offs_c, mask_c, stride_mb, stride_mh, stride_ms, num_heads, num_splits, BLOCK_S)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_c, res.to(Out.dtype.element_ty), mask=mask_c)
 
 
@@ -243,16 +251,8 @@ def _merge_absorb_kernel(MidO, MidLse, WUV, Part, Counter, Out, stride_mb, strid
     w_uv = tl.load(WUV + (h * V + offs_v)[:, None] * stride_wn + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :],
                    other=0.0).to(tl.float32)
     wait_for_inputs(PDL)
-    offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(MidLse + (b * num_heads + h) * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    live = lse > float("-inf")  # slices past the context wrote no partial output
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(live, tl.exp2(lse - m), 0.0)  # [BLOCK_S]
-    o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_k[None, :],
-                mask=live[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-    total = tl.sum(w, axis=0)
-    latent = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # [BLOCK_K], kept in float32
+    # [BLOCK_K], kept in float32
+    latent = _merged(MidO, MidLse, b, h, offs_k, mask_k, stride_mb, stride_mh, stride_ms, num_heads, num_splits, BLOCK_S)
     row = b * num_heads + h
     tl.store(Part + (row * N_KB + kb) * BLOCK_V + offs_v, tl.sum(w_uv * latent[None, :], axis=1))
     if last_program(Counter + row, N_KB):
