@@ -115,7 +115,7 @@ def gluon_available() -> bool:
     Gluon kernels are written in; without it the Triton kernels serve."""
     try:
         from engine.kernels import _gluon  # noqa: F401
-    except ImportError:
+    except (ImportError, AttributeError):  # no Gluon, or one without what the kernels use
         return False
     return True
 
