@@ -560,6 +560,23 @@ def _engine_prefill_operands(q_len: int, k_len: int, heads: int, g: torch.Genera
     return q[..., :nope], q[..., nope:], kv[..., :nope], latent[:, 512:], kv[..., nope:]
 
 
+def test_gluon_kernels_wait_for_a_triton_with_gluon(monkeypatch):
+    """Without Gluon in the installed Triton (or one lacking what the kernels use), `gluon_available` says
+    so instead of failing at import: the dispatchers ask it before they take a Gluon kernel."""
+    import engine.kernels
+    from engine.kernels import _util
+
+    _util.gluon_available.cache_clear()
+    monkeypatch.delattr(engine.kernels, "_gluon", raising=False)
+    monkeypatch.setitem(sys.modules, "engine.kernels._gluon", None)  # its import raises ImportError
+    try:
+        assert not _util.gluon_available()
+    finally:
+        _util.gluon_available.cache_clear()
+    monkeypatch.undo()
+    assert _util.gluon_available()  # this Triton has it
+
+
 def test_gluon_prefill_takes_only_what_it_is_built_for():
     """The Gluon kernel is Hopper's, bf16's and DeepSeek's head widths' (nope 128, rope 64, v 128), over
     operands a TMA descriptor can describe; anything else stays on the Triton kernel."""
