@@ -2,7 +2,7 @@
 
     python benchmarks/mla_decode.py [--heads 16] [--batches 1,8,64] [--contexts 1024,...,131072]
                                     [--sweep] [--variants a,b] [--check] [--kv-cache-dtype bf16|fp8|both]
-                                    [--out results.json]
+                                    [--absorb] [--out results.json]
 
 For each (batch, context): B sequences of `context` tokens in a paged bf16 cache (64-token pages,
 shuffled), all heads of one layer (16: DeepSeek-V2-Lite, 128: V3), timed as a CUDA graph of calls
@@ -13,6 +13,10 @@ memory, not from the 60 MB L2, as in a model where every layer has its own cache
 --sweep also times tile choices (tile rows, pipeline depth, warps, least slice, the merge's columns) and slice counts
 around the default (FP8: how the e4m3 tile is read, `mla_decode._attend_tile`); --variants keeps the
 named ones; --check compares every variant with the float32 reference first.
+
+--absorb times one token's attention with its output absorption (W_UV, [H * 128, 512]) instead: the
+merge, then the GEMV through W_UV (the engine's path), against the merge that applies W_UV itself
+(`mla_decode_attention(..., w_uv=, counter=)`), batch 1; both checked against each other first.
 """
 
 import argparse
@@ -24,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.kernels.gemv import gemv  # noqa: E402
 from engine.kernels.mla_decode import (  # noqa: E402
     default_num_splits, mla_decode_attention, num_sms, reference_mla_decode_attention,
 )
@@ -173,6 +178,32 @@ def measure(batch: int, context: int, heads: int, variants: dict, split_sweep: l
     return rows
 
 
+def measure_absorb(context: int, heads: int, kv: str = "bf16", v_head_dim: int = 128) -> tuple[list[dict], list[str]]:
+    """One token: the merge then the GEMV through W_UV, against the merge that applies W_UV."""
+    n_bytes = context * row_bytes(kv)
+    copies = max(1, min(128, -(-(512 << 20) // n_bytes)))
+    q, q_pe, caches, tables, lens = make_case(1, context, heads, copies, kv=kv)
+    g = torch.Generator(device="cuda").manual_seed(context)
+    w_uv = (torch.randn(heads * v_head_dim, KV_LORA, generator=g, device="cuda") * KV_LORA**-0.5).to(torch.bfloat16)
+    counter = torch.zeros(heads, dtype=torch.int32, device="cuda")
+    runs = {
+        "merge + gemv": lambda c: gemv(mla_decode_attention(q, q_pe, c, tables, lens, 0.1).view(1, -1), w_uv,
+                                       groups=heads),
+        "merge absorbs": lambda c: mla_decode_attention(q, q_pe, c, tables, lens, 0.1, w_uv=w_uv, counter=counter),
+    }
+    a, b = (run(caches[0]).float().flatten() for run in runs.values())
+    err = ((a - b).norm() / b.norm()).item()
+    failures = [] if err < 1e-2 else [f"merge absorbs {kv} heads={heads} ctx={context}: rel err {err:.3g} to merge + gemv"]
+    rows = []
+    for name, run in runs.items():
+        sec = time_calls([lambda c=c, run=run: run(c) for c in caches])
+        rows.append(dict(batch=1, context=context, heads=heads, kv=kv, variant=name, us=sec * 1e6,
+                         tb_s=n_bytes / sec / 1e12))
+    del caches
+    torch.cuda.empty_cache()
+    return rows, failures
+
+
 def check(variants: dict, heads: int, kv: str = "bf16") -> list[str]:
     """Every variant against the float32 reference on mixed lengths (bf16: rel. error < 1e-2; FP8: against
     the reference over the same FP8 rows)."""
@@ -204,6 +235,8 @@ def main() -> int:
     p.add_argument("--baseline", type=Path, help="a module file whose mla_decode_attention is timed beside (before)")
     p.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8", "both"],
                    help="the latent cache timed (fp8: 644 bytes a token; effective bandwidth counts those bytes)")
+    p.add_argument("--absorb", action="store_true", help="one token's attention with its output absorption (W_UV): "
+                   "the merge and a GEMV against the merge that applies W_UV")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     baseline = None
@@ -230,6 +263,15 @@ def main() -> int:
             for kv in kvs:
                 result["failures"] += check(variants(kv), heads, kv)
             print(f"check, {heads} heads: {len(result['failures'])} failures so far", flush=True)
+        if args.absorb:
+            for ctx in args.contexts:
+                for kv in kvs:
+                    rows, failures = measure_absorb(ctx, heads, kv)
+                    result["rows"] += rows
+                    result["failures"] += failures
+                    for row in rows:
+                        print(json.dumps(row), flush=True)
+            continue
         for batch in args.batches:
             for ctx in args.contexts:
                 if batch * ctx > 64 * 131072:
@@ -244,9 +286,9 @@ def main() -> int:
         args.out.write_text(json.dumps(result, indent=1))
     print(f"\n{result['gpu']}, {result['sms']} SMs: MLA decode, TB/s effective (cache bytes / time per call)")
     for row in result["rows"]:
-        if row["variant"] in ("default", "before") and "tb_s" in row:
+        if row["variant"] in ("default", "before", "merge + gemv", "merge absorbs") and "tb_s" in row:
             print(f"  H={row['heads']:<3} B={row['batch']:<3} ctx={row['context']:<7} {row['kv']:4s} {row['variant']:8s} "
-                  f"splits={row['splits']!s:<4} {row['us']:9.1f} us {row['tb_s']:6.2f} TB/s")
+                  f"splits={row.get('splits')!s:<4} {row['us']:9.1f} us {row['tb_s']:6.2f} TB/s")
     for f in result["failures"]:
         print("FAIL", f)
     return 1 if result["failures"] else 0
