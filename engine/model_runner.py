@@ -438,7 +438,8 @@ class ModelRunner:
                 for splits in SPLIT_CHOICES:
                     mla_decode_attention(q, q_pe, cache, table, lens, attn.softmax_scale, num_splits=splits)
                     absorb = getattr(attn, "absorb", None)
-                    if batch == 1 and attention.MERGE_ABSORBS and absorb is not None:  # and its merge with W_UV
+                    if batch == 1 and attention.MERGE_ABSORBS and absorb is not None and dev.type == "cuda":
+                        # and its merge with W_UV (one token's absorptions run on a GPU only)
                         mla_decode_attention(q, q_pe, cache, table, lens, attn.softmax_scale, num_splits=splits,
                                              w_uv=absorb.w_uv, counter=absorb.counter)
         if self.device.type == "cuda":

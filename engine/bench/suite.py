@@ -72,11 +72,12 @@ def _guard(fn, *args, **kwargs) -> dict:
 
 
 def _gluon_prefill(device: torch.device) -> bool:
-    """Whether prefill ran through the Gluon kernels where they apply (switched on, on a Hopper card)."""
-    from engine.kernels import fused_moe, mla_prefill
+    """Whether prefill ran through the Gluon kernels where they apply (switched on, on a Hopper card, with a
+    Triton that has Gluon)."""
+    from engine.kernels import _util, fused_moe, mla_prefill
 
-    on = mla_prefill.GLUON or fused_moe.GLUON
-    return bool(on and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9)
+    on = (mla_prefill.GLUON or fused_moe.GLUON) and device.type == "cuda"
+    return bool(on and torch.cuda.get_device_capability(device)[0] == 9 and _util.gluon_available())
 
 
 def _summary(phases: dict, field_name: str) -> dict:
@@ -209,7 +210,7 @@ def _run(opts: BenchOptions) -> dict:
         prefill_graph_tokens=runner.prefill_graph_sizes[-1] if runner.prefill_graph_sizes else 0,
         pdl=_util.pdl(torch.empty(0, device=device)), num_layers=model_config.num_hidden_layers,
         gluon_prefill=_gluon_prefill(device),
-        merge_absorbs=opts.merge_absorbs,
+        merge_absorbs=opts.merge_absorbs and device.type == "cuda",  # one token's absorptions run on a GPU only
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
         ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),
         decode_tok_s=_summary(decode, "tok_s"), prefill=prefill, decode=decode,

@@ -390,11 +390,14 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     if w_uv is not None:
         check(w_uv.dim() == 2 and w_uv.shape[1] == kv_lora and w_uv.shape[0] % num_heads == 0
               and w_uv.stride(-1) == 1, f"w_uv must be [H * v, {kv_lora}] contiguous in its rows")
-        check(counter is not None and counter.dtype == torch.int32 and counter.numel() >= batch * num_heads,
-              f"the absorbing merge needs int32 counters, {batch * num_heads} at least")
+        check(counter is not None and counter.dtype == torch.int32 and counter.numel() >= batch * num_heads
+              and counter.is_contiguous() and counter.device == q_latent.device,
+              f"the absorbing merge needs int32 counters on {q_latent.device}, {batch * num_heads} at least, contiguous")
     out_cols = kv_lora if w_uv is None else w_uv.shape[0] // num_heads
     if out is None:
         out = torch.empty(batch, num_heads, out_cols, dtype=q_latent.dtype, device=q_latent.device)
+    check(out.shape == (batch, num_heads, out_cols) and out.stride(-1) == 1,
+          f"out must be [{batch}, {num_heads}, {out_cols}] contiguous in its last dimension")
     if batch == 0:
         return out
     block_c = pow2(kv_lora)

@@ -56,7 +56,8 @@ def test_bench_takes_the_fp8_latent_cache_and_counts_its_bytes(tmp_path):
         assert rc == 0
         result = json.loads((tmp_path / dtype / "tiny.json").read_text())
         assert result["kv_cache_dtype"] == dtype and result["decode_tok_s"]["1"] > 0
-        assert result["gluon_prefill"] is False and result["merge_absorbs"] is True
+        # neither runs on a CPU: the results say what ran
+        assert result["gluon_prefill"] is False and result["merge_absorbs"] is False
         decode_bytes[dtype] = result["decode"]["1"]["bytes"]
     from engine.kernels import _util, fused_moe, mla_prefill
     from engine.layers import attention
