@@ -2,7 +2,7 @@
 
     python benchmarks/mla_decode.py [--heads 16] [--batches 1,8,64] [--contexts 1024,...,131072]
                                     [--sweep] [--variants a,b] [--check] [--kv-cache-dtype bf16|fp8|both]
-                                    [--absorb] [--out results.json]
+                                    [--absorb] [--queries-per-seq R] [--out results.json]
 
 For each (batch, context): B sequences of `context` tokens in a paged bf16 cache (64-token pages,
 shuffled), all heads of one layer (16: DeepSeek-V2-Lite, 128: V3), timed as a CUDA graph of calls
@@ -17,6 +17,10 @@ named ones; --check compares every variant with the float32 reference first.
 --absorb times one token's attention with its output absorption (W_UV, [H * 128, 512]) instead: the
 merge, then the GEMV through W_UV (the engine's path), against the merge that applies W_UV itself
 (`mla_decode_attention(..., w_uv=, counter=)`), batch 1; both checked against each other first.
+
+--queries-per-seq R times each batch's sequences with R query tokens each (a verification's k + 1 rows,
+row r seeing R - 1 - r tokens fewer than the last): as B x R separate rows, against the R rows folded
+into the heads (`queries_per_seq=R`, the cache read once a sequence); checked against each other first.
 """
 
 import argparse
@@ -178,6 +182,22 @@ def measure(batch: int, context: int, heads: int, variants: dict, split_sweep: l
     return rows
 
 
+def compare_and_time(runs: dict, caches: list, case: dict, n_bytes: float) -> tuple[list[dict], list[str]]:
+    """Two ways to the same output: checked against each other on the first cache copy (rel. error <
+    1e-2), then each graph-timed over every copy -> (rows, failures)."""
+    (name_a, run_a), (name_b, run_b) = runs.items()
+    a, b = run_a(caches[0]).float().flatten(), run_b(caches[0]).float().flatten()
+    err = ((a - b).norm() / b.norm()).item()
+    failures = [] if err < 1e-2 else [f"{name_b} {case}: rel err {err:.3g} to {name_a}"]
+    rows = []
+    for name, run in runs.items():
+        sec = time_calls([lambda c=c, run=run: run(c) for c in caches])
+        rows.append(dict(case, variant=name, us=sec * 1e6, tb_s=n_bytes / sec / 1e12))
+    caches.clear()
+    torch.cuda.empty_cache()
+    return rows, failures
+
+
 def measure_absorb(context: int, heads: int, kv: str = "bf16", v_head_dim: int = 128) -> tuple[list[dict], list[str]]:
     """One token: the merge then the GEMV through W_UV, against the merge that applies W_UV."""
     n_bytes = context * row_bytes(kv)
@@ -191,17 +211,27 @@ def measure_absorb(context: int, heads: int, kv: str = "bf16", v_head_dim: int =
                                        groups=heads),
         "merge absorbs": lambda c: mla_decode_attention(q, q_pe, c, tables, lens, 0.1, w_uv=w_uv, counter=counter),
     }
-    a, b = (run(caches[0]).float().flatten() for run in runs.values())
-    err = ((a - b).norm() / b.norm()).item()
-    failures = [] if err < 1e-2 else [f"merge absorbs {kv} heads={heads} ctx={context}: rel err {err:.3g} to merge + gemv"]
-    rows = []
-    for name, run in runs.items():
-        sec = time_calls([lambda c=c, run=run: run(c) for c in caches])
-        rows.append(dict(batch=1, context=context, heads=heads, kv=kv, variant=name, us=sec * 1e6,
-                         tb_s=n_bytes / sec / 1e12))
-    del caches
-    torch.cuda.empty_cache()
-    return rows, failures
+    return compare_and_time(runs, caches, dict(batch=1, context=context, heads=heads, kv=kv), n_bytes)
+
+
+def measure_fold(batch: int, context: int, heads: int, queries: int, kv: str = "bf16") -> tuple[list[dict], list[str]]:
+    """B sequences of R query tokens each: B x R separate rows against the rows folded into the heads."""
+    n_bytes = batch * context * row_bytes(kv)
+    copies = max(1, min(128, -(-(512 << 20) // n_bytes)))
+    _, _, caches, tables, _ = make_case(batch, context, heads, copies, kv=kv)
+    g = torch.Generator(device="cuda").manual_seed(context + queries)
+    rows = batch * queries
+    q = torch.randn(rows, heads, KV_LORA, generator=g, device="cuda").to(torch.bfloat16)
+    q_pe = torch.randn(rows, heads, ROPE, generator=g, device="cuda").to(torch.bfloat16)
+    tables = tables.repeat_interleave(queries, dim=0)
+    lens = torch.tensor([context - queries + 1 + r for _ in range(batch) for r in range(queries)], dtype=torch.int32,
+                        device="cuda")
+    runs = {
+        f"{queries} rows apart": lambda c: mla_decode_attention(q, q_pe, c, tables, lens, 0.1),
+        f"{queries} rows folded": lambda c: mla_decode_attention(q, q_pe, c, tables, lens, 0.1,
+                                                                 queries_per_seq=queries),
+    }
+    return compare_and_time(runs, caches, dict(batch=batch, context=context, heads=heads, kv=kv), n_bytes)
 
 
 def check(variants: dict, heads: int, kv: str = "bf16") -> list[str]:
@@ -237,6 +267,8 @@ def main() -> int:
                    help="the latent cache timed (fp8: 644 bytes a token; effective bandwidth counts those bytes)")
     p.add_argument("--absorb", action="store_true", help="one token's attention with its output absorption (W_UV): "
                    "the merge and a GEMV against the merge that applies W_UV")
+    p.add_argument("--queries-per-seq", type=int, default=1,
+                   help="R > 1: sequences of R query tokens, as separate rows against folded into the heads")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     baseline = None
@@ -263,6 +295,16 @@ def main() -> int:
             for kv in kvs:
                 result["failures"] += check(variants(kv), heads, kv)
             print(f"check, {heads} heads: {len(result['failures'])} failures so far", flush=True)
+        if args.queries_per_seq > 1:
+            for batch in args.batches:
+                for ctx in args.contexts:
+                    for kv in kvs:
+                        rows, failures = measure_fold(batch, ctx, heads, args.queries_per_seq, kv)
+                        result["rows"] += rows
+                        result["failures"] += failures
+                        for row in rows:
+                            print(json.dumps(row), flush=True)
+            continue
         if args.absorb:
             for ctx in args.contexts:
                 for kv in kvs:
@@ -286,7 +328,8 @@ def main() -> int:
         args.out.write_text(json.dumps(result, indent=1))
     print(f"\n{result['gpu']}, {result['sms']} SMs: MLA decode, TB/s effective (cache bytes / time per call)")
     for row in result["rows"]:
-        if row["variant"] in ("default", "before", "merge + gemv", "merge absorbs") and "tb_s" in row:
+        if "tb_s" in row and (row["variant"] in ("default", "before", "merge + gemv", "merge absorbs")
+                              or " rows " in row["variant"]):
             print(f"  H={row['heads']:<3} B={row['batch']:<3} ctx={row['context']:<7} {row['kv']:4s} {row['variant']:8s} "
                   f"splits={row.get('splits')!s:<4} {row['us']:9.1f} us {row['tb_s']:6.2f} TB/s")
     for f in result["failures"]:

@@ -14,7 +14,10 @@ Each slice writes its normalized partial output and log-sum-exp; a second kernel
 each head. With one slice the first kernel writes the output itself (one launch). Given W_UV, the
 second kernel also applies it (`_merge_absorb_kernel`): each program merges BLOCK_K latent columns of a
 head and multiplies them by those columns of the head's W_UV, and the last of the head's programs sums
-their [v] parts, so one token's attention block ends without a GEMV launch of its own.
+their [v] parts, so one token's attention block ends without a GEMV launch of its own. A sequence's
+last R query tokens (a verification's k + 1 rows) can be folded into the heads (`queries_per_seq`):
+one program's products then take R x H rows, each masked to the rows its token sees, and the
+sequence's cache is read once for all R instead of once a row.
 
 Two regimes (measured on an H200, benchmarks/mla_decode.py): with a few sequences, one program per
 SM on eight warps, each streaming its tiles through a five-stage pipeline; from batch 5, two programs
@@ -86,10 +89,12 @@ def _load_tile(Cache, CacheR, CacheS, Tables, b, stride_tb, stride_cb, stride_ct
 
 
 @triton.jit
-def _attend_tile(q, qp, kv, kv2, kp, mask_n, sc, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr, FP8: tl.constexpr,
-                 ACC_T: tl.constexpr, DEQUANT: tl.constexpr):
+def _attend_tile(q, qp, kv, kv2, kp, mask, sc, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr, FP8: tl.constexpr,
+                 ACC_T: tl.constexpr, DEQUANT: tl.constexpr, EMPTY_ROWS: tl.constexpr = False):
     """Online softmax over one tile for every head of the program: -> (m_i, l_i, acc), acc [BLOCK_H, BLOCK_C]
-    or (ACC_T) its transpose [BLOCK_C, BLOCK_H]. kv2 is kv, or the same tile loaded again.
+    or (ACC_T) its transpose [BLOCK_C, BLOCK_H]. kv2 is kv, or the same tile loaded again. mask: the
+    tokens each row sees, [1, BLOCK_N] (every head the same) or [BLOCK_H, BLOCK_N]; EMPTY_ROWS: a row may
+    see none of the tile and none before it (its running max still -inf, kept finite here).
 
     FP8: c_kv = kv * sc per token, so q . c_kv = (q . kv) * sc and p @ c_kv = (p * sc) @ kv, kv widened
     in registers (exact). One of the two products takes the tile transposed, and one-byte operands have
@@ -109,10 +114,14 @@ def _attend_tile(q, qp, kv, kv2, kp, mask_n, sc, m_i, l_i, acc, scale_log2, UPCA
     else:
         qk = mma(q.to(kv.dtype), tl.trans(kv), UPCAST)
     qk += mma(qp.to(kp.dtype), tl.trans(kp), UPCAST)  # [BLOCK_H, BLOCK_N]
-    qk = tl.where(mask_n[None, :], qk * scale_log2, float("-inf"))
+    qk = tl.where(mask, qk * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    p = tl.exp2(qk - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    if EMPTY_ROWS:  # -inf - -inf would be NaN: such a row's p and alpha are 0 against any finite max
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    p = tl.exp2(qk - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if FP8 and not DEQUANT:
         pv, v = (p * sc[None, :]).to(q.dtype), kv2.to(q.dtype)
@@ -139,14 +148,17 @@ def _slice(ctx, s, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
 @triton.jit(do_not_specialize=["stride_tb", "table_width", "num_splits"])
 def _split_kernel(QL, QP, Cache, CacheR, CacheS, Tables, Lens, MidO, MidLse, Out,
                   stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb,
-                  stride_tb, table_width, num_pages,
-                  stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2,
+                  stride_tb, table_width, num_pages, stride_l,
+                  stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2, row_heads,
                   KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MIN_CHUNK: tl.constexpr,
                   DIRECT: tl.constexpr, ONE_PAGE: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
                   RELOAD: tl.constexpr, ACC_T: tl.constexpr, PDL: tl.constexpr, L2_TILES: tl.constexpr,
-                  LINES_C: tl.constexpr, LINES_R: tl.constexpr, DEQUANT: tl.constexpr):
-    # head blocks of one slice are neighbours in launch order: they run together and share its tiles in L2
+                  LINES_C: tl.constexpr, LINES_R: tl.constexpr, DEQUANT: tl.constexpr, QROWS: tl.constexpr = 1):
+    # head blocks of one slice are neighbours in launch order: they run together and share its tiles in L2.
+    # QROWS > 1: a sequence's last QROWS query tokens folded into the heads (num_heads = QROWS x row_heads,
+    # head m is token m // row_heads's head m % row_heads), Lens the last token's; token r of them sees
+    # QROWS - 1 - r rows fewer
     hb, s, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if L2_TILES > 0:
         # the slice's first tiles asked of L2 while the kernel ahead (the new token's latent write) ends.
@@ -154,7 +166,7 @@ def _split_kernel(QL, QP, Cache, CacheR, CacheS, Tables, Lens, MidO, MidLse, Out
         # them (an eager step's cast), they may be stale, so the table is read within its width, the page
         # clamped into the cache, and the length read again after the wait for the work itself. Each
         # tile lies in one page (ONE_PAGE), its c_kv rows (and an FP8 cache's k_pe rows) contiguous.
-        start, end = _slice(tl.load(Lens + b), s, num_splits, BLOCK_N, MIN_CHUNK)
+        start, end = _slice(tl.load(Lens + b * stride_l), s, num_splits, BLOCK_N, MIN_CHUNK)
         for i in tl.static_range(L2_TILES):
             n0 = start + i * BLOCK_N
             page = tl.load(Tables + b * stride_tb + n0 // PAGE, mask=(n0 < end) & (n0 // PAGE < table_width), other=0)
@@ -166,7 +178,7 @@ def _split_kernel(QL, QP, Cache, CacheR, CacheS, Tables, Lens, MidO, MidLse, Out
                 prefetch_l2(CacheR + page * stride_rb + (n0 % PAGE) * stride_rt,
                             rows * stride_rt * (CacheR.dtype.element_ty.primitive_bitwidth // 8), LINES_R)
     wait_for_inputs(PDL)
-    ctx = tl.load(Lens + b)
+    ctx = tl.load(Lens + b * stride_l)
     start, end = _slice(ctx, s, num_splits, BLOCK_N, MIN_CHUNK)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
@@ -186,12 +198,18 @@ def _split_kernel(QL, QP, Cache, CacheR, CacheS, Tables, Lens, MidO, MidLse, Out
         acc = tl.zeros([BLOCK_C, BLOCK_H], tl.float32)
     else:
         acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    # each head row's length (folded query tokens see fewer of the last rows)
+    seen = ctx - (QROWS - 1 - offs_h // row_heads)
     for n0 in range(start, end, BLOCK_N):
         kv, kv2, kp, mask_n, sc = _load_tile(Cache, CacheR, CacheS, Tables, b, stride_tb, stride_cb, stride_ct, stride_rb,
                                         stride_rt, stride_sb, n0, end, offs_t, offs_c, offs_r, mask_c, mask_r, PAGE,
                                         ONE_PAGE, FP8, RELOAD)
-        m_i, l_i, acc = _attend_tile(q, qp, kv, kv2, kp, mask_n, sc, m_i, l_i, acc, scale_log2, UPCAST, FP8, ACC_T,
-                                     DEQUANT)
+        if QROWS > 1:
+            mask = mask_n[None, :] & ((n0 + offs_t)[None, :] < seen[:, None])
+        else:
+            mask = mask_n[None, :]
+        m_i, l_i, acc = _attend_tile(q, qp, kv, kv2, kp, mask, sc, m_i, l_i, acc, scale_log2, UPCAST, FP8, ACC_T,
+                                     DEQUANT, QROWS > 1)
     if ACC_T:
         acc = tl.trans(acc)
     has = l_i > 0
@@ -348,7 +366,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
                          block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
                          num_splits: int | None = None, out: torch.Tensor | None = None,
                          tiles: dict | None = None, w_uv: torch.Tensor | None = None,
-                         counter: torch.Tensor | None = None) -> torch.Tensor:
+                         counter: torch.Tensor | None = None, queries_per_seq: int = 1) -> torch.Tensor:
     """q_latent: [B, H, kv_lora], q_pe: [B, H, rope], kv_cache: [num_blocks, page, kv_lora + rope], or an
     FP8 latent cache [num_blocks, page, token_bytes] uint8 (`engine.layers.fp8_latent`, its k_pe in q_latent's dtype),
     block_tables: [B, max_blocks] int32, context_lens: [B] int32 -> latent output [B, H, kv_lora]; given
@@ -360,7 +378,13 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     (block_n, num_stages, num_warps, min_chunk, block_h, reload; acc_t: the transposed accumulator of
     `_attend_tile`; dequant: an FP8 tile decoded once; l2_tiles: tiles asked of L2 before the wait;
     merge_cm, merge_warps: the merge's columns a program and warps; half_partials: the slices' partial
-    outputs stored in float16), for benchmarks and tests."""
+    outputs stored in float16), for benchmarks and tests.
+
+    queries_per_seq R > 1: the rows are sequences' last R query tokens, R consecutive rows a sequence
+    (one block table), row r of a sequence seeing R - 1 - r rows fewer than its last row (a chunk's
+    tokens as decode rows, a verification's k + 1 rows): each sequence's R rows are folded into the
+    heads (R x H rows of one program's products), so its cache is read once for all R, not R times.
+    The kernel reads the last row's length and table only; the contract on the others is the caller's."""
     check(q_latent.dim() == 3 and q_pe.dim() == 3 and kv_cache.dim() == 3, "q_latent, q_pe, kv_cache must be 3-D")
     batch, num_heads, kv_lora = q_latent.shape
     rope = q_pe.shape[2]
@@ -380,6 +404,26 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
           "block_tables and context_lens must be int32")
     check(block_tables.shape[0] == batch and context_lens.shape == (batch,), "one block table and length per sequence")
     check(block_tables.stride(-1) == 1, "block_tables must be contiguous in its last dimension")
+    rows, heads_per_row = batch, num_heads
+    check(queries_per_seq >= 1 and batch % queries_per_seq == 0,
+          f"{batch} rows do not split into sequences of {queries_per_seq} query tokens")
+    fold = queries_per_seq > 1
+    if fold:
+        check(w_uv is None, "the merge that applies W_UV takes one query token a sequence")
+        check(all(t.stride(0) == num_heads * t.stride(1) for t in (q_latent, q_pe))
+              and (out is None or out.is_contiguous()),
+              "folded query tokens need q_latent's and q_pe's rows head after head (and out contiguous)")
+        batch, num_heads = batch // queries_per_seq, num_heads * queries_per_seq
+
+        def folded(t: torch.Tensor) -> torch.Tensor:  # [B * R, H, d] -> [B, R * H, d], the same memory
+            return t.as_strided((batch, num_heads, t.shape[2]), (t.stride(0) * queries_per_seq, t.stride(1), 1))
+
+        q_latent, q_pe = folded(q_latent), folded(q_pe)
+        out = None if out is None else out.view(batch, num_heads, -1)
+        block_tables = block_tables[queries_per_seq - 1 :: queries_per_seq]
+        lens_view = context_lens[queries_per_seq - 1 :]  # the last row's, at a stride of R
+    else:
+        lens_view = context_lens
     sms = num_sms(q_latent.device)
     block_h = (tiles or {}).get("block_h") or block_heads(num_heads, fp8)
     deep = programs_per_sm(batch, num_heads, sms, block_h) == 1
@@ -399,7 +443,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     check(out.shape == (batch, num_heads, out_cols) and out.stride(-1) == 1,
           f"out must be [{batch}, {num_heads}, {out_cols}] contiguous in its last dimension")
     if batch == 0:
-        return out
+        return out.view(rows, heads_per_row, -1) if fold else out
     block_c = pow2(kv_lora)
     direct = num_splits == 1 and w_uv is None  # W_UV is applied by the merge's launch, even of one slice
     shape = (0,) * 4 if direct else (batch, num_heads, num_splits, kv_lora)
@@ -415,18 +459,18 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     # tiles asked of L2 before waiting for the kernel ahead (PDL, a tile within one page)
     l2_tiles = cfg.get("l2_tiles", L2_PREFETCH_TILES) if on and one_page else 0
     lines = lambda t: pow2(triton.cdiv(cfg["block_n"] * t.stride(1) * t.element_size(), 128), 1)
-    _split_kernel[grid](q_latent, q_pe, cache, cache_r, cache_s, block_tables, context_lens, mid_o, mid_lse, out,
+    _split_kernel[grid](q_latent, q_pe, cache, cache_r, cache_s, block_tables, lens_view, mid_o, mid_lse, out,
                         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
                         cache.stride(0), cache.stride(1), cache_r.stride(0), cache_r.stride(1), cache_s.stride(0),
-                        block_tables.stride(0), block_tables.shape[1], kv_cache.shape[0],
+                        block_tables.stride(0), block_tables.shape[1], kv_cache.shape[0], queries_per_seq,
                         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), out.stride(0), out.stride(1),
-                        num_heads, num_splits, softmax_scale * LOG2E,
+                        num_heads, num_splits, softmax_scale * LOG2E, heads_per_row,
                         KV_LORA=kv_lora, ROPE=rope, BLOCK_C=block_c, BLOCK_R=pow2(rope), BLOCK_H=block_h,
                         BLOCK_N=cfg["block_n"], PAGE=kv_cache.shape[1], MIN_CHUNK=cfg["min_chunk"], DIRECT=direct,
                         ONE_PAGE=one_page, UPCAST=interpreted(kv_cache), FP8=fp8,
                         RELOAD=fp8 and cfg.get("reload", False) and not dequant, ACC_T=cfg.get("acc_t", False),
                         DEQUANT=dequant, PDL=on, L2_TILES=l2_tiles, LINES_C=lines(cache), LINES_R=lines(cache_r),
-                        launch_pdl=on, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                        QROWS=queries_per_seq, launch_pdl=on, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if w_uv is not None:
         v = out_cols
         block_k = 32  # 16 programs a head at kv_lora 512: a [v, 32] slab of W_UV each
@@ -448,7 +492,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
             mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), out.stride(0), out.stride(1),
             num_heads, num_splits, KV_LORA=kv_lora, BLOCK_CM=block_cm, BLOCK_S=block_s, PDL=on, launch_pdl=on,
             num_warps=cfg.get("merge_warps", 4))
-    return out
+    return out.view(rows, heads_per_row, -1) if fold else out
 
 
 def reference_mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, context_lens, softmax_scale):

@@ -203,6 +203,9 @@ def launch_all() -> None:
                                                _empty(64 * 16, page, fp8_row, dtype=torch.uint8))):
                 mla_decode_attention(_empty(len(lens), h, lora), _empty(len(lens), h, rope), cache,
                                      torch.zeros(len(lens), 16, dtype=i32), lens, 0.1)
+                if tokens == 64 and h <= 16:  # a verification's 4 query tokens a sequence, folded into the heads
+                    mla_decode_attention(_empty(64, h, lora), _empty(64, h, rope), cache, torch.zeros(64, 16, dtype=i32),
+                                         lens, 0.1, queries_per_seq=4)
                 if tokens == 1:  # one token's merge that applies W_UV too
                     mla_decode_attention(_empty(1, h, lora), _empty(1, h, rope), cache, torch.zeros(1, 16, dtype=i32),
                                          lens[:1], 0.1, w_uv=_empty(h * vdim, lora), counter=torch.zeros(h, dtype=i32))

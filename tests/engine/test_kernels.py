@@ -283,6 +283,36 @@ def test_mla_decode_applies_w_uv_in_the_merge(num_splits, kv_lora, v, dtype):
         mla_decode_attention(*args, 0.4, num_splits=num_splits, w_uv=w_uv, counter=counter[:5])
 
 
+@pytest.mark.parametrize("num_splits,rows,heads", [(1, 4, 3), (3, 4, 3), (8, 2, 5), (5, 16, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_folds_a_sequences_query_tokens_into_the_heads(num_splits, rows, heads, dtype):
+    """`queries_per_seq`: each sequence's last R query tokens as R consecutive rows (one block table, row r
+    seeing R - 1 - r fewer tokens than the last), read once for all R: every row as the reference's and
+    as unfolded; contexts where a slice holds only tokens some rows do not see (a last slice of 2 tokens
+    under rows that see 3 fewer), as short as R (the first row sees one token); `out` poisoned."""
+    g = torch.Generator().manual_seed(24 + rows)
+    page, kv_lora, rope = 4, 32, 8
+    contexts = [rows, 34, 50, 141]
+    lens = [c - rows + 1 + r for c in contexts for r in range(rows)]
+    per_seq = -(-max(contexts) // page)
+    num_blocks = len(contexts) * per_seq + 3
+    cache = _paged_cache(num_blocks, page, kv_lora + rope, dtype, g)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:per_seq] for _ in contexts])
+    tables = tables.repeat_interleave(rows, dim=0).int().to(DEV)
+    q = torch.randn(len(lens), heads, kv_lora, generator=g).to(DEV, dtype)
+    q_pe = torch.randn(len(lens), heads, rope, generator=g).to(DEV, dtype)
+    args = (q, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEV))
+    tiles = dict(block_n=16, min_chunk=16)
+    out = torch.full_like(q, float("nan"))
+    got = mla_decode_attention(*args, 0.4, num_splits=num_splits, tiles=tiles, out=out, queries_per_seq=rows)
+    assert got.shape == q.shape and got.data_ptr() == out.data_ptr()
+    tol = F32_TOL if dtype == torch.float32 else 2e-2
+    assert rel_err(out, reference_mla_decode_attention(*args, 0.4)) < tol
+    assert rel_err(out, mla_decode_attention(*args, 0.4, num_splits=num_splits, tiles=tiles)) < tol
+    with pytest.raises(ValueError, match="sequences of"):
+        mla_decode_attention(*args, 0.4, queries_per_seq=3 if len(lens) % 3 else 7)
+
+
 def test_mla_decode_head_blocks_share_each_slice():
     # 20 heads in two blocks of 16, three slices of a context that crosses 16-token pages
     args = _decode_case([45, 90], heads=20, kv_lora=32, rope=16, page=16, dtype=torch.float32, seed=11)
