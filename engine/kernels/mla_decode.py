@@ -420,10 +420,9 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
 
         q_latent, q_pe = folded(q_latent), folded(q_pe)
         out = None if out is None else out.view(batch, num_heads, -1)
-        block_tables = block_tables[queries_per_seq - 1 :: queries_per_seq]
-        lens_view = context_lens[queries_per_seq - 1 :]  # the last row's, at a stride of R
-    else:
-        lens_view = context_lens
+    # each sequence's last row's table and length (its only row unless folded), at a stride of R
+    block_tables = block_tables[queries_per_seq - 1 :: queries_per_seq]
+    last_lens = context_lens[queries_per_seq - 1 :]
     sms = num_sms(q_latent.device)
     block_h = (tiles or {}).get("block_h") or block_heads(num_heads, fp8)
     deep = programs_per_sm(batch, num_heads, sms, block_h) == 1
@@ -436,14 +435,16 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
               and w_uv.stride(-1) == 1, f"w_uv must be [H * v, {kv_lora}] contiguous in its rows")
         check(counter is not None and counter.dtype == torch.int32 and counter.numel() >= batch * num_heads
               and counter.is_contiguous() and counter.device == q_latent.device,
-              f"the absorbing merge needs int32 counters on {q_latent.device}, {batch * num_heads} at least, contiguous")
+              f"the absorbing merge needs int32 counters on {q_latent.device}, {batch * num_heads} at least, "
+              "contiguous")
     out_cols = kv_lora if w_uv is None else w_uv.shape[0] // num_heads
     if out is None:
         out = torch.empty(batch, num_heads, out_cols, dtype=q_latent.dtype, device=q_latent.device)
     check(out.shape == (batch, num_heads, out_cols) and out.stride(-1) == 1,
           f"out must be [{batch}, {num_heads}, {out_cols}] contiguous in its last dimension")
+    result = out.view(rows, heads_per_row, -1) if fold else out  # the rows as given
     if batch == 0:
-        return out.view(rows, heads_per_row, -1) if fold else out
+        return result
     block_c = pow2(kv_lora)
     direct = num_splits == 1 and w_uv is None  # W_UV is applied by the merge's launch, even of one slice
     shape = (0,) * 4 if direct else (batch, num_heads, num_splits, kv_lora)
@@ -459,7 +460,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     # tiles asked of L2 before waiting for the kernel ahead (PDL, a tile within one page)
     l2_tiles = cfg.get("l2_tiles", L2_PREFETCH_TILES) if on and one_page else 0
     lines = lambda t: pow2(triton.cdiv(cfg["block_n"] * t.stride(1) * t.element_size(), 128), 1)
-    _split_kernel[grid](q_latent, q_pe, cache, cache_r, cache_s, block_tables, lens_view, mid_o, mid_lse, out,
+    _split_kernel[grid](q_latent, q_pe, cache, cache_r, cache_s, block_tables, last_lens, mid_o, mid_lse, out,
                         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
                         cache.stride(0), cache.stride(1), cache_r.stride(0), cache_r.stride(1), cache_s.stride(0),
                         block_tables.stride(0), block_tables.shape[1], kv_cache.shape[0], queries_per_seq,
@@ -492,7 +493,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
             mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), out.stride(0), out.stride(1),
             num_heads, num_splits, KV_LORA=kv_lora, BLOCK_CM=block_cm, BLOCK_S=block_s, PDL=on, launch_pdl=on,
             num_warps=cfg.get("merge_warps", 4))
-    return out.view(rows, heads_per_row, -1) if fold else out
+    return result
 
 
 def reference_mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, context_lens, softmax_scale):

@@ -255,11 +255,12 @@ def _absorbed_attention(q_nope, q_pe, kv_cache, block_tables, context_lens, w_kv
 
         if q_latent is None:
             q_latent = gemv(q_nope, absorb.w_uk_t, groups=num_heads).view(1, num_heads, kv_lora_rank)
-        if MERGE_ABSORBS:
-            return mla_decode_attention(q_latent, q_pe.to(q_latent.dtype), kv_cache, block_tables.int(),
-                                        context_lens.int(), softmax_scale, w_uv=absorb.w_uv, counter=absorb.counter)
+        # W_UV applied by the merge's launch, or by a GEMV after it
+        merge_absorbs = dict(w_uv=absorb.w_uv, counter=absorb.counter) if MERGE_ABSORBS else {}
         out = mla_decode_attention(q_latent, q_pe.to(q_latent.dtype), kv_cache, block_tables.int(),
-                                   context_lens.int(), softmax_scale)
+                                   context_lens.int(), softmax_scale, **merge_absorbs)
+        if merge_absorbs:
+            return out
         return gemv(out.view(1, -1), absorb.w_uv, groups=num_heads).view(1, num_heads, v_head_dim)
     w = w_kv_b.view(num_heads, nope + v_head_dim, kv_lora_rank)
     q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [B, H, kv_lora]
