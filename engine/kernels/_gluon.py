@@ -1,6 +1,6 @@
-"""What the Gluon kernels (Hopper's warp-specialised ones) share: the TMA load under its name in the
-installed Triton, the form `warp_specialize` takes there, the consumer warpgroups' rows, and host-side
-TMA descriptors."""
+"""What the Gluon kernels (Hopper's warp-specialised ones) share: the TMA load and the partition barrier
+under their names in the installed Triton, the form `warp_specialize` takes there, the consumer
+warpgroups' rows, and host-side TMA descriptors."""
 
 import inspect
 
@@ -14,6 +14,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 tma_load = tma.async_copy_global_to_shared
 if hasattr(tma, "async_load"):
     tma_load = tma.async_load
+# a barrier of the partition's warps: `thread_barrier` in Triton 3.6, `barrier` in newer ones
+thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 # newer Gluon: warp_specialize([(fn, args), ...], warps, regs); earlier: (default_args, default_fn,
 # worker_args, worker_fns, warps, regs), the workers sharing one argument tuple
 WS_LIST_FORM = gl.constexpr("functions_and_args" in inspect.signature(gl.warp_specialize).parameters)

@@ -114,7 +114,7 @@ def gluon_available() -> bool:
     """Whether the installed Triton has Gluon with Hopper's TMA and warp specialization (3.5 on), which the
     Gluon kernels are written in; without it the Triton kernels serve."""
     try:
-        from engine.kernels import fused_moe_gluon, mla_prefill_gluon  # noqa: F401
+        from engine.kernels import fused_moe_gluon, mla_decode_gluon, mla_prefill_gluon  # noqa: F401
     except (ImportError, AttributeError):  # no Gluon, or one without what the kernels use
         return False
     return True

@@ -19,6 +19,10 @@ last R query tokens (a verification's k + 1 rows) can be folded into the heads (
 one program's products then take R x H rows, each masked to the rows its token sees, and the
 sequence's cache is read once for all R instead of once a row.
 
+On Hopper, where `GLUON` is on, the split programs are `mla_decode_gluon`'s (up to 32 heads a program):
+the same slices and outputs, each tile loaded by warps of its own (TMA, or the FP8 rows decoded into
+shared memory) while a consumer warpgroup runs both products on wgmma.
+
 Two regimes (measured on an H200, benchmarks/mla_decode.py): with a few sequences, one program per
 SM on eight warps, each streaming its tiles through a five-stage pipeline; from batch 5, two programs
 per SM (two stages each), which hide each other's latency. The tile's products take M = 16 heads, so a program
@@ -49,11 +53,15 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import (check, check_float, check_last_contiguous, interpreted, last_program, mma, pdl, pow2,
-                                  prefetch_l2, wait_for_inputs)
+from engine.kernels._util import (check, check_float, check_last_contiguous, gluon_available, interpreted, last_program,
+                                  mma, pdl, pow2, prefetch_l2, wait_for_inputs)
 from engine.layers.fp8_latent import FP8LatentLayout, dequantized
 
 LOG2E = 1.4426950408889634
+# the split kernel on Hopper through the warp-specialised Gluon one (`mla_decode_gluon`: up to 32 heads a
+# program, bf16 or FP8 rows), where it applies; off until timed against this one on a card
+# (`benchmarks/mla_decode.py --gluon`, `bench --gluon-decode`)
+GLUON = False
 
 
 @triton.jit
@@ -378,7 +386,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     (block_n, num_stages, num_warps, min_chunk, block_h, reload; acc_t: the transposed accumulator of
     `_attend_tile`; dequant: an FP8 tile decoded once; l2_tiles: tiles asked of L2 before the wait;
     merge_cm, merge_warps: the merge's columns a program and warps; half_partials: the slices' partial
-    outputs stored in float16), for benchmarks and tests.
+    outputs stored in float16; gluon: True or False, the Gluon split kernel where it applies or the Triton
+    one, whatever `GLUON` says; tiles without it run the Triton kernel), for benchmarks and tests.
 
     queries_per_seq R > 1: the rows are sequences' last R query tokens, R consecutive rows a sequence
     (one block table), row r of a sequence seeing R - 1 - r rows fewer than its last row (a chunk's
@@ -424,6 +433,12 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     block_tables = block_tables[queries_per_seq - 1 :: queries_per_seq]
     last_lens = context_lens[queries_per_seq - 1 :]
     sms = num_sms(q_latent.device)
+    gluon = _takes_gluon(q_latent, q_pe, kv_cache, queries_per_seq, tiles)
+    if gluon:
+        from engine.kernels import mla_decode_gluon
+
+        if num_splits is None:
+            num_splits = mla_decode_gluon.default_num_splits(batch, num_heads, sms)
     block_h = (tiles or {}).get("block_h") or block_heads(num_heads, fp8)
     deep = programs_per_sm(batch, num_heads, sms, block_h) == 1
     cfg = dict(_tiles(pow2(kv_lora), block_h, kv_cache.element_size(), deep, fp8), **(tiles or {}))
@@ -460,18 +475,22 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     # tiles asked of L2 before waiting for the kernel ahead (PDL, a tile within one page)
     l2_tiles = cfg.get("l2_tiles", L2_PREFETCH_TILES) if on and one_page else 0
     lines = lambda t: pow2(triton.cdiv(cfg["block_n"] * t.stride(1) * t.element_size(), 128), 1)
-    _split_kernel[grid](q_latent, q_pe, cache, cache_r, cache_s, block_tables, last_lens, mid_o, mid_lse, out,
-                        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
-                        cache.stride(0), cache.stride(1), cache_r.stride(0), cache_r.stride(1), cache_s.stride(0),
-                        block_tables.stride(0), block_tables.shape[1], kv_cache.shape[0], queries_per_seq,
-                        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), out.stride(0), out.stride(1),
-                        num_heads, num_splits, softmax_scale * LOG2E, heads_per_row,
-                        KV_LORA=kv_lora, ROPE=rope, BLOCK_C=block_c, BLOCK_R=pow2(rope), BLOCK_H=block_h,
-                        BLOCK_N=cfg["block_n"], PAGE=kv_cache.shape[1], MIN_CHUNK=cfg["min_chunk"], DIRECT=direct,
-                        ONE_PAGE=one_page, UPCAST=interpreted(kv_cache), FP8=fp8,
-                        RELOAD=fp8 and cfg.get("reload", False) and not dequant, ACC_T=cfg.get("acc_t", False),
-                        DEQUANT=dequant, PDL=on, L2_TILES=l2_tiles, LINES_C=lines(cache), LINES_R=lines(cache_r),
-                        QROWS=queries_per_seq, launch_pdl=on, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if gluon:
+        mla_decode_gluon.split(q_latent, q_pe, kv_cache, (cache, cache_r, cache_s) if fp8 else None, block_tables,
+                               last_lens, mid_o, mid_lse, out, num_splits, softmax_scale, direct)
+    else:
+        _split_kernel[grid](q_latent, q_pe, cache, cache_r, cache_s, block_tables, last_lens, mid_o, mid_lse, out,
+                            q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+                            cache.stride(0), cache.stride(1), cache_r.stride(0), cache_r.stride(1), cache_s.stride(0),
+                            block_tables.stride(0), block_tables.shape[1], kv_cache.shape[0], queries_per_seq,
+                            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), out.stride(0), out.stride(1),
+                            num_heads, num_splits, softmax_scale * LOG2E, heads_per_row,
+                            KV_LORA=kv_lora, ROPE=rope, BLOCK_C=block_c, BLOCK_R=pow2(rope), BLOCK_H=block_h,
+                            BLOCK_N=cfg["block_n"], PAGE=kv_cache.shape[1], MIN_CHUNK=cfg["min_chunk"], DIRECT=direct,
+                            ONE_PAGE=one_page, UPCAST=interpreted(kv_cache), FP8=fp8,
+                            RELOAD=fp8 and cfg.get("reload", False) and not dequant, ACC_T=cfg.get("acc_t", False),
+                            DEQUANT=dequant, PDL=on, L2_TILES=l2_tiles, LINES_C=lines(cache), LINES_R=lines(cache_r),
+                            QROWS=queries_per_seq, launch_pdl=on, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if w_uv is not None:
         v = out_cols
         block_k = 32  # 16 programs a head at kv_lora 512: a [v, 32] slab of W_UV each
@@ -494,6 +513,17 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
             num_heads, num_splits, KV_LORA=kv_lora, BLOCK_CM=block_cm, BLOCK_S=block_s, PDL=on, launch_pdl=on,
             num_warps=cfg.get("merge_warps", 4))
     return result
+
+
+def _takes_gluon(q_latent, q_pe, kv_cache, queries_per_seq: int, tiles: dict | None) -> bool:
+    """Whether the Gluon split kernel runs: `GLUON` (or tiles' `gluon`, for benchmarks and tests; other
+    tile overrides are the Triton kernel's), a Triton with Gluon, and operands it is built for."""
+    want = (tiles or {}).get("gluon", GLUON and not tiles)
+    if not want or interpreted(q_latent) or not gluon_available():
+        return False
+    from engine.kernels import mla_decode_gluon
+
+    return mla_decode_gluon.applies(q_latent, q_pe, kv_cache, queries_per_seq)
 
 
 def reference_mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, context_lens, softmax_scale):

@@ -312,8 +312,8 @@ def launch_v4_decode() -> None:
 
 def compile_gluon() -> list[dict]:
     """The Gluon kernels, Hopper's only (warpgroup products, TMA, register moves between partitions), at
-    the engine's constants: the warp-specialised prefill attention (`mla_prefill_gluon`) and the FP8
-    experts' GEMMs (`fused_moe_gluon`)."""
+    the engine's constants: the warp-specialised prefill attention (`mla_prefill_gluon`), the FP8
+    experts' GEMMs (`fused_moe_gluon`) and the decode attention's split kernels (`mla_decode_gluon`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -346,6 +346,25 @@ def compile_gluon() -> list[dict]:
                           CONSUMER_REGS=m.CONSUMER_REGS, PRODUCER_REGS=m.PRODUCER_REGS, AHEAD=False)
         sig.update(dict.fromkeys(constexprs, "constexpr"))
         builds.append((kernel, sig, constexprs))
+    # the decode attention's split kernels (`mla_decode_gluon`): bf16 rows by TMA, FP8 rows decoded, at 16
+    # heads a program (V2-Lite; V3 over eight GPUs) with and without slices, at 32 (V3 over four), over
+    # pages of 64 tokens (a tile) and of 16 (the engine's default: four pages a tile)
+    from engine.kernels import mla_decode_gluon as d
+
+    lora, rope = int(d.KV_LORA), int(d.ROPE)
+    common = dict(QL="*bf16", QP="*bf16", Tables="*i32", Lens="*i32", MidO="*fp32", MidLse="*fp32", Out="*bf16",
+                  **dict.fromkeys(["stride_qlb", "stride_qlh", "stride_qpb", "stride_qph", "stride_tb", "stride_mb",
+                                   "stride_mh", "stride_ms", "stride_ob", "stride_oh", "num_heads", "num_splits"], "i32"),
+                  scale_log2="fp32")
+    fp8 = dict(Cache="*fp8e4nv", CacheR="*bf16", CacheS="*fp32", **common,
+               **dict.fromkeys(["stride_cb", "stride_ct", "stride_rb", "stride_rt", "stride_sb"], "i32"))
+    for heads, direct, page in ((16, False, 64), (16, True, 64), (32, False, 64), (16, False, 16)):
+        rows = min(page, int(d.BLOCK_N))
+        tma = dict(ckv_desc=signature_of(descriptor(_empty(256, lora + rope), [rows, lora])),
+                   kpe_desc=signature_of(descriptor(_empty(256, lora + rope), [rows, rope])), **common)
+        for kernel, sig, regs in ((d._tma_decode_kernel, tma, d.TMA_REGS), (d._fp8_decode_kernel, fp8, d.FP8_REGS)):
+            constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct, LOADER_REGS=regs)
+            builds.append((kernel, dict(sig, **dict.fromkeys(constexprs, "constexpr")), constexprs))
     options, results = dict(num_warps=4), []
     for kernel, sig, constexprs in builds:
         source = GluonASTSource(kernel, {n: sig[n] for n in kernel.arg_names}, constexprs=constexprs)

@@ -607,6 +607,49 @@ def test_gluon_prefill_in_the_engine_keeps_its_outputs(tmp_path, monkeypatch):
             assert g.token_ids[0] == w.token_ids[0]
 
 
+def assert_same_tokens_within_bf16_noise(want, got) -> None:
+    """Two greedy outputs of one prompt through two kernel paths: each step's top log-probs within 0.05, the
+    same tokens up to the first that differs, and that one a near tie bf16 rounding may break either way."""
+    for i, (w, g) in enumerate(zip(want.logprobs, got.logprobs)):
+        common = [t for t in w if t in g]
+        assert len(common) >= 4 and all(abs(w[t] - g[t]) < 0.05 for t in common)
+        if got.token_ids[i] != want.token_ids[i]:
+            first, second = sorted(w.values(), reverse=True)[:2]
+            assert first - second < 0.1
+            break
+
+
+@gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_gluon_decode_in_the_engine_keeps_its_tokens(tmp_path, monkeypatch, kv_cache_dtype):
+    """`mla_decode.GLUON` on a Hopper card: decode steps (CUDA graphs, the engine's 16-token pages) through
+    the Gluon split kernel give the Triton kernel's tokens and log-probs within bf16 noise, one stream at a
+    context spanning many slices and three streams at once, over bf16 rows and the FP8 cache."""
+    from engine.kernels import mla_decode, mla_decode_gluon
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is built for Hopper")
+    hf = build_hf_model(seed=42, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=4096,
+                        initializer_range=0.02)
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+    batch = prompts(42, [2000, 300, 900])
+    args = dict(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+    monkeypatch.setattr(mla_decode, "GLUON", False)
+    triton_path = LLM(str(path), **args)
+    want = [triton_path.generate([batch[0]], params)[0]] + triton_path.generate(batch, params)
+    del triton_path
+    calls, split = [], mla_decode_gluon.split
+    monkeypatch.setattr(mla_decode_gluon, "split", lambda *a, **k: calls.append(1) or split(*a, **k))
+    monkeypatch.setattr(mla_decode, "GLUON", True)
+    gluon = LLM(str(path), **args)
+    got = [gluon.generate([batch[0]], params)[0]] + gluon.generate(batch, params)
+    assert calls and gluon.engine.runner.graphs is not None
+    for w, g in zip(want, got):
+        assert_same_tokens_within_bf16_noise(w, g)
+
+
 @gpu
 def test_merge_absorbing_w_uv_keeps_one_streams_tokens(tmp_path, monkeypatch):
     """`attention.MERGE_ABSORBS`: one stream's decode steps (CUDA graphs) with W_UV applied by the decode
@@ -627,13 +670,7 @@ def test_merge_absorbing_w_uv_keeps_one_streams_tokens(tmp_path, monkeypatch):
                         lambda *a, **k: (absorbing.append(1) if "w_uv" in k else None, attend(*a, **k))[1])
     llm = LLM(str(path), dtype="bfloat16")
     got = llm.generate([prompt], params)[0]
-    for i, (w, g) in enumerate(zip(want.logprobs, got.logprobs)):  # up to the first differing token
-        common = [t for t in w if t in g]
-        assert len(common) >= 4 and all(abs(w[t] - g[t]) < 0.05 for t in common)
-        if got.token_ids[i] != want.token_ids[i]:
-            first, second = sorted(w.values(), reverse=True)[:2]
-            assert first - second < 0.1  # a near tie, which bf16 rounding may break either way
-            break
+    assert_same_tokens_within_bf16_noise(want, got)
     layers = llm.engine.runner.model.attention_layers()
     assert absorbing and all(not layer.absorb.counter.any() for layer in layers)
 

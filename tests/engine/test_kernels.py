@@ -689,6 +689,61 @@ def test_gluon_expert_gemms_are_the_triton_kernels_math(monkeypatch):
     assert calls and rel_err(got, want) < 1e-3
 
 
+def test_gluon_decode_takes_only_what_it_is_built_for():
+    """Hopper, bf16 queries, DeepSeek's latent widths (512 + 64), up to 32 heads, pages of whole 64-token
+    tiles or of 16 or 32 tokens, bf16 rows or the FP8 cache, one query token a sequence; else the
+    Triton kernel."""
+    from engine.kernels.mla_decode_gluon import applies
+    from engine.layers.fp8_latent import FP8LatentLayout
+
+    hopper = DEV == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    q = lambda heads, width, dtype=torch.bfloat16: torch.zeros(2, heads, width, dtype=dtype, device=DEV)
+    cache = lambda page: torch.zeros(4, page, 576, dtype=torch.bfloat16, device=DEV)
+    for page in (16, 32, 64, 128):
+        assert applies(q(16, 512), q(16, 64), cache(page)) == hopper
+    assert applies(q(32, 512), q(32, 64), FP8LatentLayout(512, 64, torch.bfloat16).quantize(cache(64))) == hopper
+    assert not applies(q(16, 512), q(16, 64), cache(64), queries_per_seq=2)
+    assert not applies(q(64, 512), q(64, 64), cache(64))  # 64 heads: the Triton kernel's 64-head tiles
+    assert not applies(q(16, 512), q(16, 64), cache(8)) and not applies(q(16, 512), q(16, 64), cache(48))
+    assert not applies(q(16, 512, torch.float32), q(16, 64, torch.float32), cache(64).float())
+    assert not applies(q(16, 256), q(16, 64), torch.zeros(4, 64, 320, dtype=torch.bfloat16, device=DEV))
+
+
+# a context shorter than a tile, contexts around a tile's end, an empty one, long ones over many slices;
+# one slice (the output written directly), a count that leaves slices empty, the engine's 16-token pages,
+# 20 heads in a program of 32
+@gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("heads,lens,page,num_splits", [(16, [1, 700, 4096], 64, None),
+                                                        (16, [0, 63, 64, 65, 20000, 129, 2000], 64, None),
+                                                        (16, [5000, 1], 64, 1), (16, [3000, 64], 64, 3),
+                                                        (16, [1, 700, 20000, 33], 16, None), (32, [3000, 17], 64, None),
+                                                        (20, [900, 4100], 32, 128)])
+def test_gluon_decode_is_the_reference_and_the_triton_kernels_math(fp8, heads, lens, page, num_splits, monkeypatch):
+    """The Gluon split kernel (`mla_decode.GLUON`) within bf16 rounding of the float32 reference and within
+    2e-3 of the Triton kernel it replaces, over bf16 rows and the FP8 cache; every element written."""
+    from engine.kernels import mla_decode, mla_decode_gluon
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is built for Hopper")
+    if fp8:
+        args, _ = _fp8_decode_case(lens, heads=heads, kv_lora=512, rope=64, page=page, dtype=torch.bfloat16, seed=50)
+    else:
+        args = _decode_case(lens, heads=heads, kv_lora=512, rope=64, page=page, dtype=torch.bfloat16, seed=50)
+    scale = 192**-0.5
+    ref = reference_mla_decode_attention(*args, scale)
+    monkeypatch.setattr(mla_decode, "GLUON", False)
+    want = mla_decode_attention(*args, scale, num_splits=num_splits)
+    calls, split = [], mla_decode_gluon.split
+    monkeypatch.setattr(mla_decode_gluon, "split", lambda *a, **k: calls.append(1) or split(*a, **k))
+    monkeypatch.setattr(mla_decode, "GLUON", True)
+    out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
+    mla_decode_attention(*args, scale, num_splits=num_splits, out=out)
+    assert calls and rel_err(out, ref) < 1e-2 and rel_err(out, want) < 2e-3
+    empty = torch.tensor(lens, device=DEV) == 0
+    assert not out[empty].any()
+
+
 @pytest.mark.parametrize("q_lens", [[3, 5], [16, 17]])  # absorbed (all chunks <= 16 tokens) / plain
 def test_mla_prefill_fast_paths_match_the_reference_layer(q_lens):
     from engine.layers.attention import AttentionMetadata, mla_prefill, mla_prefill_fast

@@ -1,0 +1,403 @@
+"""MLA decode attention's split kernel in Gluon on Hopper, for up to 32 heads a program (V2-Lite's 16; V3's
+128 heads over four or eight GPUs): `mla_decode`'s contract and outputs, each slice's tile work split
+over warps that run at once (after FlashMLA's design: loads and conversions beside the warpgroup that
+runs the products), for DeepSeek's latent widths (kv_lora 512, rope 64).
+
+Why: at 16 heads a program the Triton split kernel is bound by its own latency (docs/perf.md, "Where the
+16-head kernel's time goes": one eight-warp program an SM, no eligible warp in 67-79 % of cycles), and
+over the FP8 cache it executes twice the instructions, so it is slower than over bf16 rows although it
+reads half the bytes. Here a program is
+
+- a loader: bf16 rows by TMA (one warp: a tile's c_kv and k_pe boxes, one page's 64 rows or four
+  16-token pages' pieces, into a free stage of a two-tile ring); or FP8 rows (a warpgroup): a tile's e4m3 c_kv, k_pe and scales loaded, each
+  row times its scale rounded to bf16 (the rows the prefill path and the reference decode), stored to the
+  stage, so the conversions run beside the products instead of before them;
+- a consumer warpgroup: per tile the scores transposed, S^T [64 tokens, H] = K Q^T (M = the tile's 64
+  tokens, so 16 heads fill a wgmma without padding), the online softmax down each head's column, P^T
+  [64, H] to shared memory, and O^T [512, H] += V^T P^T (M = the 512 latent columns, the tile read
+  transposed from shared memory: the Triton kernel's ACC_T products, on wgmma in both). Tile j's
+  scores are issued with tile j - 1's values product, and tile j's softmax runs while that product is in
+  flight.
+
+The split (slice sizes from the context on the device, an empty slice writing only its -inf log-sum-exp)
+and the outputs (each slice's normalized partial output and base-2 log-sum-exp, or with one slice the
+output itself) are `mla_decode`'s, so its merge kernels follow unchanged. One program an SM (two bf16
+tiles take 144 KB), so the slice count fills the SMs once.
+
+Rows past the context in a tile's last page are read by TMA (it cannot mask rows inside the tensor);
+their scores are masked, and their values are multiplied by a zero probability, which is exact as long
+as they are finite: the KV pool starts zeroed and only latent rows are written to it.
+
+Triton's interpreter runs no Gluon: this kernel is compiled for sm_90 on the CPU
+(`engine.tools.compile_kernels`) and checked against the reference on a card.
+"""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from engine.kernels._gluon import WS_LIST_FORM, descriptor, thread_barrier, tma_load
+
+KV_LORA, ROPE = gl.constexpr(512), gl.constexpr(64)  # the latent widths it is built for (every DeepSeek MLA model's)
+BLOCK_N = gl.constexpr(64)  # tokens a tile: the scores' M
+MIN_CHUNK = gl.constexpr(64)  # a slice is at least one tile
+CHUNK = gl.constexpr(16)  # FP8 rows decoded at a time (a [16, 512] e4m3 chunk: 64 bytes a loader thread)
+STAGES = 2  # tiles in the ring (72 KB each as bf16)
+MAX_HEADS = 32  # heads a program: O^T [512, H] takes 4 H registers a consumer thread
+MAX_SPLITS = 128
+# registers a thread of the TMA warp / of the FP8 loader warpgroup (two chunks in flight: no spills at 200,
+# ptxas for sm_90; four chunks spilled even at 256)
+TMA_REGS, FP8_REGS = 24, 200
+
+
+@gluon.jit
+def _slice(ctx, s, num_splits, BLOCK_N: gl.constexpr, MIN_CHUNK: gl.constexpr):
+    """`mla_decode._slice`: slice s of a context of ctx tokens -> (start, end, its number of tiles)."""
+    chunk = gl.maximum(gl.cdiv(gl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    start = s * chunk
+    end = gl.minimum(start + chunk, ctx)
+    return start, end, gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+
+
+@gluon.jit
+def _page_of(Tables, b, stride_tb, n0, PAGE: gl.constexpr):
+    """The page that holds token n0 of sequence b, int64."""
+    return gl.load(Tables + b * stride_tb + n0 // PAGE).to(gl.int64)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the loaders: bf16 rows by TMA, FP8 rows decoded into the stage
+# ---------------------------------------------------------------------------------------------------------
+@gluon.jit
+def _tma_loader(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr):
+    """One warp: each tile's c_kv and k_pe boxes into the next stage, once the consumer released it. A
+    tile is one page's rows, or (pages of 16 or 32 tokens) several pages' pieces; a piece past the
+    slice's end loads the last piece's rows again (finite rows, masked by the consumer), so every stage
+    receives the same bytes."""
+    q_s, qp_s, kv_s, kp_s, p_s, full, empty = ops[0]
+    ckv_desc, kpe_desc = ops[1]
+    (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh, stride_qpb,
+     stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2) = ops[2]
+    ROWS: gl.constexpr = ckv_desc.block_type.shape[0]  # a piece: min(PAGE, BLOCK_N) rows of one page
+    last_piece = (end - 1) // ROWS * ROWS
+    for j in range(n_tiles):
+        stage = j % STAGES
+        if j >= STAGES:
+            mbarrier.wait(empty.index(stage), phase=(j // STAGES - 1) & 1)
+        bar = full.index(stage)
+        mbarrier.expect(bar, (BLOCK_N // ROWS) * (ckv_desc.block_type.nbytes + kpe_desc.block_type.nbytes))
+        for i in gl.static_range(BLOCK_N // ROWS):
+            n = gl.minimum(start + j * BLOCK_N + i * ROWS, last_piece)
+            row = (_page_of(Tables, b, stride_tb, n, PAGE) * PAGE + n % PAGE).to(gl.int32)  # of [pages * PAGE, 576]
+            tma_load(ckv_desc, [row, 0], bar, kv_s.index(stage).slice(i * ROWS, ROWS, dim=0))
+            tma_load(kpe_desc, [row, KV_LORA], bar, kp_s.index(stage).slice(i * ROWS, ROWS, dim=0))
+
+
+@gluon.jit
+def _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0, end, stride_cb, stride_ct, stride_rb, stride_rt,
+               stride_sb, PAGE: gl.constexpr):
+    """Tokens [n0, n0 + CHUNK) of sequence b (one page's rows: PAGE is a multiple of CHUNK), those before
+    `end`: c_kv e4m3 [CHUNK, 512], k_pe [CHUNK, 64], scales [CHUNK], loaded, not yet decoded."""
+    c_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])  # 16 bytes a thread, a row a warp
+    r_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    page = gl.load(Tables + b * stride_tb + n0 // PAGE, mask=n0 < end, other=0).to(gl.int64)
+    tok0 = n0 % PAGE
+    rc = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, c_layout))
+    cc = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, c_layout))
+    live_c = n0 + rc < end
+    kv = gl.load(Cache + page * stride_cb + (tok0 + rc)[:, None] * stride_ct + cc[None, :],
+                 mask=live_c[:, None] & (cc < KV_LORA)[None, :], other=0.0)
+    sc = gl.load(CacheS + page * stride_sb + tok0 + rc, mask=live_c, other=0.0)
+    rr = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, r_layout))
+    cr = gl.arange(0, ROPE, layout=gl.SliceLayout(0, r_layout))
+    live_r = n0 + rr < end
+    kp = gl.load(CacheR + page * stride_rb + (tok0 + rr)[:, None] * stride_rt + cr[None, :],
+                 mask=live_r[:, None] & (cr < ROPE)[None, :], other=0.0)
+    return kv, sc, kp
+
+
+@gluon.jit
+def _fp8_store(kv_s, kp_s, stage, r0, kv, sc, kp):
+    """A loaded chunk decoded (each row times its scale, in float32, rounded to bf16) into the stage."""
+    rows = (kv.to(gl.float32) * sc[:, None]).to(gl.bfloat16)
+    kv_s.index(stage).slice(r0, CHUNK, dim=0).store(rows)
+    kp_s.index(stage).slice(r0, CHUNK, dim=0).store(kp)
+
+
+@gluon.jit
+def _fp8_loader(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr):
+    """A warpgroup: a tile's rows loaded two chunks ahead (the first two before it waits for the stage),
+    decoded into the stage once the consumer released it, and the stage handed over when every thread's
+    stores are done."""
+    q_s, qp_s, kv_s, kp_s, p_s, full, empty = ops[0]
+    Cache, CacheR, CacheS, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb = ops[1]
+    (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh, stride_qpb,
+     stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2) = ops[2]
+    for j in range(n_tiles):
+        stage = j % STAGES
+        n0 = start + j * BLOCK_N
+        # two chunks in flight: the next one's loads issued before the current one is decoded and stored
+        kv0, sc0, kp0 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0, end, stride_cb, stride_ct,
+                                   stride_rb, stride_rt, stride_sb, PAGE)
+        kv1, sc1, kp1 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0 + CHUNK, end, stride_cb, stride_ct,
+                                   stride_rb, stride_rt, stride_sb, PAGE)
+        if j >= STAGES:
+            mbarrier.wait(empty.index(stage), phase=(j // STAGES - 1) & 1)
+        _fp8_store(kv_s, kp_s, stage, 0, kv0, sc0, kp0)
+        kv0, sc0, kp0 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0 + 2 * CHUNK, end, stride_cb,
+                                   stride_ct, stride_rb, stride_rt, stride_sb, PAGE)
+        _fp8_store(kv_s, kp_s, stage, CHUNK, kv1, sc1, kp1)
+        kv1, sc1, kp1 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0 + 3 * CHUNK, end, stride_cb,
+                                   stride_ct, stride_rb, stride_rt, stride_sb, PAGE)
+        _fp8_store(kv_s, kp_s, stage, 2 * CHUNK, kv0, sc0, kp0)
+        _fp8_store(kv_s, kp_s, stage, 3 * CHUNK, kv1, sc1, kp1)
+        fence_async_shared()  # the generic stores visible to the consumer's wgmma (the async proxy)
+        thread_barrier()  # every thread's rows stored before the stage is handed over
+        mbarrier.arrive(full.index(stage), count=1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the consumer warpgroup
+# ---------------------------------------------------------------------------------------------------------
+@gluon.jit
+def _softmax(s, m_i, l_i, valid, scale_log2):
+    """Scores S^T [BLOCK_N, H] of one tile, `valid` its rows before the slice's end -> (P^T float32,
+    m, l, alpha), down each head's column. A slice's first tile has a valid row, so m is finite from it on."""
+    s = gl.where(valid[:, None], s * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    p = gl.exp2(s - m_new[None, :])
+    alpha = gl.exp2(m_i - m_new)
+    return p, m_new, l_i * alpha + gl.sum(p, axis=0), alpha
+
+
+@gluon.jit
+def _stage_p(p_s, p):
+    """P^T rounded to bf16 (the Triton kernel's rounding) into shared memory, the values product's B
+    operand: visible to the async proxy, and stored by all four warps before any issues the product."""
+    p_s.store(p.to(gl.bfloat16))
+    fence_async_shared()
+    thread_barrier()
+
+
+@gluon.jit
+def _issue_scores(kv_s, kp_s, stage, q_t, qp_t, s0):
+    """S^T = C_kv Q_latent^T + K_pe Q_pe^T of the tile in `stage`, in flight."""
+    s = warpgroup_mma(kv_s.index(stage), q_t, s0, use_acc=False, is_async=True)
+    return warpgroup_mma(kp_s.index(stage), qp_t, s, is_async=True)
+
+
+@gluon.jit
+def _load_queries(QL, QP, q_s, qp_s, b, hb, num_heads, stride_qlb, stride_qlh, stride_qpb, stride_qph,
+                  H: gl.constexpr):
+    """The program's heads' absorbed queries (zeros past num_heads) into shared memory: the scores' B operand."""
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    h = hb * H + gl.arange(0, H, layout=gl.SliceLayout(1, q_layout))
+    c = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, q_layout))
+    r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_layout))
+    live = h < num_heads
+    q = gl.load(QL + b * stride_qlb + h[:, None] * stride_qlh + c[None, :], mask=live[:, None] & (c < KV_LORA)[None, :],
+                other=0.0)
+    qp = gl.load(QP + b * stride_qpb + h[:, None] * stride_qph + r[None, :], mask=live[:, None] & (r < ROPE)[None, :],
+                 other=0.0)
+    q_s.store(q)
+    qp_s.store(qp)
+    fence_async_shared()
+    thread_barrier()
+
+
+@gluon.jit
+def _consume(q_s, qp_s, kv_s, kp_s, p_s, full, empty, start, n_tiles, end, scale_log2, H: gl.constexpr,
+             STAGES: gl.constexpr):
+    """Every tile of the slice -> (O^T [512, H] unnormalized, m, l), FlashAttention's online softmax over
+    the transposed products. Per tile j: wait for it, issue S_j and P_{j-1} V_{j-1}, wait for S_j only and
+    run its softmax while the values product runs, then wait for that, release tile j - 1's stage, rescale
+    O and stage P_j."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
+    m_i = gl.full([H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
+    l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(0, s_layout))
+    s0 = gl.zeros([BLOCK_N, H], gl.float32, layout=s_layout)
+    o = gl.zeros([KV_LORA, H], gl.float32, layout=s_layout)
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    q_t, qp_t = q_s.permute((1, 0)), qp_s.permute((1, 0))  # [512, H], [64, H]
+    if n_tiles > 0:
+        mbarrier.wait(full.index(0), phase=0)
+        s = _issue_scores(kv_s, kp_s, 0, q_t, qp_t, s0)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start + rows < end, scale_log2)
+        _stage_p(p_s, p)
+        for j in range(1, n_tiles):
+            stage = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(full.index(stage), phase=(j // STAGES) & 1)
+            s = _issue_scores(kv_s, kp_s, stage, q_t, qp_t, s0)
+            o = warpgroup_mma(kv_s.index(prev).permute((1, 0)), p_s, o, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start + j * BLOCK_N + rows < end, scale_log2)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
+            mbarrier.arrive(empty.index(prev), count=1)
+            o = o * alpha[None, :]
+            _stage_p(p_s, p)
+        last = (n_tiles - 1) % STAGES
+        o = warpgroup_mma(kv_s.index(last).permute((1, 0)), p_s, o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
+    return o, m_i, l_i
+
+
+@gluon.jit
+def _consumer(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr):
+    """The default partition (four warps): the queries, every tile, then the slice's output."""
+    q_s, qp_s, kv_s, kp_s, p_s, full, empty = ops[0]
+    (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh, stride_qpb,
+     stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2) = ops[2]
+    _load_queries(QL, QP, q_s, qp_s, b, hb, num_heads, stride_qlb, stride_qlh, stride_qpb, stride_qph, H)
+    o, m_i, l_i = _consume(q_s, qp_s, kv_s, kp_s, p_s, full, empty, start, n_tiles, end, scale_log2, H, STAGES)
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
+    has = l_i > 0
+    out = o / gl.where(has, l_i, 1.0)[None, :]
+    # stored from the accumulator's layout: a warp's store covers 8 latent columns (32 bytes) of 8 heads
+    c = gl.arange(0, KV_LORA, layout=gl.SliceLayout(1, o_layout))
+    h = hb * H + gl.arange(0, H, layout=gl.SliceLayout(0, o_layout))
+    live = (h < num_heads)
+    if DIRECT:  # the only slice: the output itself (zeros for an empty context)
+        gl.store(Out + b * stride_ob + h[None, :] * stride_oh + c[:, None], out.to(Out.dtype.element_ty),
+                 mask=live[None, :] & (c < KV_LORA)[:, None])
+    else:
+        gl.store(MidO + b * stride_mb + h[None, :] * stride_mh + s * stride_ms + c[:, None],
+                 out.to(MidO.dtype.element_ty), mask=(live & has)[None, :] & (c < KV_LORA)[:, None])
+        lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))  # base 2
+        gl.store(MidLse + (b * num_heads + h) * num_splits + s, lse, mask=live)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the kernels: one program a (head block, slice, sequence), as `mla_decode._split_kernel`'s grid
+# ---------------------------------------------------------------------------------------------------------
+@gluon.jit
+def _program(Lens, num_splits, H: gl.constexpr):
+    hb, s, b = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    start, end, n_tiles = _slice(gl.load(Lens + b), s, num_splits, BLOCK_N, MIN_CHUNK)
+    return hb, s, b, start, end, n_tiles
+
+
+@gluon.jit
+def _buffers(H: gl.constexpr, STAGES: gl.constexpr):
+    """The program's shared memory: queries, the ring of tiles, P^T, and the ring's barriers."""
+    dt: gl.constexpr = gl.bfloat16
+    q_s = gl.allocate_shared_memory(dt, [H, KV_LORA], gl.NVMMASharedLayout.get_default_for([H, KV_LORA], dt))
+    qp_s = gl.allocate_shared_memory(dt, [H, ROPE], gl.NVMMASharedLayout.get_default_for([H, ROPE], dt))
+    kv_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, KV_LORA],
+                                     gl.NVMMASharedLayout.get_default_for([BLOCK_N, KV_LORA], dt))
+    kp_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, ROPE],
+                                     gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dt))
+    p_s = gl.allocate_shared_memory(dt, [BLOCK_N, H], gl.NVMMASharedLayout.get_default_for([BLOCK_N, H], dt))
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()  # the barriers' initialisation visible to the TMA unit
+    return q_s, qp_s, kv_s, kp_s, p_s, full, empty
+
+
+# neither the table's width (it follows the step's longest sequence) nor the slice count makes a variant
+@gluon.jit(do_not_specialize=["stride_tb", "num_splits"])
+def _tma_decode_kernel(ckv_desc, kpe_desc, QL, QP, Tables, Lens, MidO, MidLse, Out, stride_qlb, stride_qlh, stride_qpb,
+                       stride_qph, stride_tb, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads,
+                       num_splits, scale_log2, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+                       DIRECT: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """bf16 rows: the consumer warpgroup (the default partition) + the TMA warp."""
+    hb, s, b, start, end, n_tiles = _program(Lens, num_splits, H)
+    ops = (_buffers(H, STAGES), (ckv_desc, kpe_desc),
+           (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh,
+            stride_qpb, stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits,
+            scale_log2))
+    if WS_LIST_FORM:
+        gl.warp_specialize([(_consumer, (ops, H, PAGE, STAGES, DIRECT)), (_tma_loader, (ops, H, PAGE, STAGES, DIRECT))],
+                           [1], [LOADER_REGS])
+    else:
+        gl.warp_specialize((ops, H, PAGE, STAGES, DIRECT), _consumer, (ops, H, PAGE, STAGES, DIRECT), [_tma_loader],
+                           [1], [LOADER_REGS])
+
+
+@gluon.jit(do_not_specialize=["stride_tb", "num_splits"])
+def _fp8_decode_kernel(Cache, CacheR, CacheS, QL, QP, Tables, Lens, MidO, MidLse, Out, stride_cb, stride_ct, stride_rb,
+                       stride_rt, stride_sb, stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_tb, stride_mb,
+                       stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2,
+                       H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+                       LOADER_REGS: gl.constexpr):
+    """FP8 rows: the consumer warpgroup (the default partition) + the decoding loader warpgroup."""
+    hb, s, b, start, end, n_tiles = _program(Lens, num_splits, H)
+    ops = (_buffers(H, STAGES), (Cache, CacheR, CacheS, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb),
+           (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh,
+            stride_qpb, stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits,
+            scale_log2))
+    if WS_LIST_FORM:
+        gl.warp_specialize([(_consumer, (ops, H, PAGE, STAGES, DIRECT)), (_fp8_loader, (ops, H, PAGE, STAGES, DIRECT))],
+                           [4], [LOADER_REGS])
+    else:
+        gl.warp_specialize((ops, H, PAGE, STAGES, DIRECT), _consumer, (ops, H, PAGE, STAGES, DIRECT), [_fp8_loader],
+                           [4], [LOADER_REGS])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the host side
+# ---------------------------------------------------------------------------------------------------------
+def block_heads(num_heads: int) -> int:
+    """Heads a program: 16, or 32 where there are more (two programs of 16 would read each tile twice)."""
+    return 16 if num_heads <= 16 else 32
+
+
+def default_num_splits(batch: int, num_heads: int, sms: int) -> int:
+    """Slices a sequence so that the programs (one an SM) fill the chip once: a power of two (each count
+    is a merge variant), at most MAX_SPLITS."""
+    programs = batch * triton.cdiv(num_heads, block_heads(num_heads))
+    fill = max(1, sms // programs)
+    return min(MAX_SPLITS, 1 << (fill.bit_length() - 1))
+
+
+def _pages_fit(page: int) -> bool:
+    """Pages of whole tiles, or tiles of whole pages of 16 or 32 tokens (a TMA box and an FP8 chunk each)."""
+    return page % int(BLOCK_N) == 0 or page in (16, 32)
+
+
+def applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, queries_per_seq: int = 1) -> bool:
+    """Whether the Gluon split kernel takes these operands: a Hopper GPU, bf16 queries, DeepSeek's latent
+    widths, up to 32 heads a program (64 heads and more: the Triton kernel's 64-head tiles), pages of
+    whole tiles or of 16 or 32 tokens, a cache TMA can describe (bf16 rows: contiguous, 16-byte aligned) or an FP8 one, and
+    one query token a sequence."""
+    t = q_latent
+    if not (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9 and queries_per_seq == 1):
+        return False
+    fp8 = kv_cache.dtype == torch.uint8
+    return (t.dtype == torch.bfloat16 and q_pe.dtype == torch.bfloat16 and t.shape[2] == int(KV_LORA)
+            and q_pe.shape[2] == int(ROPE) and t.shape[1] <= MAX_HEADS and _pages_fit(kv_cache.shape[1])
+            and kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0
+            and (fp8 or (kv_cache.dtype == torch.bfloat16 and kv_cache.shape[2] == int(KV_LORA) + int(ROPE))))
+
+
+def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mid_lse, out, num_splits,
+          softmax_scale, direct: bool, stages: int = STAGES):
+    """Launch the split kernel over [B, H, 512] / [B, H, 64] queries: the slices' partial outputs into mid_o
+    [B, H, S, 512] and log-sum-exps into mid_lse [B, H, S] (base 2), or with `direct` (one slice) the
+    output into out [B, H, 512]. `views`: the FP8 cache's (c_kv, k_pe, scale) views, else None."""
+    batch, num_heads, _ = q_latent.shape
+    heads = block_heads(num_heads)
+    page = kv_cache.shape[1]
+    grid = (triton.cdiv(num_heads, heads), num_splits, batch)
+    common = (q_latent, q_pe, block_tables, context_lens, mid_o, mid_lse, out)
+    strides = (q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0),
+               mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), out.stride(0), out.stride(1), num_heads, num_splits,
+               softmax_scale * 1.4426950408889634)
+    if views is None:
+        rows = kv_cache.view(-1, kv_cache.shape[2])  # [pages * page, 576]
+        piece = min(page, int(BLOCK_N))  # the rows of one page a TMA box takes
+        descs = (descriptor(rows, [piece, int(KV_LORA)]), descriptor(rows, [piece, int(ROPE)]))
+        _tma_decode_kernel[grid](*descs, *common, *strides, H=heads, PAGE=page, STAGES=stages, DIRECT=direct,
+                                 LOADER_REGS=TMA_REGS, num_warps=4)
+    else:
+        c_kv, k_pe, scale = views
+        _fp8_decode_kernel[grid](c_kv, k_pe, scale, *common, c_kv.stride(0), c_kv.stride(1), k_pe.stride(0),
+                                 k_pe.stride(1), scale.stride(0), *strides, H=heads, PAGE=page, STAGES=stages,
+                                 DIRECT=direct, LOADER_REGS=FP8_REGS, num_warps=4)
