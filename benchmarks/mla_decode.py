@@ -2,7 +2,8 @@
 
     python benchmarks/mla_decode.py [--heads 16] [--batches 1,8,64] [--contexts 1024,...,131072]
                                     [--sweep] [--variants a,b] [--check] [--kv-cache-dtype bf16|fp8|both]
-                                    [--absorb] [--queries-per-seq R] [--out results.json]
+                                    [--absorb] [--queries-per-seq R] [--gluon] [--page 64]
+                                    [--out results.json]
 
 For each (batch, context): B sequences of `context` tokens in a paged bf16 cache (64-token pages,
 shuffled), all heads of one layer (16: DeepSeek-V2-Lite, 128: V3), timed as a CUDA graph of calls
@@ -18,6 +19,10 @@ named ones; --check compares every variant with the float32 reference first.
 merge, then the GEMV through W_UV (the engine's path), against the merge that applies W_UV itself
 (`mla_decode_attention(..., w_uv=, counter=)`), batch 1; both checked against each other first.
 
+--gluon times the Gluon split kernel (`engine.kernels.mla_decode_gluon`, Hopper, up to 32 heads a
+program) beside the Triton one (with --check, both against the reference first); --page the cache's
+page size (64 by default; the engine's default is 16).
+
 --queries-per-seq R times each batch's sequences with R query tokens each (a verification's k + 1 rows,
 row r seeing R - 1 - r tokens fewer than the last): as B x R separate rows, against the R rows folded
 into the heads (`queries_per_seq=R`, the cache read once a sequence); checked against each other first.
@@ -32,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.kernels import mla_decode_gluon  # noqa: E402
 from engine.kernels.gemv import gemv  # noqa: E402
 from engine.kernels.mla_decode import (  # noqa: E402
     default_num_splits, mla_decode_attention, num_sms, reference_mla_decode_attention,
@@ -67,6 +73,8 @@ TILE_SWEEP = {
     # the slices' partial outputs in float16: half the bytes of the partials at long contexts (4 MB at
     # 16 heads x 128 slices in float32)
     "half partials": dict(half_partials=True),
+    # the warp-specialised Gluon split kernel (Hopper, up to 32 heads a program)
+    "gluon": dict(gluon=True),
 }
 # the FP8 cache (default at up to 16 heads a program: the e4m3 tile loaded twice and widened for each
 # product, eight warps; above 16: decoded once; the widening variants say dequant=False so they time
@@ -98,6 +106,7 @@ FP8_SWEEP = {
     "decode once acc_t w4": dict(dequant=True, reload=False, acc_t=True, num_warps=4),
     "decode once acc_t n32 w4": dict(dequant=True, reload=False, acc_t=True, block_n=32, min_chunk=32, num_warps=4),
     "half partials": dict(half_partials=True),
+    "gluon": dict(gluon=True),
 }
 HEAD_BLOCK_SWEEP = {"default": {}, "h32": dict(block_h=32), "h16": dict(block_h=16)}
 # the variants also timed at other slice counts
@@ -173,8 +182,12 @@ def measure(batch: int, context: int, heads: int, variants: dict, split_sweep: l
             rows.append(dict(batch=batch, context=context, heads=heads, kv=kv, variant=name, splits=s,
                              error=str(e)[:200]))
             continue
-        used = s or (None if tiles is None else
-                     default_num_splits(batch, heads, num_sms(q.device), tiles.get("block_h")))
+        if s or tiles is None:
+            used = s
+        elif tiles.get("gluon"):
+            used = mla_decode_gluon.default_num_splits(batch, heads, num_sms(q.device))
+        else:
+            used = default_num_splits(batch, heads, num_sms(q.device), tiles.get("block_h"))
         rows.append(dict(batch=batch, context=context, heads=heads, kv=kv, variant=name, splits=used, us=sec * 1e6,
                          tb_s=n_bytes / sec / 1e12))
     del caches
@@ -255,6 +268,7 @@ def check(variants: dict, heads: int, kv: str = "bf16") -> list[str]:
 
 
 def main() -> int:
+    global PAGE
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads", type=_ints, default=[16])
     p.add_argument("--batches", type=_ints, default=[1, 8, 64])
@@ -269,8 +283,11 @@ def main() -> int:
                    "the merge and a GEMV against the merge that applies W_UV")
     p.add_argument("--queries-per-seq", type=int, default=1,
                    help="R > 1: sequences of R query tokens, as separate rows against folded into the heads")
+    p.add_argument("--gluon", action="store_true", help="the Gluon split kernel beside the Triton one")
+    p.add_argument("--page", type=int, default=64, help="tokens a cache page")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    PAGE = args.page
     baseline = None
     if args.baseline:
         import importlib.util
@@ -279,11 +296,13 @@ def main() -> int:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         baseline = module.mla_decode_attention
-    result = dict(gpu=torch.cuda.get_device_name(), sms=num_sms(torch.device("cuda")), rows=[], failures=[])
+    result = dict(gpu=torch.cuda.get_device_name(), sms=num_sms(torch.device("cuda")), page=PAGE, rows=[], failures=[])
     for heads in args.heads:
         kvs = ["bf16", "fp8"] if args.kv_cache_dtype == "both" else [args.kv_cache_dtype]
 
         def variants(kv: str) -> dict:
+            if args.gluon:
+                return {"default": {}, "gluon": dict(gluon=True)}
             if not args.sweep:
                 return {"default": {}}
             every = FP8_SWEEP if kv == "fp8" else TILE_SWEEP if heads <= 16 else HEAD_BLOCK_SWEEP
@@ -328,7 +347,7 @@ def main() -> int:
         args.out.write_text(json.dumps(result, indent=1))
     print(f"\n{result['gpu']}, {result['sms']} SMs: MLA decode, TB/s effective (cache bytes / time per call)")
     for row in result["rows"]:
-        if "tb_s" in row and (row["variant"] in ("default", "before", "merge + gemv", "merge absorbs")
+        if "tb_s" in row and (row["variant"] in ("default", "before", "gluon", "merge + gemv", "merge absorbs")
                               or " rows " in row["variant"]):
             print(f"  H={row['heads']:<3} B={row['batch']:<3} ctx={row['context']:<7} {row['kv']:4s} {row['variant']:8s} "
                   f"splits={row.get('splits')!s:<4} {row['us']:9.1f} us {row['tb_s']:6.2f} TB/s")

@@ -60,6 +60,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-gluon", dest="gluon", action="store_false",
                    help="prefill through the Triton kernels where Hopper would take the warp-specialised Gluon "
                         "ones (bf16 attention, FP8 expert GEMMs), to measure what they give")
+    p.add_argument("--gluon-decode", action="store_true",
+                   help="decode attention's split programs through the warp-specialised Gluon kernel on Hopper "
+                        "(up to 32 heads a program), to measure it in the engine")
     p.add_argument("--merge-absorbs", action="store_true",
                    help="one token's output absorption (W_UV) in the decode merge's launch, not a GEMV after it, "
                         "to measure it in the engine")
@@ -89,7 +92,8 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
                         hf_max_prompt_len=args.hf_max_prompt_len, repeats=args.repeats, kernels=args.kernels,
                         device=args.device, dtype=args.dtype, weights=args.weights, backend=args.backend,
                         block_size=args.block_size, eager=args.eager, prefill_graphs=args.prefill_graphs,
-                        pdl=args.pdl, gluon=args.gluon, merge_absorbs=args.merge_absorbs, seed=args.seed,
+                        pdl=args.pdl, gluon=args.gluon, gluon_decode=args.gluon_decode,
+                        merge_absorbs=args.merge_absorbs, seed=args.seed,
                         kv_cache_dtype=args.kv_cache_dtype,
                         out_dir=args.out, command=command,
                         tensor_parallel_size=args.tensor_parallel_size,

@@ -51,6 +51,7 @@ class BenchOptions:
     # prefill through the Gluon kernels on Hopper (bf16 attention, FP8 expert GEMMs: mla_prefill / fused_moe.GLUON);
     # False: the Triton kernels
     gluon: bool = True
+    gluon_decode: bool = False  # decode attention's split programs in Gluon on Hopper (mla_decode.GLUON)
     merge_absorbs: bool = False  # one token's W_UV applied by the decode merge (layers.attention.MERGE_ABSORBS)
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -80,24 +81,34 @@ def _gluon_prefill(device: torch.device) -> bool:
     return bool(on and torch.cuda.get_device_capability(device)[0] == 9 and _util.gluon_available())
 
 
+def _gluon_decode(device: torch.device) -> bool:
+    """Whether decode attention's split programs could take the Gluon kernel (switched on, on a Hopper card,
+    with a Triton that has Gluon); `mla_decode_gluon.applies` still asks the shapes."""
+    from engine.kernels import _util, mla_decode
+
+    on = mla_decode.GLUON and device.type == "cuda"
+    return bool(on and torch.cuda.get_device_capability(device)[0] == 9 and _util.gluon_available())
+
+
 def _summary(phases: dict, field_name: str) -> dict:
     return {k: v.get(field_name) for k, v in phases.items()}
 
 
 def run(opts: BenchOptions) -> dict:
     """-> the results dict (also written to opts.out_dir as <preset>.json and .png)."""
-    from engine.kernels import _util, fused_moe, mla_prefill
+    from engine.kernels import _util, fused_moe, mla_decode, mla_prefill
     from engine.layers import attention
 
     before, _util.PDL = _util.PDL, opts.pdl
-    gluon_before, merge_before = (mla_prefill.GLUON, fused_moe.GLUON), attention.MERGE_ABSORBS
+    gluon_before, merge_before = (mla_prefill.GLUON, fused_moe.GLUON, mla_decode.GLUON), attention.MERGE_ABSORBS
     mla_prefill.GLUON = fused_moe.GLUON = opts.gluon
+    mla_decode.GLUON = opts.gluon_decode
     attention.MERGE_ABSORBS = opts.merge_absorbs
     try:
         return _run(opts)
     finally:
         _util.PDL = before
-        mla_prefill.GLUON, fused_moe.GLUON = gluon_before
+        mla_prefill.GLUON, fused_moe.GLUON, mla_decode.GLUON = gluon_before
         attention.MERGE_ABSORBS = merge_before
         gc.unfreeze()
 
@@ -209,7 +220,7 @@ def _run(opts: BenchOptions) -> dict:
         backend=runner.backend, kv_cache_dtype=opts.kv_cache_dtype, cuda_graphs=runner.graphs is not None,
         prefill_graph_tokens=runner.prefill_graph_sizes[-1] if runner.prefill_graph_sizes else 0,
         pdl=_util.pdl(torch.empty(0, device=device)), num_layers=model_config.num_hidden_layers,
-        gluon_prefill=_gluon_prefill(device),
+        gluon_prefill=_gluon_prefill(device), gluon_decode=_gluon_decode(device),
         merge_absorbs=opts.merge_absorbs and device.type == "cuda",  # one token's absorptions run on a GPU only
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
         ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),
