@@ -1,10 +1,11 @@
 """What the Gluon kernels (Hopper's warp-specialised ones) share: the TMA load and the partition barrier
 under their names in the installed Triton, the form `warp_specialize` takes there, the consumer
-warpgroups' rows, and host-side TMA descriptors."""
+warpgroups' rows, the wait of programmatic dependent launch, and host-side TMA descriptors."""
 
 import inspect
 
 import torch
+from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -22,6 +23,16 @@ WS_LIST_FORM = gl.constexpr("functions_and_args" in inspect.signature(gl.warp_sp
 WG_ROWS = gl.constexpr(64)  # rows of one consumer warpgroup (wgmma's M); a block is 2 x 64
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
+@gluon.jit
+def wait_for_inputs(PDL: gl.constexpr):
+    """`_util.wait_for_inputs` for Gluon kernels: under programmatic dependent launch, wait for the kernel
+    ahead and its writes, then let the next one start launching; without PDL, nothing."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
 
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:

@@ -477,7 +477,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     lines = lambda t: pow2(triton.cdiv(cfg["block_n"] * t.stride(1) * t.element_size(), 128), 1)
     if gluon:
         mla_decode_gluon.split(q_latent, q_pe, kv_cache, (cache, cache_r, cache_s) if fp8 else None, block_tables,
-                               last_lens, mid_o, mid_lse, out, num_splits, softmax_scale, direct)
+                               last_lens, mid_o, mid_lse, out, num_splits, softmax_scale, direct, pdl=on)
     else:
         _split_kernel[grid](q_latent, q_pe, cache, cache_r, cache_s, block_tables, last_lens, mid_o, mid_lse, out,
                             q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),

@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from engine.kernels._gluon import WS_LIST_FORM, descriptor, thread_barrier, tma_load
+from engine.kernels._gluon import WS_LIST_FORM, descriptor, thread_barrier, tma_load, wait_for_inputs
 
 KV_LORA, ROPE = gl.constexpr(512), gl.constexpr(64)  # the latent widths it is built for (every DeepSeek MLA model's)
 BLOCK_N = gl.constexpr(64)  # tokens a tile: the scores' M
@@ -306,8 +306,9 @@ def _buffers(H: gl.constexpr, STAGES: gl.constexpr):
 def _tma_decode_kernel(ckv_desc, kpe_desc, QL, QP, Tables, Lens, MidO, MidLse, Out, stride_qlb, stride_qlh, stride_qpb,
                        stride_qph, stride_tb, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads,
                        num_splits, scale_log2, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                       DIRECT: gl.constexpr, LOADER_REGS: gl.constexpr):
+                       DIRECT: gl.constexpr, LOADER_REGS: gl.constexpr, PDL: gl.constexpr):
     """bf16 rows: the consumer warpgroup (the default partition) + the TMA warp."""
+    wait_for_inputs(PDL)  # the lengths and queries are the kernel ahead's
     hb, s, b, start, end, n_tiles = _program(Lens, num_splits, H)
     ops = (_buffers(H, STAGES), (ckv_desc, kpe_desc),
            (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh,
@@ -326,8 +327,9 @@ def _fp8_decode_kernel(Cache, CacheR, CacheS, QL, QP, Tables, Lens, MidO, MidLse
                        stride_rt, stride_sb, stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_tb, stride_mb,
                        stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2,
                        H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
-                       LOADER_REGS: gl.constexpr):
+                       LOADER_REGS: gl.constexpr, PDL: gl.constexpr):
     """FP8 rows: the consumer warpgroup (the default partition) + the decoding loader warpgroup."""
+    wait_for_inputs(PDL)
     hb, s, b, start, end, n_tiles = _program(Lens, num_splits, H)
     ops = (_buffers(H, STAGES), (Cache, CacheR, CacheS, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb),
            (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh,
@@ -378,10 +380,11 @@ def applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
 
 
 def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mid_lse, out, num_splits,
-          softmax_scale, direct: bool, stages: int = STAGES):
+          softmax_scale, direct: bool, pdl: bool = False, stages: int = STAGES):
     """Launch the split kernel over [B, H, 512] / [B, H, 64] queries: the slices' partial outputs into mid_o
     [B, H, S, 512] and log-sum-exps into mid_lse [B, H, S] (base 2), or with `direct` (one slice) the
-    output into out [B, H, 512]. `views`: the FP8 cache's (c_kv, k_pe, scale) views, else None."""
+    output into out [B, H, 512]. `views`: the FP8 cache's (c_kv, k_pe, scale) views, else None; pdl:
+    launched with programmatic dependent launch (the kernel waits for the one ahead before any read)."""
     batch, num_heads, _ = q_latent.shape
     heads = block_heads(num_heads)
     page = kv_cache.shape[1]
@@ -395,9 +398,9 @@ def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mi
         piece = min(page, int(BLOCK_N))  # the rows of one page a TMA box takes
         descs = (descriptor(rows, [piece, int(KV_LORA)]), descriptor(rows, [piece, int(ROPE)]))
         _tma_decode_kernel[grid](*descs, *common, *strides, H=heads, PAGE=page, STAGES=stages, DIRECT=direct,
-                                 LOADER_REGS=TMA_REGS, num_warps=4)
+                                 LOADER_REGS=TMA_REGS, PDL=pdl, launch_pdl=pdl, num_warps=4)
     else:
         c_kv, k_pe, scale = views
         _fp8_decode_kernel[grid](c_kv, k_pe, scale, *common, c_kv.stride(0), c_kv.stride(1), k_pe.stride(0),
                                  k_pe.stride(1), scale.stride(0), *strides, H=heads, PAGE=page, STAGES=stages,
-                                 DIRECT=direct, LOADER_REGS=FP8_REGS, num_warps=4)
+                                 DIRECT=direct, LOADER_REGS=FP8_REGS, PDL=pdl, launch_pdl=pdl, num_warps=4)

@@ -363,14 +363,17 @@ def compile_gluon() -> list[dict]:
         tma = dict(ckv_desc=signature_of(descriptor(_empty(256, lora + rope), [rows, lora])),
                    kpe_desc=signature_of(descriptor(_empty(256, lora + rope), [rows, rope])), **common)
         for kernel, sig, regs in ((d._tma_decode_kernel, tma, d.TMA_REGS), (d._fp8_decode_kernel, fp8, d.FP8_REGS)):
-            constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct, LOADER_REGS=regs)
+            # in the decode chain: launched with programmatic dependent launch, as the engine does on Hopper
+            constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct, LOADER_REGS=regs, PDL=True)
             builds.append((kernel, dict(sig, **dict.fromkeys(constexprs, "constexpr")), constexprs))
-    options, results = dict(num_warps=4), []
+    results = []
     for kernel, sig, constexprs in builds:
+        options = dict(num_warps=4, launch_pdl=True) if constexprs.get("PDL") else dict(num_warps=4)
         source = GluonASTSource(kernel, {n: sig[n] for n in kernel.arg_names}, constexprs=constexprs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         results.append(dict(key=(kernel.__name__, str(constexprs)), kernel=kernel.__name__,
-                            shared=compiled.metadata.shared, constexprs=constexprs, options=options, waits=False))
+                            shared=compiled.metadata.shared, constexprs=constexprs, options=options,
+                            waits="griddepcontrol.wait" in compiled.asm["ptx"]))
     return results
 
 
