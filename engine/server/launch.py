@@ -45,6 +45,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--async-scheduling", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
         help="launch each decode step before the host reads the last one's tokens (auto: on a GPU)",
     )  # fmt: skip
+    model.add_argument("--block-size", type=int, choices=[16, 32, 64, 128],
+                       help="tokens a KV page (vLLM's flag; default 16; DeepSeek-V4 rounds it up to whole compression "
+                            "windows): the unit of prefix caching and cross-replica reuse, and at 64 or more each "
+                            "decode attention tile lies in one page; every replica of a fleet must agree")
     model.add_argument("--prefill-graph-tokens", type=_non_negative_int,
                        help="steps of up to this many tokens replay CUDA graphs (a fresh prompt whole, others in "
                             "pieces around attention; V3-family models on a GPU; default 2048; 0: eager)")
@@ -206,7 +210,7 @@ def engine_config(args: argparse.Namespace) -> Any:
     }  # fmt: skip
     # Unset: the engine's own defaults.
     for name in ("max_num_seqs", "max_num_batched_tokens", "advertise_host", "kv_transfer_streams",
-                 "prefill_graph_tokens"):
+                 "prefill_graph_tokens", "block_size"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     try:

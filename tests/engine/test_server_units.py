@@ -269,6 +269,7 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
         "ENGRAM_TABLES": "host",
         "IMAGE_FETCH_TIMEOUT": "3", "MAX_IMAGE_SIZE": "2MiB", "MAX_IMAGE_PIXELS": "1000000", "MAX_IMAGES_PER_REQUEST": "4",
         "LOAD_FORMAT": "dummy", "KV_CACHE_DTYPE": "fp8", "NUM_WINDOW_PAGES": "96", "PREFILL_GRAPH_TOKENS": "0",
+        "BLOCK_SIZE": "64",
     }  # fmt: skip
     (tmp_path / "kv-secret").write_text("0123456789abcdef0123456789abcdef\n")
     env["TENSOR_PARALLEL_SIZE"] = "4"
@@ -296,7 +297,7 @@ def test_every_flag_reads_its_environment_variable(monkeypatch, tmp_path):
     assert (c.tensor_parallel_size, c.enable_expert_parallel, c.max_num_batched_tokens) == (4, True, 512)
     assert (c.nnodes, c.node_rank, c.dist_init_addr, c.ranks_per_node) == (2, 1, "leader:29500", 2)
     assert (c.gpu_memory_utilization, c.kv_cache_memory, c.num_kv_blocks) == (0.8, 2 * 2**30, 64)
-    assert c.num_window_pages == 96 and c.prefill_graph_tokens == 0
+    assert c.num_window_pages == 96 and c.prefill_graph_tokens == 0 and c.block_size == 64
     assert c.kv_secret == b"0123456789abcdef0123456789abcdef" and b"0123" not in repr(c).encode()
     assert parser.parse_args(["--port", "9100"]).port == 9100  # the command line wins
     assert parser.parse_args(["--async-scheduling"]).async_scheduling == "on"  # a bare flag, as vLLM's
