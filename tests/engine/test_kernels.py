@@ -720,8 +720,10 @@ def test_gluon_decode_takes_only_what_it_is_built_for():
                                                         (16, [1, 700, 20000, 33], 16, None), (32, [3000, 17], 64, None),
                                                         (20, [900, 4100], 32, 128)])
 def test_gluon_decode_is_the_reference_and_the_triton_kernels_math(fp8, heads, lens, page, num_splits, monkeypatch):
-    """The Gluon split kernel (`mla_decode.GLUON`) within bf16 rounding of the float32 reference and within
-    2e-3 of the Triton kernel it replaces, over bf16 rows and the FP8 cache; every element written."""
+    """The Gluon split kernel (`mla_decode.GLUON`) within bf16 rounding of the float32 reference and of the
+    Triton kernel it replaces (2e-3 over bf16 rows; over the FP8 cache 1e-2, where the Triton kernel at up
+    to 32 heads folds each row's scale into the scores and probabilities instead of rounding the scaled
+    rows to bf16); every element written."""
     from engine.kernels import mla_decode, mla_decode_gluon
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -739,7 +741,7 @@ def test_gluon_decode_is_the_reference_and_the_triton_kernels_math(fp8, heads, l
     monkeypatch.setattr(mla_decode, "GLUON", True)
     out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
     mla_decode_attention(*args, scale, num_splits=num_splits, out=out)
-    assert calls and rel_err(out, ref) < 1e-2 and rel_err(out, want) < 2e-3
+    assert calls and rel_err(out, ref) < 1e-2 and rel_err(out, want) < (1e-2 if fp8 else 2e-3)
     empty = torch.tensor(lens, device=DEV) == 0
     assert not out[empty].any()
 
