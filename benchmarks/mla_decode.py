@@ -20,7 +20,7 @@ merge, then the GEMV through W_UV (the engine's path), against the merge that ap
 (`mla_decode_attention(..., w_uv=, counter=)`), batch 1; both checked against each other first.
 
 --gluon times the Gluon split kernel (`engine.kernels.mla_decode_gluon`, Hopper, up to 32 heads a
-program) beside the Triton one (with --check, both against the reference first); --page the cache's
+program; over FP8 rows with one loader warpgroup and with two) beside the Triton one (with --check, both against the reference first); --page the cache's
 page size (64 by default; the engine's default is 16).
 
 --queries-per-seq R times each batch's sequences with R query tokens each (a verification's k + 1 rows,
@@ -107,10 +107,13 @@ FP8_SWEEP = {
     "decode once acc_t n32 w4": dict(dequant=True, reload=False, acc_t=True, block_n=32, min_chunk=32, num_warps=4),
     "half partials": dict(half_partials=True),
     "gluon": dict(gluon=True),
+    # the Gluon kernel's FP8 rows by two loader warpgroups (a tile's four chunks in flight at once; 16 heads)
+    "gluon 2wg": dict(gluon=True, gluon_loaders=2),
 }
 HEAD_BLOCK_SWEEP = {"default": {}, "h32": dict(block_h=32), "h16": dict(block_h=16)}
 # the variants also timed at other slice counts
-SPLIT_SWEEP = ("default", "n64 s2 w8", "n32 s3", "decode once", "decode once w4", "decode once n32 w4")
+SPLIT_SWEEP = ("default", "n64 s2 w8", "n32 s3", "decode once", "decode once w4", "decode once n32 w4", "gluon",
+               "gluon 2wg")
 
 
 def _ints(text: str) -> list[int]:
@@ -302,7 +305,8 @@ def main() -> int:
 
         def variants(kv: str) -> dict:
             if args.gluon:
-                return {"default": {}, "gluon": dict(gluon=True)}
+                return {k: v for k, v in (FP8_SWEEP if kv == "fp8" else TILE_SWEEP).items()
+                        if k == "default" or k.startswith("gluon")}
             if not args.sweep:
                 return {"default": {}}
             every = FP8_SWEEP if kv == "fp8" else TILE_SWEEP if heads <= 16 else HEAD_BLOCK_SWEEP
@@ -347,7 +351,7 @@ def main() -> int:
         args.out.write_text(json.dumps(result, indent=1))
     print(f"\n{result['gpu']}, {result['sms']} SMs: MLA decode, TB/s effective (cache bytes / time per call)")
     for row in result["rows"]:
-        if "tb_s" in row and (row["variant"] in ("default", "before", "gluon", "merge + gemv", "merge absorbs")
+        if "tb_s" in row and (row["variant"] in ("default", "before", "gluon", "gluon 2wg", "merge + gemv", "merge absorbs")
                               or " rows " in row["variant"]):
             print(f"  H={row['heads']:<3} B={row['batch']:<3} ctx={row['context']:<7} {row['kv']:4s} {row['variant']:8s} "
                   f"splits={row.get('splits')!s:<4} {row['us']:9.1f} us {row['tb_s']:6.2f} TB/s")

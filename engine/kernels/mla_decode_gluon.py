@@ -48,9 +48,12 @@ CHUNK = gl.constexpr(16)  # FP8 rows decoded at a time (a [16, 512] e4m3 chunk: 
 STAGES = 2  # tiles in the ring (72 KB each as bf16)
 MAX_HEADS = 32  # heads a program: O^T [512, H] takes 4 H registers a consumer thread
 MAX_SPLITS = 128
-# registers a thread of the TMA warp / of the FP8 loader warpgroup (two chunks in flight: no spills at 200,
-# ptxas for sm_90; four chunks spilled even at 256)
-TMA_REGS, FP8_REGS = 24, 200
+# FP8 loader warpgroups: one (a tile's four chunks two at a time) or two (each a half: all four in flight)
+FP8_LOADERS = 1
+# registers a thread of the TMA warp, and of each FP8 loader warpgroup by their number, the fewest without
+# spills (ptxas for sm_90; one warpgroup with four chunks in flight spilled even at 256). Two leave the
+# consumer 168, too few for 32 heads' O^T (it spilled): there one loader warpgroup serves.
+TMA_REGS, FP8_REGS = 24, {1: 208, 2: 168}
 
 
 @gluon.jit
@@ -72,7 +75,8 @@ def _page_of(Tables, b, stride_tb, n0, PAGE: gl.constexpr):
 # the loaders: bf16 rows by TMA, FP8 rows decoded into the stage
 # ---------------------------------------------------------------------------------------------------------
 @gluon.jit
-def _tma_loader(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr):
+def _tma_loader(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+                LOADERS: gl.constexpr):
     """One warp: each tile's c_kv and k_pe boxes into the next stage, once the consumer released it. A
     tile is one page's rows, or (pages of 16 or 32 tokens) several pages' pieces; a piece past the
     slice's end loads the last piece's rows again (finite rows, masked by the consumer), so every stage
@@ -128,35 +132,51 @@ def _fp8_store(kv_s, kp_s, stage, r0, kv, sc, kp):
 
 
 @gluon.jit
-def _fp8_loader(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr):
-    """A warpgroup: a tile's rows loaded two chunks ahead (the first two before it waits for the stage),
-    decoded into the stage once the consumer released it, and the stage handed over when every thread's
-    stores are done."""
+def _fp8_rows(ops, PAGE: gl.constexpr, STAGES: gl.constexpr, R0: gl.constexpr, CHUNKS: gl.constexpr):
+    """One loader warpgroup's rows of every tile, [R0, R0 + CHUNKS x CHUNK): loaded two chunks at a time
+    (the first two before it waits for the stage), decoded into the stage once the consumer released it,
+    the stage's barrier arrived at when every thread's stores are done (one arrival a loader warpgroup)."""
     q_s, qp_s, kv_s, kp_s, p_s, full, empty = ops[0]
     Cache, CacheR, CacheS, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb = ops[1]
     (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh, stride_qpb,
      stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2) = ops[2]
     for j in range(n_tiles):
         stage = j % STAGES
-        n0 = start + j * BLOCK_N
-        # two chunks in flight: the next one's loads issued before the current one is decoded and stored
+        n0 = start + j * BLOCK_N + R0
         kv0, sc0, kp0 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0, end, stride_cb, stride_ct,
                                    stride_rb, stride_rt, stride_sb, PAGE)
         kv1, sc1, kp1 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0 + CHUNK, end, stride_cb, stride_ct,
                                    stride_rb, stride_rt, stride_sb, PAGE)
         if j >= STAGES:
             mbarrier.wait(empty.index(stage), phase=(j // STAGES - 1) & 1)
-        _fp8_store(kv_s, kp_s, stage, 0, kv0, sc0, kp0)
-        kv0, sc0, kp0 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0 + 2 * CHUNK, end, stride_cb,
-                                   stride_ct, stride_rb, stride_rt, stride_sb, PAGE)
-        _fp8_store(kv_s, kp_s, stage, CHUNK, kv1, sc1, kp1)
-        kv1, sc1, kp1 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0 + 3 * CHUNK, end, stride_cb,
-                                   stride_ct, stride_rb, stride_rt, stride_sb, PAGE)
-        _fp8_store(kv_s, kp_s, stage, 2 * CHUNK, kv0, sc0, kp0)
-        _fp8_store(kv_s, kp_s, stage, 3 * CHUNK, kv1, sc1, kp1)
+        _fp8_store(kv_s, kp_s, stage, R0, kv0, sc0, kp0)
+        if CHUNKS == 4:  # the next chunk's loads issued before the current one is decoded and stored
+            kv0, sc0, kp0 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0 + 2 * CHUNK, end, stride_cb,
+                                       stride_ct, stride_rb, stride_rt, stride_sb, PAGE)
+        _fp8_store(kv_s, kp_s, stage, R0 + CHUNK, kv1, sc1, kp1)
+        if CHUNKS == 4:
+            kv1, sc1, kp1 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0 + 3 * CHUNK, end, stride_cb,
+                                       stride_ct, stride_rb, stride_rt, stride_sb, PAGE)
+            _fp8_store(kv_s, kp_s, stage, R0 + 2 * CHUNK, kv0, sc0, kp0)
+            _fp8_store(kv_s, kp_s, stage, R0 + 3 * CHUNK, kv1, sc1, kp1)
         fence_async_shared()  # the generic stores visible to the consumer's wgmma (the async proxy)
         thread_barrier()  # every thread's rows stored before the stage is handed over
         mbarrier.arrive(full.index(stage), count=1)
+
+
+@gluon.jit
+def _fp8_loader0(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+                 LOADERS: gl.constexpr):
+    """The first FP8 loader warpgroup: every row of a tile, or its first half where there are two."""
+    _fp8_rows(ops, PAGE, STAGES, 0, 4 // LOADERS)
+
+
+@gluon.jit
+def _fp8_loader1(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+                 LOADERS: gl.constexpr):
+    """The second FP8 loader warpgroup (LOADERS = 2): the tile's second half, so all four chunks of a tile
+    are in flight at once."""
+    _fp8_rows(ops, PAGE, STAGES, 2 * CHUNK, 2)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -247,7 +267,8 @@ def _consume(q_s, qp_s, kv_s, kp_s, p_s, full, empty, start, n_tiles, end, scale
 
 
 @gluon.jit
-def _consumer(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr):
+def _consumer(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+              LOADERS: gl.constexpr):
     """The default partition (four warps): the queries, every tile, then the slice's output."""
     q_s, qp_s, kv_s, kp_s, p_s, full, empty = ops[0]
     (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh, stride_qpb,
@@ -282,7 +303,7 @@ def _program(Lens, num_splits, H: gl.constexpr):
 
 
 @gluon.jit
-def _buffers(H: gl.constexpr, STAGES: gl.constexpr):
+def _buffers(H: gl.constexpr, STAGES: gl.constexpr, LOADERS: gl.constexpr):
     """The program's shared memory: queries, the ring of tiles, P^T, and the ring's barriers."""
     dt: gl.constexpr = gl.bfloat16
     q_s = gl.allocate_shared_memory(dt, [H, KV_LORA], gl.NVMMASharedLayout.get_default_for([H, KV_LORA], dt))
@@ -295,7 +316,7 @@ def _buffers(H: gl.constexpr, STAGES: gl.constexpr):
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(full.index(i), count=LOADERS)  # a TMA warp's expect, or each FP8 loader warpgroup's arrival
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()  # the barriers' initialisation visible to the TMA unit
     return q_s, qp_s, kv_s, kp_s, p_s, full, empty
@@ -310,16 +331,16 @@ def _tma_decode_kernel(ckv_desc, kpe_desc, QL, QP, Tables, Lens, MidO, MidLse, O
     """bf16 rows: the consumer warpgroup (the default partition) + the TMA warp."""
     wait_for_inputs(PDL)  # the lengths and queries are the kernel ahead's
     hb, s, b, start, end, n_tiles = _program(Lens, num_splits, H)
-    ops = (_buffers(H, STAGES), (ckv_desc, kpe_desc),
+    ops = (_buffers(H, STAGES, 1), (ckv_desc, kpe_desc),
            (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh,
             stride_qpb, stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits,
             scale_log2))
     if WS_LIST_FORM:
-        gl.warp_specialize([(_consumer, (ops, H, PAGE, STAGES, DIRECT)), (_tma_loader, (ops, H, PAGE, STAGES, DIRECT))],
-                           [1], [LOADER_REGS])
+        gl.warp_specialize([(_consumer, (ops, H, PAGE, STAGES, DIRECT, 1)),
+                            (_tma_loader, (ops, H, PAGE, STAGES, DIRECT, 1))], [1], [LOADER_REGS])
     else:
-        gl.warp_specialize((ops, H, PAGE, STAGES, DIRECT), _consumer, (ops, H, PAGE, STAGES, DIRECT), [_tma_loader],
-                           [1], [LOADER_REGS])
+        gl.warp_specialize((ops, H, PAGE, STAGES, DIRECT, 1), _consumer, (ops, H, PAGE, STAGES, DIRECT, 1),
+                           [_tma_loader], [1], [LOADER_REGS])
 
 
 @gluon.jit(do_not_specialize=["stride_tb", "num_splits"])
@@ -327,20 +348,31 @@ def _fp8_decode_kernel(Cache, CacheR, CacheS, QL, QP, Tables, Lens, MidO, MidLse
                        stride_rt, stride_sb, stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_tb, stride_mb,
                        stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2,
                        H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
-                       LOADER_REGS: gl.constexpr, PDL: gl.constexpr):
-    """FP8 rows: the consumer warpgroup (the default partition) + the decoding loader warpgroup."""
+                       LOADER_REGS: gl.constexpr, PDL: gl.constexpr, LOADERS: gl.constexpr):
+    """FP8 rows: the consumer warpgroup (the default partition) + one or two decoding loader warpgroups."""
     wait_for_inputs(PDL)
     hb, s, b, start, end, n_tiles = _program(Lens, num_splits, H)
-    ops = (_buffers(H, STAGES), (Cache, CacheR, CacheS, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb),
+    ops = (_buffers(H, STAGES, LOADERS), (Cache, CacheR, CacheS, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb),
            (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh,
             stride_qpb, stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits,
             scale_log2))
-    if WS_LIST_FORM:
-        gl.warp_specialize([(_consumer, (ops, H, PAGE, STAGES, DIRECT)), (_fp8_loader, (ops, H, PAGE, STAGES, DIRECT))],
-                           [4], [LOADER_REGS])
+    if LOADERS == 2:
+        if WS_LIST_FORM:
+            gl.warp_specialize([(_consumer, (ops, H, PAGE, STAGES, DIRECT, LOADERS)),
+                                (_fp8_loader0, (ops, H, PAGE, STAGES, DIRECT, LOADERS)),
+                                (_fp8_loader1, (ops, H, PAGE, STAGES, DIRECT, LOADERS))], [4, 4],
+                               [LOADER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize((ops, H, PAGE, STAGES, DIRECT, LOADERS), _consumer,
+                               (ops, H, PAGE, STAGES, DIRECT, LOADERS), [_fp8_loader0, _fp8_loader1], [4, 4],
+                               [LOADER_REGS, LOADER_REGS])
     else:
-        gl.warp_specialize((ops, H, PAGE, STAGES, DIRECT), _consumer, (ops, H, PAGE, STAGES, DIRECT), [_fp8_loader],
-                           [4], [LOADER_REGS])
+        if WS_LIST_FORM:
+            gl.warp_specialize([(_consumer, (ops, H, PAGE, STAGES, DIRECT, LOADERS)),
+                                (_fp8_loader0, (ops, H, PAGE, STAGES, DIRECT, LOADERS))], [4], [LOADER_REGS])
+        else:
+            gl.warp_specialize((ops, H, PAGE, STAGES, DIRECT, LOADERS), _consumer,
+                               (ops, H, PAGE, STAGES, DIRECT, LOADERS), [_fp8_loader0], [4], [LOADER_REGS])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -380,11 +412,12 @@ def applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
 
 
 def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mid_lse, out, num_splits,
-          softmax_scale, direct: bool, pdl: bool = False, stages: int = STAGES):
+          softmax_scale, direct: bool, pdl: bool = False, stages: int = STAGES, fp8_loaders: int | None = None):
     """Launch the split kernel over [B, H, 512] / [B, H, 64] queries: the slices' partial outputs into mid_o
     [B, H, S, 512] and log-sum-exps into mid_lse [B, H, S] (base 2), or with `direct` (one slice) the
     output into out [B, H, 512]. `views`: the FP8 cache's (c_kv, k_pe, scale) views, else None; pdl:
-    launched with programmatic dependent launch (the kernel waits for the one ahead before any read)."""
+    launched with programmatic dependent launch (the kernel waits for the one ahead before any read);
+    fp8_loaders: the FP8 loader warpgroups (default FP8_LOADERS)."""
     batch, num_heads, _ = q_latent.shape
     heads = block_heads(num_heads)
     page = kv_cache.shape[1]
@@ -401,6 +434,8 @@ def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mi
                                  LOADER_REGS=TMA_REGS, PDL=pdl, launch_pdl=pdl, num_warps=4)
     else:
         c_kv, k_pe, scale = views
+        loaders = 1 if heads > 16 else fp8_loaders or FP8_LOADERS
         _fp8_decode_kernel[grid](c_kv, k_pe, scale, *common, c_kv.stride(0), c_kv.stride(1), k_pe.stride(0),
                                  k_pe.stride(1), scale.stride(0), *strides, H=heads, PAGE=page, STAGES=stages,
-                                 DIRECT=direct, LOADER_REGS=FP8_REGS, PDL=pdl, launch_pdl=pdl, num_warps=4)
+                                 DIRECT=direct, LOADER_REGS=FP8_REGS[loaders], PDL=pdl, LOADERS=loaders,
+                                 launch_pdl=pdl, num_warps=4)

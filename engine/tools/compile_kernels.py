@@ -362,10 +362,13 @@ def compile_gluon() -> list[dict]:
         rows = min(page, int(d.BLOCK_N))
         tma = dict(ckv_desc=signature_of(descriptor(_empty(256, lora + rope), [rows, lora])),
                    kpe_desc=signature_of(descriptor(_empty(256, lora + rope), [rows, rope])), **common)
-        for kernel, sig, regs in ((d._tma_decode_kernel, tma, d.TMA_REGS), (d._fp8_decode_kernel, fp8, d.FP8_REGS)):
-            # in the decode chain: launched with programmatic dependent launch, as the engine does on Hopper
-            constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct, LOADER_REGS=regs, PDL=True)
-            builds.append((kernel, dict(sig, **dict.fromkeys(constexprs, "constexpr")), constexprs))
+        # in the decode chain: launched with programmatic dependent launch, as the engine does on Hopper
+        constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct, LOADER_REGS=d.TMA_REGS, PDL=True)
+        builds.append((d._tma_decode_kernel, dict(tma, **dict.fromkeys(constexprs, "constexpr")), constexprs))
+        for loaders in (1, 2) if heads == 16 else (1,):  # the FP8 rows by one loader warpgroup or two
+            constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct, LOADER_REGS=d.FP8_REGS[loaders],
+                              PDL=True, LOADERS=loaders)
+            builds.append((d._fp8_decode_kernel, dict(fp8, **dict.fromkeys(constexprs, "constexpr")), constexprs))
     results = []
     for kernel, sig, constexprs in builds:
         options = dict(num_warps=4, launch_pdl=True) if constexprs.get("PDL") else dict(num_warps=4)
@@ -373,8 +376,25 @@ def compile_gluon() -> list[dict]:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         results.append(dict(key=(kernel.__name__, str(constexprs)), kernel=kernel.__name__,
                             shared=compiled.metadata.shared, constexprs=constexprs, options=options,
-                            waits="griddepcontrol.wait" in compiled.asm["ptx"]))
+                            waits="griddepcontrol.wait" in compiled.asm["ptx"], spills=_spills(compiled.asm["ptx"])))
     return results
+
+
+def _spills(ptx: str, arch: int = 90) -> int:
+    """Bytes a thread spills to local memory, by ptxas (Triton's own) on the kernel's PTX: the Gluon
+    kernels set their partitions' registers by hand (`setmaxnreg`), and a budget too small spills."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}a", "-v", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True).stderr
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", out))
 
 
 def compile_all(arch: int = 90) -> list[dict]:
@@ -398,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         flag = "  over the limit" if r in bad else ""
         flag += "  launched early but never waits" if r in unsafe else ""
+        flag += f"  spills {r['spills']} bytes" if r.get("spills") else ""
         print(f"{r['kernel']:22s} shared {r['shared']:7d} B  {r['options']}{flag}")
     print(f"{len(results)} kernel variants compiled for sm_{args.arch}")
     return 1 if bad or unsafe else 0

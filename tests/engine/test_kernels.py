@@ -713,21 +713,23 @@ def test_gluon_decode_takes_only_what_it_is_built_for():
 # one slice (the output written directly), a count that leaves slices empty, the engine's 16-token pages,
 # 20 heads in a program of 32
 @gpu
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("cache", ["bf16", "fp8", "fp8, two loaders"])
 @pytest.mark.parametrize("heads,lens,page,num_splits", [(16, [1, 700, 4096], 64, None),
                                                         (16, [0, 63, 64, 65, 20000, 129, 2000], 64, None),
                                                         (16, [5000, 1], 64, 1), (16, [3000, 64], 64, 3),
                                                         (16, [1, 700, 20000, 33], 16, None), (32, [3000, 17], 64, None),
                                                         (20, [900, 4100], 32, 128)])
-def test_gluon_decode_is_the_reference_and_the_triton_kernels_math(fp8, heads, lens, page, num_splits, monkeypatch):
+def test_gluon_decode_is_the_reference_and_the_triton_kernels_math(cache, heads, lens, page, num_splits, monkeypatch):
     """The Gluon split kernel (`mla_decode.GLUON`) within bf16 rounding of the float32 reference and of the
     Triton kernel it replaces (2e-3 over bf16 rows; over the FP8 cache 1e-2, where the Triton kernel at up
     to 32 heads folds each row's scale into the scores and probabilities instead of rounding the scaled
-    rows to bf16); every element written."""
+    rows to bf16); every element written. The FP8 rows by one loader warpgroup or two (16 heads a program;
+    at 32 one serves)."""
     from engine.kernels import mla_decode, mla_decode_gluon
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is built for Hopper")
+    fp8 = cache.startswith("fp8")
     if fp8:
         args, _ = _fp8_decode_case(lens, heads=heads, kv_lora=512, rope=64, page=page, dtype=torch.bfloat16, seed=50)
     else:
@@ -738,9 +740,9 @@ def test_gluon_decode_is_the_reference_and_the_triton_kernels_math(fp8, heads, l
     want = mla_decode_attention(*args, scale, num_splits=num_splits)
     calls, split = [], mla_decode_gluon.split
     monkeypatch.setattr(mla_decode_gluon, "split", lambda *a, **k: calls.append(1) or split(*a, **k))
-    monkeypatch.setattr(mla_decode, "GLUON", True)
     out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
-    mla_decode_attention(*args, scale, num_splits=num_splits, out=out)
+    mla_decode_attention(*args, scale, num_splits=num_splits, out=out,
+                         tiles=dict(gluon=True, gluon_loaders=2 if "two" in cache else 1))
     assert calls and rel_err(out, ref) < 1e-2 and rel_err(out, want) < (1e-2 if fp8 else 2e-3)
     empty = torch.tensor(lens, device=DEV) == 0
     assert not out[empty].any()
