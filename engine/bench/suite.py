@@ -53,6 +53,7 @@ class BenchOptions:
     gluon: bool = True
     gluon_decode: bool = False  # decode attention's split programs in Gluon on Hopper (mla_decode.GLUON)
     merge_absorbs: bool = False  # one token's W_UV applied by the decode merge (layers.attention.MERGE_ABSORBS)
+    fold_chunks: bool = False  # a step's equal short chunks folded into the decode kernel's heads (FOLD_CHUNKS)
     seed: int = 0
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -100,16 +101,17 @@ def run(opts: BenchOptions) -> dict:
     from engine.layers import attention
 
     before, _util.PDL = _util.PDL, opts.pdl
-    gluon_before, merge_before = (mla_prefill.GLUON, fused_moe.GLUON, mla_decode.GLUON), attention.MERGE_ABSORBS
+    gluon_before = mla_prefill.GLUON, fused_moe.GLUON, mla_decode.GLUON
+    attention_before = attention.MERGE_ABSORBS, attention.FOLD_CHUNKS
     mla_prefill.GLUON = fused_moe.GLUON = opts.gluon
     mla_decode.GLUON = opts.gluon_decode
-    attention.MERGE_ABSORBS = opts.merge_absorbs
+    attention.MERGE_ABSORBS, attention.FOLD_CHUNKS = opts.merge_absorbs, opts.fold_chunks
     try:
         return _run(opts)
     finally:
         _util.PDL = before
         mla_prefill.GLUON, fused_moe.GLUON, mla_decode.GLUON = gluon_before
-        attention.MERGE_ABSORBS = merge_before
+        attention.MERGE_ABSORBS, attention.FOLD_CHUNKS = attention_before
         gc.unfreeze()
 
 
@@ -222,6 +224,7 @@ def _run(opts: BenchOptions) -> dict:
         pdl=_util.pdl(torch.empty(0, device=device)), num_layers=model_config.num_hidden_layers,
         gluon_prefill=_gluon_prefill(device), gluon_decode=_gluon_decode(device),
         merge_absorbs=opts.merge_absorbs and device.type == "cuda",  # one token's absorptions run on a GPU only
+        fold_chunks=opts.fold_chunks and runner.backend == "triton",  # the decode kernel's option
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
         ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),
         decode_tok_s=_summary(decode, "tok_s"), prefill=prefill, decode=decode,

@@ -200,6 +200,10 @@ ABSORBED_MAX_TOKENS = 256
 # one token's output absorption (W_UV) in the decode merge's launch instead of a GEMV after it: one
 # launch fewer a layer; off until measured in the engine (`bench --merge-absorbs`)
 MERGE_ABSORBS = False
+# a step's absorbed chunks, where all have the same length R > 1 (a conversation's next turn, say), folded
+# into the decode kernel's heads (`mla_decode_attention(queries_per_seq=R)`): each sequence's cache read
+# once for its R tokens instead of once a token; off until measured in the engine (`bench --fold-chunks`)
+FOLD_CHUNKS = False
 
 
 def mla_prefill_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv_lora_rank, v_head_dim,
@@ -214,7 +218,10 @@ def mla_prefill_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv
     q_lens = meta.query_lens_cpu[: meta.num_prefills]
     if max(q_lens) <= ABSORBED_MAX_QUERY and sum(q_lens) <= ABSORBED_MAX_TOKENS:
         tables, lens = meta.prefill_as_decode_rows
-        return _absorbed_attention(q_nope, q_pe, kv_cache, tables, lens, w_kv_b, v_head_dim, softmax_scale, absorb)
+        # every chunk R tokens: a sequence's R rows are consecutive, each seeing one token more than the last
+        fold = q_lens[0] if FOLD_CHUNKS and q_lens[0] > 1 and all(q == q_lens[0] for q in q_lens) else 1
+        return _absorbed_attention(q_nope, q_pe, kv_cache, tables, lens, w_kv_b, v_head_dim, softmax_scale, absorb,
+                                   queries_per_seq=fold)
     slots, cu_k = meta.prefill_context
     # [Tk, kv_lora + rope]; an FP8 cache's rows decoded as they are gathered, in one launch (the expansion
     # GEMM and the attention after it run in the activation dtype)
@@ -244,8 +251,9 @@ def mla_decode_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv_
 
 def _absorbed_attention(q_nope, q_pe, kv_cache, block_tables, context_lens, w_kv_b, v_head_dim,
                         softmax_scale, absorb: AbsorbWeights | None = None,
-                        q_latent: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per row of block_tables / context_lens, weight-absorbed -> [B, H, v]."""
+                        q_latent: torch.Tensor | None = None, queries_per_seq: int = 1) -> torch.Tensor:
+    """One query token per row of block_tables / context_lens, weight-absorbed -> [B, H, v];
+    queries_per_seq R > 1: the rows are sequences' R consecutive tokens, folded into the kernel's heads."""
     from engine.kernels.mla_decode import mla_decode_attention
 
     batch, num_heads, nope = q_nope.shape
@@ -263,9 +271,14 @@ def _absorbed_attention(q_nope, q_pe, kv_cache, block_tables, context_lens, w_kv
             return out
         return gemv(out.view(1, -1), absorb.w_uv, groups=num_heads).view(1, num_heads, v_head_dim)
     w = w_kv_b.view(num_heads, nope + v_head_dim, kv_lora_rank)
-    q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [B, H, kv_lora]
+    if queries_per_seq > 1:  # folded rows are views of [B, H, kv_lora] with a row's heads together
+        q_latent = torch.empty(batch, num_heads, kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
+        torch.bmm(q_nope.transpose(0, 1), w[:, :nope], out=q_latent.transpose(0, 1))
+        q_pe = q_pe.contiguous()
+    else:
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [B, H, kv_lora]
     out = mla_decode_attention(q_latent, q_pe.to(q_latent.dtype), kv_cache, block_tables.int(), context_lens.int(),
-                               softmax_scale)
+                               softmax_scale, queries_per_seq=queries_per_seq)
     # [B, H, v] written head by head through a transposed view (a strided batched GEMM), so o_proj
     # reads it flat without another copy
     result = torch.empty(out.shape[0], num_heads, v_head_dim, dtype=out.dtype, device=out.device)

@@ -651,6 +651,36 @@ def test_gluon_decode_in_the_engine_keeps_its_tokens(tmp_path, monkeypatch, kv_c
 
 
 @gpu
+def test_folded_chunks_keep_a_next_turns_tokens(tmp_path, monkeypatch):
+    """`attention.FOLD_CHUNKS`: a conversation's next turn (a short chunk over a cached prefix of ~2k
+    tokens, absorbed) with its tokens folded into the decode kernel's heads gives the unfolded path's
+    tokens and log-probs within bf16 noise."""
+    from engine.kernels import mla_decode
+    from engine.layers import attention
+
+    hf = build_hf_model(seed=43, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        max_position_embeddings=4096, initializer_range=0.02)
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    first = prompts(43, [2000])[0]
+    turn = first + prompts(44, [9])[0]  # nine new tokens over the first turn's cached blocks
+    args = dict(dtype="bfloat16", enable_prefix_caching=True)
+    plain = LLM(str(path), **args)
+    plain.generate([first], params)
+    want = plain.generate([turn], params)[0]
+    del plain
+    folds, attend = [], mla_decode.mla_decode_attention
+    monkeypatch.setattr(mla_decode, "mla_decode_attention",
+                        lambda *a, **k: folds.append(k.get("queries_per_seq", 1)) or attend(*a, **k))
+    monkeypatch.setattr(attention, "FOLD_CHUNKS", True)
+    folded = LLM(str(path), **args)
+    folded.generate([first], params)
+    got = folded.generate([turn], params)[0]
+    assert got.num_cached_tokens >= 1024 and max(folds) > 1
+    assert_same_tokens_within_bf16_noise(want, got)
+
+
+@gpu
 def test_merge_absorbing_w_uv_keeps_one_streams_tokens(tmp_path, monkeypatch):
     """`attention.MERGE_ABSORBS`: one stream's decode steps (CUDA graphs) with W_UV applied by the decode
     merge's launch give the GEMV path's tokens and log-probs within bf16 noise, at a context spanning

@@ -313,6 +313,25 @@ def test_mla_decode_folds_a_sequences_query_tokens_into_the_heads(num_splits, ro
         mla_decode_attention(*args, 0.4, queries_per_seq=3 if len(lens) % 3 else 7)
 
 
+@pytest.mark.parametrize("heads,rows", [(3, 4), (16, 4)])  # 16 x 4 folded: the 64-head tiles, decoded once
+def test_mla_decode_folds_query_tokens_over_an_fp8_cache(heads, rows):
+    """`queries_per_seq` over the FP8 latent cache: every row as the reference over the same FP8 rows, and
+    as the rows unfolded."""
+    args, _ = _fp8_decode_case([rows, 34, 50], heads=heads, kv_lora=32, rope=8, page=4, dtype=torch.bfloat16, seed=31)
+    q, q_pe, cache, tables, lens = args
+    # each sequence's last `rows` tokens: rows repeated, each seeing one token more than the one before
+    tables = tables.repeat_interleave(rows, dim=0)
+    lens = torch.stack([lens - rows + 1 + r for r in range(rows)], dim=1).flatten().int()
+    g = torch.Generator().manual_seed(32)
+    q = torch.randn(len(lens), heads, 32, generator=g).to(DEV, torch.bfloat16)
+    q_pe = torch.randn(len(lens), heads, 8, generator=g).to(DEV, torch.bfloat16)
+    args = (q, q_pe, cache, tables, lens)
+    tiles = dict(block_n=16, min_chunk=16)
+    got = mla_decode_attention(*args, 0.4, num_splits=3, tiles=tiles, queries_per_seq=rows)
+    assert rel_err(got, reference_mla_decode_attention(*args, 0.4)) < 2e-2
+    assert rel_err(got, mla_decode_attention(*args, 0.4, num_splits=3, tiles=tiles)) < 2e-2
+
+
 def test_mla_decode_head_blocks_share_each_slice():
     # 20 heads in two blocks of 16, three slices of a context that crosses 16-token pages
     args = _decode_case([45, 90], heads=20, kv_lora=32, rope=16, page=16, dtype=torch.float32, seed=11)
@@ -748,8 +767,11 @@ def test_gluon_decode_is_the_reference_and_the_triton_kernels_math(cache, heads,
     assert not out[empty].any()
 
 
-@pytest.mark.parametrize("q_lens", [[3, 5], [16, 17]])  # absorbed (all chunks <= 16 tokens) / plain
-def test_mla_prefill_fast_paths_match_the_reference_layer(q_lens):
+# absorbed (all chunks <= 16 tokens) / plain; equal absorbed chunks folded into the heads (FOLD_CHUNKS)
+@pytest.mark.parametrize("q_lens,fold", [([3, 5], False), ([16, 17], False), ([4, 4], True), ([3, 5], True)])
+def test_mla_prefill_fast_paths_match_the_reference_layer(q_lens, fold, monkeypatch):
+    from engine.kernels import mla_decode
+    from engine.layers import attention
     from engine.layers.attention import AttentionMetadata, mla_prefill, mla_prefill_fast
 
     g = torch.Generator().manual_seed(8)
@@ -773,7 +795,14 @@ def test_mla_prefill_fast_paths_match_the_reference_layer(q_lens):
     q_pe = torch.randn(cu[-1], heads, rope, generator=g).to(DEV)
     w_kv_b = (0.2 * torch.randn(heads * (nope + vdim), lora, generator=g)).to(DEV)
     args = (q_nope, q_pe, cache, meta, w_kv_b, lora, vdim, 0.3)
+    folds, attend = [], mla_decode.mla_decode_attention
+    monkeypatch.setattr(mla_decode, "mla_decode_attention",
+                        lambda *a, **k: folds.append(k.get("queries_per_seq", 1)) or attend(*a, **k))
+    monkeypatch.setattr(attention, "FOLD_CHUNKS", fold)
     assert rel_err(mla_prefill_fast(*args), mla_prefill(*args)) < F32_TOL
+    # folded only where every chunk has the same length (then R = that length), and absorbed at all
+    absorbed = max(q_lens) <= attention.ABSORBED_MAX_QUERY
+    assert folds == ([q_lens[0] if fold and len(set(q_lens)) == 1 else 1] if absorbed else [])
 
 
 @gpu
