@@ -15,9 +15,10 @@ reads half the bytes. Here a program is
 - a consumer warpgroup: per tile the scores transposed, S^T [64 tokens, H] = K Q^T (M = the tile's 64
   tokens, so 16 heads fill a wgmma without padding), the online softmax down each head's column, P^T
   [64, H] to shared memory, and O^T [512, H] += V^T P^T (M = the 512 latent columns, the tile read
-  transposed from shared memory: the Triton kernel's ACC_T products, on wgmma in both). Tile j's
-  scores are issued with tile j - 1's values product, and tile j's softmax runs while that product is in
-  flight.
+  transposed from shared memory: the Triton kernel's ACC_T products, on wgmma in both). A tile's stage
+  is released as soon as its values product is done, so the loader fills one stage while the consumer
+  works on the other (decode is bound by bytes: the ring's depth, not the products' overlap, is what
+  counts).
 
 The split (slice sizes from the context on the device, an empty slice writing only its -inf log-sum-exp)
 and the outputs (each slice's normalized partial output and base-2 log-sum-exp, or with one slice the
@@ -50,10 +51,11 @@ MAX_HEADS = 32  # heads a program: O^T [512, H] takes 4 H registers a consumer t
 MAX_SPLITS = 128
 # FP8 loader warpgroups: one (a tile's four chunks two at a time) or two (each a half: all four in flight)
 FP8_LOADERS = 1
-# registers a thread of the TMA warp, and of each FP8 loader warpgroup by their number, the fewest without
-# spills (ptxas for sm_90; one warpgroup with four chunks in flight spilled even at 256). Two leave the
-# consumer 168, too few for 32 heads' O^T (it spilled): there one loader warpgroup serves.
-TMA_REGS, FP8_REGS = 24, {1: 208, 2: 168}
+# registers a thread of the TMA warp and of each FP8 loader warpgroup (by their number), the fewest without
+# spills (ptxas for sm_90): the TMA warp 40 (four pieces' rows looked up ahead at 16-token pages); one FP8
+# warpgroup 208 (with four chunks in flight it spilled even at 256); two 168 each, which leaves the consumer
+# 168, too few for 32 heads' O^T (it spilled): there one loader warpgroup serves.
+TMA_REGS, FP8_REGS = 40, {1: 208, 2: 168}
 
 
 @gluon.jit
@@ -86,18 +88,43 @@ def _tma_loader(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, 
     (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh, stride_qpb,
      stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2) = ops[2]
     ROWS: gl.constexpr = ckv_desc.block_type.shape[0]  # a piece: min(PAGE, BLOCK_N) rows of one page
+    PIECES: gl.constexpr = BLOCK_N // ROWS
     last_piece = (end - 1) // ROWS * ROWS
     for j in range(n_tiles):
         stage = j % STAGES
+        # the pieces' rows looked up in the block table before the wait for the stage, off its critical path
+        rows = _piece_rows(Tables, b, stride_tb, start + j * BLOCK_N, last_piece, PAGE, ROWS, PIECES)
         if j >= STAGES:
             mbarrier.wait(empty.index(stage), phase=(j // STAGES - 1) & 1)
         bar = full.index(stage)
-        mbarrier.expect(bar, (BLOCK_N // ROWS) * (ckv_desc.block_type.nbytes + kpe_desc.block_type.nbytes))
-        for i in gl.static_range(BLOCK_N // ROWS):
-            n = gl.minimum(start + j * BLOCK_N + i * ROWS, last_piece)
-            row = (_page_of(Tables, b, stride_tb, n, PAGE) * PAGE + n % PAGE).to(gl.int32)  # of [pages * PAGE, 576]
-            tma_load(ckv_desc, [row, 0], bar, kv_s.index(stage).slice(i * ROWS, ROWS, dim=0))
-            tma_load(kpe_desc, [row, KV_LORA], bar, kp_s.index(stage).slice(i * ROWS, ROWS, dim=0))
+        mbarrier.expect(bar, PIECES * (ckv_desc.block_type.nbytes + kpe_desc.block_type.nbytes))
+        for i in gl.static_range(PIECES):
+            tma_load(ckv_desc, [rows[i], 0], bar, kv_s.index(stage).slice(i * ROWS, ROWS, dim=0))
+            tma_load(kpe_desc, [rows[i], KV_LORA], bar, kp_s.index(stage).slice(i * ROWS, ROWS, dim=0))
+
+
+@gluon.jit
+def _piece_row(Tables, b, stride_tb, n0, last_piece, PAGE: gl.constexpr):
+    """The row (of the [pages * PAGE, 576] view) where the piece starting at token n0 lies; a piece past
+    the slice's end: the last piece's."""
+    n = gl.minimum(n0, last_piece)
+    return (_page_of(Tables, b, stride_tb, n, PAGE) * PAGE + n % PAGE).to(gl.int32)
+
+
+@gluon.jit
+def _piece_rows(Tables, b, stride_tb, n0, last_piece, PAGE: gl.constexpr, ROWS: gl.constexpr,
+                PIECES: gl.constexpr):
+    """A tile's pieces' rows, as a tuple of PIECES (1, 2 or 4): one page's 64 rows, or 32- / 16-token pages'."""
+    if PIECES == 1:
+        return (_piece_row(Tables, b, stride_tb, n0, last_piece, PAGE), )
+    elif PIECES == 2:
+        return (_piece_row(Tables, b, stride_tb, n0, last_piece, PAGE),
+                _piece_row(Tables, b, stride_tb, n0 + ROWS, last_piece, PAGE))
+    else:
+        return (_piece_row(Tables, b, stride_tb, n0, last_piece, PAGE),
+                _piece_row(Tables, b, stride_tb, n0 + ROWS, last_piece, PAGE),
+                _piece_row(Tables, b, stride_tb, n0 + 2 * ROWS, last_piece, PAGE),
+                _piece_row(Tables, b, stride_tb, n0 + 3 * ROWS, last_piece, PAGE))
 
 
 @gluon.jit
@@ -232,9 +259,11 @@ def _load_queries(QL, QP, q_s, qp_s, b, hb, num_heads, stride_qlb, stride_qlh, s
 def _consume(q_s, qp_s, kv_s, kp_s, p_s, full, empty, start, n_tiles, end, scale_log2, H: gl.constexpr,
              STAGES: gl.constexpr):
     """Every tile of the slice -> (O^T [512, H] unnormalized, m, l), FlashAttention's online softmax over
-    the transposed products. Per tile j: wait for it, issue S_j and P_{j-1} V_{j-1}, wait for S_j only and
-    run its softmax while the values product runs, then wait for that, release tile j - 1's stage, rescale
-    O and stage P_j."""
+    the transposed products. Per tile: wait for it, its scores, their softmax, O rescaled, P^T staged, its
+    values product, then the stage released at once. Decode is bound by bytes, not by the tensor cores, so
+    what matters is that the ring's other stage is loading while a tile is consumed: holding two stages
+    (a tile's scores in flight with the previous tile's values product, FlashAttention-3's overlap) would
+    start each load only once the previous one landed."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
     m_i = gl.full([H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
     l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(0, s_layout))
@@ -242,27 +271,17 @@ def _consume(q_s, qp_s, kv_s, kp_s, p_s, full, empty, start, n_tiles, end, scale
     o = gl.zeros([KV_LORA, H], gl.float32, layout=s_layout)
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     q_t, qp_t = q_s.permute((1, 0)), qp_s.permute((1, 0))  # [512, H], [64, H]
-    if n_tiles > 0:
-        mbarrier.wait(full.index(0), phase=0)
-        s = _issue_scores(kv_s, kp_s, 0, q_t, qp_t, s0)
+    for j in range(n_tiles):
+        stage = j % STAGES
+        mbarrier.wait(full.index(stage), phase=(j // STAGES) & 1)
+        s = _issue_scores(kv_s, kp_s, stage, q_t, qp_t, s0)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start + rows < end, scale_log2)
-        _stage_p(p_s, p)
-        for j in range(1, n_tiles):
-            stage = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(full.index(stage), phase=(j // STAGES) & 1)
-            s = _issue_scores(kv_s, kp_s, stage, q_t, qp_t, s0)
-            o = warpgroup_mma(kv_s.index(prev).permute((1, 0)), p_s, o, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start + j * BLOCK_N + rows < end, scale_log2)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
-            mbarrier.arrive(empty.index(prev), count=1)
-            o = o * alpha[None, :]
-            _stage_p(p_s, p)
-        last = (n_tiles - 1) % STAGES
-        o = warpgroup_mma(kv_s.index(last).permute((1, 0)), p_s, o, is_async=True)
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start + j * BLOCK_N + rows < end, scale_log2)
+        o = o * alpha[None, :]  # the first tile's alpha is 0 (m was -inf), O still zeros
+        _stage_p(p_s, p)  # the previous tile's values product, its reader, has completed
+        o = warpgroup_mma(kv_s.index(stage).permute((1, 0)), p_s, o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
+        mbarrier.arrive(empty.index(stage), count=1)
     return o, m_i, l_i
 
 
@@ -283,10 +302,11 @@ def _consumer(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DI
     h = hb * H + gl.arange(0, H, layout=gl.SliceLayout(0, o_layout))
     live = (h < num_heads)
     if DIRECT:  # the only slice: the output itself (zeros for an empty context)
-        gl.store(Out + b * stride_ob + h[None, :] * stride_oh + c[:, None], out.to(Out.dtype.element_ty),
+        gl.store(Out + b.to(gl.int64) * stride_ob + h[None, :] * stride_oh + c[:, None], out.to(Out.dtype.element_ty),
                  mask=live[None, :] & (c < KV_LORA)[:, None])
     else:
-        gl.store(MidO + b * stride_mb + h[None, :] * stride_mh + s * stride_ms + c[:, None],
+        # int64: batch x heads x slices x 512 partial values may pass 2^31 at explicit slice counts
+        gl.store(MidO + b.to(gl.int64) * stride_mb + h[None, :] * stride_mh + s * stride_ms + c[:, None],
                  out.to(MidO.dtype.element_ty), mask=(live & has)[None, :] & (c < KV_LORA)[:, None])
         lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))  # base 2
         gl.store(MidLse + (b * num_heads + h) * num_splits + s, lse, mask=live)
@@ -399,8 +419,9 @@ def _pages_fit(page: int) -> bool:
 def applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, queries_per_seq: int = 1) -> bool:
     """Whether the Gluon split kernel takes these operands: a Hopper GPU, bf16 queries, DeepSeek's latent
     widths, up to 32 heads a program (64 heads and more: the Triton kernel's 64-head tiles), pages of
-    whole tiles or of 16 or 32 tokens, a cache TMA can describe (bf16 rows: contiguous, 16-byte aligned) or an FP8 one, and
-    one query token a sequence."""
+    whole tiles or of 16 or 32 tokens, a cache TMA can describe (bf16 rows: contiguous, 16-byte aligned) or
+    an FP8 one, and one query token a sequence. A bf16 cache's rows past a context must be finite (TMA
+    reads them, a zero probability multiplies them): the engine's pool starts zeroed and holds latents."""
     t = q_latent
     if not (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9 and queries_per_seq == 1):
         return False
