@@ -20,8 +20,8 @@ merge, then the GEMV through W_UV (the engine's path), against the merge that ap
 (`mla_decode_attention(..., w_uv=, counter=)`), batch 1; both checked against each other first.
 
 --gluon times the Gluon split kernel (`engine.kernels.mla_decode_gluon`, Hopper, up to 32 heads a
-program; over FP8 rows with one loader warpgroup and with two) beside the Triton one (with --check, both against the reference first); --page the cache's
-page size (64 by default; the engine's default is 16).
+program; over FP8 rows with one loader warpgroup and with two) beside the Triton one (with --check,
+both against the reference first); --page the cache's page size (64 by default; the engine's is 16).
 
 --queries-per-seq R times each batch's sequences with R query tokens each (a verification's k + 1 rows,
 row r seeing R - 1 - r tokens fewer than the last): as B x R separate rows, against the R rows folded
@@ -318,24 +318,16 @@ def main() -> int:
             for kv in kvs:
                 result["failures"] += check(variants(kv), heads, kv)
             print(f"check, {heads} heads: {len(result['failures'])} failures so far", flush=True)
-        if args.queries_per_seq > 1:
-            for batch in args.batches:
+        if args.queries_per_seq > 1 or args.absorb:  # two ways to one output, compared and timed
+            for batch in args.batches if args.queries_per_seq > 1 else [1]:
                 for ctx in args.contexts:
                     for kv in kvs:
-                        rows, failures = measure_fold(batch, ctx, heads, args.queries_per_seq, kv)
+                        rows, failures = (measure_fold(batch, ctx, heads, args.queries_per_seq, kv)
+                                          if args.queries_per_seq > 1 else measure_absorb(ctx, heads, kv))
                         result["rows"] += rows
                         result["failures"] += failures
                         for row in rows:
                             print(json.dumps(row), flush=True)
-            continue
-        if args.absorb:
-            for ctx in args.contexts:
-                for kv in kvs:
-                    rows, failures = measure_absorb(ctx, heads, kv)
-                    result["rows"] += rows
-                    result["failures"] += failures
-                    for row in rows:
-                        print(json.dumps(row), flush=True)
             continue
         for batch in args.batches:
             for ctx in args.contexts:

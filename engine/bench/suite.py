@@ -73,21 +73,12 @@ def _guard(fn, *args, **kwargs) -> dict:
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
-def _gluon_prefill(device: torch.device) -> bool:
-    """Whether prefill ran through the Gluon kernels where they apply (switched on, on a Hopper card, with a
-    Triton that has Gluon)."""
-    from engine.kernels import _util, fused_moe, mla_prefill
+def _gluon_ran(on: bool, device: torch.device) -> bool:
+    """Whether Gluon kernels switched on could run (a Hopper card, a Triton that has Gluon); the kernels'
+    `applies` still ask the shapes."""
+    from engine.kernels import _util
 
-    on = (mla_prefill.GLUON or fused_moe.GLUON) and device.type == "cuda"
-    return bool(on and torch.cuda.get_device_capability(device)[0] == 9 and _util.gluon_available())
-
-
-def _gluon_decode(device: torch.device) -> bool:
-    """Whether decode attention's split programs could take the Gluon kernel (switched on, on a Hopper card,
-    with a Triton that has Gluon); `mla_decode_gluon.applies` still asks the shapes."""
-    from engine.kernels import _util, mla_decode
-
-    on = mla_decode.GLUON and device.type == "cuda"
+    on = on and device.type == "cuda"
     return bool(on and torch.cuda.get_device_capability(device)[0] == 9 and _util.gluon_available())
 
 
@@ -116,7 +107,7 @@ def run(opts: BenchOptions) -> dict:
 
 
 def _run(opts: BenchOptions) -> dict:
-    from engine.kernels import _util
+    from engine.kernels import _util, fused_moe, mla_decode, mla_prefill
 
     if opts.model:
         path = resolve_model_path(opts.model)
@@ -222,7 +213,8 @@ def _run(opts: BenchOptions) -> dict:
         backend=runner.backend, kv_cache_dtype=opts.kv_cache_dtype, cuda_graphs=runner.graphs is not None,
         prefill_graph_tokens=runner.prefill_graph_sizes[-1] if runner.prefill_graph_sizes else 0,
         pdl=_util.pdl(torch.empty(0, device=device)), num_layers=model_config.num_hidden_layers,
-        gluon_prefill=_gluon_prefill(device), gluon_decode=_gluon_decode(device),
+        gluon_prefill=_gluon_ran(mla_prefill.GLUON or fused_moe.GLUON, device),
+        gluon_decode=_gluon_ran(mla_decode.GLUON, device),
         merge_absorbs=opts.merge_absorbs and device.type == "cuda",  # one token's absorptions run on a GPU only
         fold_chunks=opts.fold_chunks and runner.backend == "triton",  # the decode kernel's option
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),

@@ -437,14 +437,12 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     gluon = _takes_gluon(q_latent, q_pe, kv_cache, queries_per_seq, tiles)
     if gluon:
         from engine.kernels import mla_decode_gluon
-
-        if num_splits is None:
-            num_splits = mla_decode_gluon.default_num_splits(batch, num_heads, sms)
     block_h = (tiles or {}).get("block_h") or block_heads(num_heads, fp8)
     deep = programs_per_sm(batch, num_heads, sms, block_h) == 1
     cfg = dict(_tiles(pow2(kv_lora), block_h, kv_cache.element_size(), deep, fp8), **(tiles or {}))
-    if num_splits is None:
-        num_splits = default_num_splits(batch, num_heads, sms, block_h)
+    if num_splits is None:  # the Gluon kernel's programs take an SM each
+        num_splits = (mla_decode_gluon.default_num_splits(batch, num_heads, sms) if gluon
+                      else default_num_splits(batch, num_heads, sms, block_h))
     check(num_splits >= 1, "num_splits must be >= 1")
     if w_uv is not None:
         check(w_uv.dim() == 2 and w_uv.shape[1] == kv_lora and w_uv.shape[0] % num_heads == 0

@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from engine.kernels._gluon import WS_LIST_FORM, descriptor, thread_barrier, tma_load, wait_for_inputs
+from engine.kernels._util import _capability
 
 KV_LORA, ROPE = gl.constexpr(512), gl.constexpr(64)  # the latent widths it is built for (every DeepSeek MLA model's)
 BLOCK_N = gl.constexpr(64)  # tokens a tile: the scores' M
@@ -65,12 +66,6 @@ def _slice(ctx, s, num_splits, BLOCK_N: gl.constexpr, MIN_CHUNK: gl.constexpr):
     start = s * chunk
     end = gl.minimum(start + chunk, ctx)
     return start, end, gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-
-
-@gluon.jit
-def _page_of(Tables, b, stride_tb, n0, PAGE: gl.constexpr):
-    """The page that holds token n0 of sequence b, int64."""
-    return gl.load(Tables + b * stride_tb + n0 // PAGE).to(gl.int64)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -108,7 +103,7 @@ def _piece_row(Tables, b, stride_tb, n0, last_piece, PAGE: gl.constexpr):
     """The row (of the [pages * PAGE, 576] view) where the piece starting at token n0 lies; a piece past
     the slice's end: the last piece's."""
     n = gl.minimum(n0, last_piece)
-    return (_page_of(Tables, b, stride_tb, n, PAGE) * PAGE + n % PAGE).to(gl.int32)
+    return (gl.load(Tables + b * stride_tb + n // PAGE).to(gl.int64) * PAGE + n % PAGE).to(gl.int32)
 
 
 @gluon.jit
@@ -316,7 +311,7 @@ def _consumer(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DI
 # the kernels: one program a (head block, slice, sequence), as `mla_decode._split_kernel`'s grid
 # ---------------------------------------------------------------------------------------------------------
 @gluon.jit
-def _program(Lens, num_splits, H: gl.constexpr):
+def _program(Lens, num_splits):
     hb, s, b = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     start, end, n_tiles = _slice(gl.load(Lens + b), s, num_splits, BLOCK_N, MIN_CHUNK)
     return hb, s, b, start, end, n_tiles
@@ -350,7 +345,7 @@ def _tma_decode_kernel(ckv_desc, kpe_desc, QL, QP, Tables, Lens, MidO, MidLse, O
                        DIRECT: gl.constexpr, LOADER_REGS: gl.constexpr, PDL: gl.constexpr):
     """bf16 rows: the consumer warpgroup (the default partition) + the TMA warp."""
     wait_for_inputs(PDL)  # the lengths and queries are the kernel ahead's
-    hb, s, b, start, end, n_tiles = _program(Lens, num_splits, H)
+    hb, s, b, start, end, n_tiles = _program(Lens, num_splits)
     ops = (_buffers(H, STAGES, 1), (ckv_desc, kpe_desc),
            (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh,
             stride_qpb, stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits,
@@ -371,7 +366,7 @@ def _fp8_decode_kernel(Cache, CacheR, CacheS, QL, QP, Tables, Lens, MidO, MidLse
                        LOADER_REGS: gl.constexpr, PDL: gl.constexpr, LOADERS: gl.constexpr):
     """FP8 rows: the consumer warpgroup (the default partition) + one or two decoding loader warpgroups."""
     wait_for_inputs(PDL)
-    hb, s, b, start, end, n_tiles = _program(Lens, num_splits, H)
+    hb, s, b, start, end, n_tiles = _program(Lens, num_splits)
     ops = (_buffers(H, STAGES, LOADERS), (Cache, CacheR, CacheS, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb),
            (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh,
             stride_qpb, stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits,
@@ -423,7 +418,7 @@ def applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     an FP8 one, and one query token a sequence. A bf16 cache's rows past a context must be finite (TMA
     reads them, a zero probability multiplies them): the engine's pool starts zeroed and holds latents."""
     t = q_latent
-    if not (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9 and queries_per_seq == 1):
+    if not (t.is_cuda and _capability(t.device) == 9 and queries_per_seq == 1):  # cached: asked every decode call
         return False
     fp8 = kv_cache.dtype == torch.uint8
     return (t.dtype == torch.bfloat16 and q_pe.dtype == torch.bfloat16 and t.shape[2] == int(KV_LORA)
@@ -433,7 +428,7 @@ def applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
 
 
 def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mid_lse, out, num_splits,
-          softmax_scale, direct: bool, pdl: bool = False, stages: int = STAGES, fp8_loaders: int | None = None):
+          softmax_scale, direct: bool, pdl: bool = False, fp8_loaders: int | None = None):
     """Launch the split kernel over [B, H, 512] / [B, H, 64] queries: the slices' partial outputs into mid_o
     [B, H, S, 512] and log-sum-exps into mid_lse [B, H, S] (base 2), or with `direct` (one slice) the
     output into out [B, H, 512]. `views`: the FP8 cache's (c_kv, k_pe, scale) views, else None; pdl:
@@ -451,12 +446,12 @@ def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mi
         rows = kv_cache.view(-1, kv_cache.shape[2])  # [pages * page, 576]
         piece = min(page, int(BLOCK_N))  # the rows of one page a TMA box takes
         descs = (descriptor(rows, [piece, int(KV_LORA)]), descriptor(rows, [piece, int(ROPE)]))
-        _tma_decode_kernel[grid](*descs, *common, *strides, H=heads, PAGE=page, STAGES=stages, DIRECT=direct,
+        _tma_decode_kernel[grid](*descs, *common, *strides, H=heads, PAGE=page, STAGES=STAGES, DIRECT=direct,
                                  LOADER_REGS=TMA_REGS, PDL=pdl, launch_pdl=pdl, num_warps=4)
     else:
         c_kv, k_pe, scale = views
         loaders = 1 if heads > 16 else fp8_loaders or FP8_LOADERS
         _fp8_decode_kernel[grid](c_kv, k_pe, scale, *common, c_kv.stride(0), c_kv.stride(1), k_pe.stride(0),
-                                 k_pe.stride(1), scale.stride(0), *strides, H=heads, PAGE=page, STAGES=stages,
+                                 k_pe.stride(1), scale.stride(0), *strides, H=heads, PAGE=page, STAGES=STAGES,
                                  DIRECT=direct, LOADER_REGS=FP8_REGS[loaders], PDL=pdl, LOADERS=loaders,
                                  launch_pdl=pdl, num_warps=4)
