@@ -933,6 +933,9 @@ class SpecGraphs:
         runner, decode, k, rows = self.runner, self.runner.graphs, self.k, self.rows
         n = num_seqs * rows
         meta, pos = decode.metadata(n)
+        # each sequence's k + 1 consecutive rows, which the decode attention may fold into its heads (a
+        # padding sequence's rows all at position 0: folded, all but its last see nothing, finite zeros)
+        meta.queries_per_seq = rows
         ids = decode.input_ids[:n]
         hidden = runner.model(ids, pos, meta)
         # [tokens n | counts S | drafts S * k | next rows n | their offsets n]: the host copies the first

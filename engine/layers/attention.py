@@ -41,6 +41,10 @@ class AttentionMetadata:
     # decode rows only (a row a token): [B] each token's index among its sequence's tokens of the step
     # (0: its first), where several tokens of one sequence run as consecutive rows; None: a token each
     query_index: torch.Tensor | None = None
+    # decode rows only: R > 1 where every sequence's rows are R consecutive tokens, each seeing one more
+    # than the one before (a verification's k + 1 rows, as the graphs that run them know), which
+    # FOLD_CHUNKS folds into the decode kernel's heads; 1: nothing promised
+    queries_per_seq: int = 1
 
     @property
     def num_decodes(self) -> int:
@@ -200,9 +204,11 @@ ABSORBED_MAX_TOKENS = 256
 # one token's output absorption (W_UV) in the decode merge's launch instead of a GEMV after it: one
 # launch fewer a layer; off until measured in the engine (`bench --merge-absorbs`)
 MERGE_ABSORBS = False
-# a step's absorbed chunks, where all have the same length R > 1 (a conversation's next turn, say), folded
-# into the decode kernel's heads (`mla_decode_attention(queries_per_seq=R)`): each sequence's cache read
-# once for its R tokens instead of once a token; off until measured in the engine (`bench --fold-chunks`)
+# a step's absorbed chunks, where all have the same length R > 1 (a conversation's next turn, say), and a
+# fused speculative step's verifications (k + 1 rows a sequence: `AttentionMetadata.queries_per_seq`),
+# folded into the decode kernel's heads (`mla_decode_attention(queries_per_seq=R)`): each sequence's cache
+# read once for its R tokens instead of once a token; off until measured in the engine (`bench
+# --fold-chunks`, `benchmarks/spec_decode.py --fold-chunks`)
 FOLD_CHUNKS = False
 
 
@@ -245,8 +251,9 @@ def mla_decode_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv_
     for one token, given `absorb`; q_latent: one token's query absorption already made, by the latent
     write's launch)."""
     first = meta.num_prefills
+    fold = meta.queries_per_seq if FOLD_CHUNKS and not first else 1
     return _absorbed_attention(q_nope, q_pe, kv_cache, meta.block_tables[first:], meta.context_lens[first:], w_kv_b,
-                               v_head_dim, softmax_scale, absorb, q_latent)
+                               v_head_dim, softmax_scale, absorb, q_latent, queries_per_seq=fold)
 
 
 def _absorbed_attention(q_nope, q_pe, kv_cache, block_tables, context_lens, w_kv_b, v_head_dim,

@@ -767,10 +767,25 @@ def test_gluon_decode_is_the_reference_and_the_triton_kernels_math(cache, heads,
     assert not out[empty].any()
 
 
+def _mla_layer_case(monkeypatch, g, cache, meta, tokens, fold, heads, nope, vdim, lora, rope):
+    """The MLA layer's arguments over `meta` (random queries and W_UKV), `attention.FOLD_CHUNKS` set to
+    fold -> (args, each decode-kernel call's queries_per_seq as it comes)."""
+    from engine.kernels import mla_decode
+    from engine.layers import attention
+
+    q_nope = torch.randn(tokens, heads, nope, generator=g).to(DEV)
+    q_pe = torch.randn(tokens, heads, rope, generator=g).to(DEV)
+    w_kv_b = (0.2 * torch.randn(heads * (nope + vdim), lora, generator=g)).to(DEV)
+    folds, attend = [], mla_decode.mla_decode_attention
+    monkeypatch.setattr(mla_decode, "mla_decode_attention",
+                        lambda *a, **k: folds.append(k.get("queries_per_seq", 1)) or attend(*a, **k))
+    monkeypatch.setattr(attention, "FOLD_CHUNKS", fold)
+    return (q_nope, q_pe, cache, meta, w_kv_b, lora, vdim, 0.3), folds
+
+
 # absorbed (all chunks <= 16 tokens) / plain; equal absorbed chunks folded into the heads (FOLD_CHUNKS)
 @pytest.mark.parametrize("q_lens,fold", [([3, 5], False), ([16, 17], False), ([4, 4], True), ([3, 5], True)])
 def test_mla_prefill_fast_paths_match_the_reference_layer(q_lens, fold, monkeypatch):
-    from engine.kernels import mla_decode
     from engine.layers import attention
     from engine.layers.attention import AttentionMetadata, mla_prefill, mla_prefill_fast
 
@@ -791,18 +806,43 @@ def test_mla_prefill_fast_paths_match_the_reference_layer(q_lens, fold, monkeypa
         context_lens=torch.tensor(ctx, device=DEV), block_tables=torch.tensor(tables, device=DEV), num_prefills=2,
         num_prefill_tokens=cu[-1], block_size=page, query_start_loc_cpu=cu, query_lens_cpu=q_lens,
         context_lens_cpu=ctx)
-    q_nope = torch.randn(cu[-1], heads, nope, generator=g).to(DEV)
-    q_pe = torch.randn(cu[-1], heads, rope, generator=g).to(DEV)
-    w_kv_b = (0.2 * torch.randn(heads * (nope + vdim), lora, generator=g)).to(DEV)
-    args = (q_nope, q_pe, cache, meta, w_kv_b, lora, vdim, 0.3)
-    folds, attend = [], mla_decode.mla_decode_attention
-    monkeypatch.setattr(mla_decode, "mla_decode_attention",
-                        lambda *a, **k: folds.append(k.get("queries_per_seq", 1)) or attend(*a, **k))
-    monkeypatch.setattr(attention, "FOLD_CHUNKS", fold)
+    args, folds = _mla_layer_case(monkeypatch, g, cache, meta, cu[-1], fold, heads, nope, vdim, lora, rope)
     assert rel_err(mla_prefill_fast(*args), mla_prefill(*args)) < F32_TOL
     # folded only where every chunk has the same length (then R = that length), and absorbed at all
     absorbed = max(q_lens) <= attention.ABSORBED_MAX_QUERY
     assert folds == ([q_lens[0] if fold and len(set(q_lens)) == 1 else 1] if absorbed else [])
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_mla_decode_fast_folds_a_verifications_rows(fold, monkeypatch):
+    """A fused speculative step's rows (`AttentionMetadata.queries_per_seq` = k + 1: each sequence's
+    consecutive tokens, as `SpecGraphs` captures them) through the decode fast path: every real row as
+    the reference layer computes it, folded into the kernel's heads where FOLD_CHUNKS is on (once a
+    sequence), one row at a time where it is off; a padding sequence (every row at position 0 of the
+    scratch block) gives finite rows."""
+    from engine.kernels.spec_step import reference_decode_rows
+    from engine.layers import attention
+    from engine.layers.attention import mla_decode as reference_layer
+    from engine.layers.attention import mla_decode_fast
+
+    g = torch.Generator().manual_seed(9)
+    heads, nope, vdim, lora, rope, page, rows = 3, 16, 16, 32, 8, 4, 3
+    firsts = [37, 6]  # each real sequence's first row's position; a padding sequence last
+    num_blocks = 16
+    cache = torch.randn(num_blocks, page, lora + rope, generator=g).to(DEV)
+    tables = torch.tensor([[3, 9, 1, 12, 5, 7, 2, 11, 14, 4, 8], [10, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                           [15] * 11], dtype=torch.int32).repeat_interleave(rows, 0).to(DEV)
+    positions = torch.tensor([p + r for p in firsts for r in range(rows)] + [0] * rows).to(DEV)
+    meta = attention.AttentionMetadata(
+        slot_mapping=reference_decode_rows(positions, tables, page)[0], query_start_loc=torch.arange(10).to(DEV),
+        context_lens=(positions + 1).int(), block_tables=tables, num_prefills=0, num_prefill_tokens=0,
+        block_size=page, query_start_loc_cpu=list(range(10)), query_lens_cpu=[1] * 9,
+        context_lens_cpu=(positions + 1).tolist(), queries_per_seq=rows)
+    args, folds = _mla_layer_case(monkeypatch, g, cache, meta, 9, fold, heads, nope, vdim, lora, rope)
+    out = mla_decode_fast(*args)
+    real = 2 * rows
+    assert rel_err(out[:real], reference_layer(*args)[:real]) < F32_TOL and out.isfinite().all()
+    assert folds == [rows if fold else 1]
 
 
 @gpu

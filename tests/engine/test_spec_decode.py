@@ -371,8 +371,14 @@ def test_fused_speculative_steps_give_the_plain_tokens(monkeypatch, tiny_prompts
     llm = LLM("deepseek-tiny", dtype="float32", max_num_seqs=4, async_scheduling=mode, speculative_config=spec(k))
     replays = fused_graphs(monkeypatch, llm)
     launches = record_launches(llm.engine)
+    model = llm.engine.runner.model
+    forward, folds = model.forward, set()  # (rows a sequence the attention is told, rows left over)
+    monkeypatch.setattr(model, "forward", lambda ids, pos, meta: (
+        folds.add((meta.queries_per_seq, ids.shape[0] % meta.queries_per_seq)), forward(ids, pos, meta))[1])
     assert [o.token_ids for o in llm.generate(tiny_prompts, GREEDY)] == plain_tokens
     assert len(replays) > 5 and 4 in replays
+    # the fused steps tell the attention their rows come k + 1 a sequence (`AttentionMetadata.queries_per_seq`)
+    assert folds == {(1, 0), (k + 1, 0)}
     assert any(launches) == (mode == "on")
     # every fused step after the first of a batch loads no rows (requests keep their k drafts to their
     # last step, so the batch shrinks inside fused steps as requests end)
@@ -591,13 +597,21 @@ def test_speculative_config_is_parsed_and_checked():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("k", [1, 3])
-def test_on_the_gpu_graphs_give_the_plain_tokens(tiny_prompts, k):
+@pytest.mark.parametrize("k,fold", [(1, False), (3, False), (3, True)])
+def test_on_the_gpu_graphs_give_the_plain_tokens(tiny_prompts, k, fold, monkeypatch):
     """The fast path: verification rows replayed from the decode graphs, the draft from its own graphs,
     steps launched ahead of the verification before them (positions and noise keys shifted on the
     device); greedy and seeded sampled tokens as plain decoding's (the sampling noise is keyed by position).
     Steps verify, draw (greedy, or with temperature and top-p), accept and draft in one fused replay, its
-    three outputs copied as one span."""
+    three outputs copied as one span; with `attention.FOLD_CHUNKS` the fused graphs' k + 1 rows a
+    sequence folded into the decode kernel's heads."""
+    from engine.kernels import mla_decode
+    from engine.layers import attention
+
+    folds, attend = [], mla_decode.mla_decode_attention
+    monkeypatch.setattr(mla_decode, "mla_decode_attention",
+                        lambda *a, **kw: folds.append(kw.get("queries_per_seq", 1)) or attend(*a, **kw))
+    monkeypatch.setattr(attention, "FOLD_CHUNKS", fold)
     params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True)]
     batch = [tiny_prompts[0], tiny_prompts[1], tiny_prompts[1]]
     plain = LLM("deepseek-tiny", dtype="float32").generate(batch, [params[0], params[0], params[1]])
@@ -619,6 +633,7 @@ def test_on_the_gpu_graphs_give_the_plain_tokens(tiny_prompts, k):
     two = llm.generate(tiny_prompts[:3], GREEDY)  # three streams: padded to a graph of four sequences
     assert [o.token_ids for o in two] == [o.token_ids for o in LLM("deepseek-tiny", dtype="float32").generate(
         tiny_prompts[:3], GREEDY)] and 3 in replays
+    assert (k + 1 in folds) == fold  # the fused graphs' captures (the decode graphs' rows are never folded)
 
 
 def start_servers(session, tmp_path_factory) -> dict:
