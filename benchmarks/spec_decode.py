@@ -151,7 +151,7 @@ def verify_costs(preset: str, ks: list[int], context: int) -> dict:
     hf = preset_config(preset)
     hf["num_nextn_predict_layers"] = 1
     model_config = ModelConfig.from_hf(hf)
-    bs = max(64, *hf.get("compress_ratios", []))  # V4: a page holds whole windows of every compressed layer
+    bs = max([64, *hf.get("compress_ratios", [])])  # V4: a page holds whole windows of every compressed layer
     blocks = -(-(context + 2 * max(ks) + 8) // bs)
     config = EngineConfig(model=preset, dtype="bfloat16", max_num_seqs=8, block_size=bs, num_kv_blocks=blocks + 1,
                           show_progress=False, speculative_config={"num_speculative_tokens": max(ks)},
