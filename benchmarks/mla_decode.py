@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.kernels import mla_decode_gluon  # noqa: E402
 from engine.kernels.gemv import gemv  # noqa: E402
 from engine.kernels.mla_decode import (  # noqa: E402
-    default_num_splits, mla_decode_attention, num_sms, reference_mla_decode_attention,
+    block_heads, default_num_splits, mla_decode_attention, num_sms, reference_mla_decode_attention,
 )
 from engine.layers.fp8_latent import FP8LatentLayout  # noqa: E402
 
@@ -190,7 +190,8 @@ def measure(batch: int, context: int, heads: int, variants: dict, split_sweep: l
         elif tiles.get("gluon"):
             used = mla_decode_gluon.default_num_splits(batch, heads, num_sms(q.device))
         else:
-            used = default_num_splits(batch, heads, num_sms(q.device), tiles.get("block_h"))
+            block_h = tiles.get("block_h") or block_heads(heads, fp8=kv == "fp8")  # the FP8 kernel's 32 heads a program
+            used = default_num_splits(batch, heads, num_sms(q.device), block_h)
         rows.append(dict(batch=batch, context=context, heads=heads, kv=kv, variant=name, splits=used, us=sec * 1e6,
                          tb_s=n_bytes / sec / 1e12))
     del caches

@@ -66,6 +66,7 @@ def main():
     tokens = [int(t) for t in sys.argv[sys.argv.index("--tokens") + 1].split(",")] if "--tokens" in sys.argv \
         else [2048, 8192, 32768]
     experts, top_k, hidden, inter, block = EXPERTS, TOP_K, HIDDEN, INTER, BLOCK  # V3's
+    fused_moe.GLUON = False  # the engine's Triton kernels as the baseline (the Gluon variants are called directly)
     g = torch.Generator(device="cuda").manual_seed(1)
     w13, s13, w2, s2 = v3_experts(g)
     rows, failed = [], False

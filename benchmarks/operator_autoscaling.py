@@ -434,7 +434,9 @@ def describe(key: str, w: dict[str, Any]) -> str:
     if "cpu_ms_per_poll" in w:
         line += (f"; {w['pod_lists_per_s']:.1f} polls/s of {w['polls_due_per_s']:g} due "
                  f"(p90 period {(w['poll_period_s'] or {}).get('p90', float('nan')):.2f} s), "
-                 f"{w['status_writes_per_s']:.1f} status writes/s, {w['cpu_ms_per_poll']:.2f} ms of CPU per poll")
+                 f"{w['status_writes_per_s']:.1f} status writes/s, "
+                 + ("no poll in the window" if w["cpu_ms_per_poll"] is None
+                    else f"{w['cpu_ms_per_poll']:.2f} ms of CPU per poll"))
     return line
 
 

@@ -63,7 +63,8 @@ def eager_graphs(llm: LLM, fused: bool) -> None:
     """The graphs' host side on a CPU, each graph's function where its replay would be."""
     import engine.kernels.sampling
 
-    engine.kernels.sampling.sample = lambda logits, *args, **kwargs: logits.argmax(-1)  # greedy stands in
+    engine.kernels.sampling.sample = lambda logits, *args, out=None, **kwargs: (  # greedy stands in
+        logits.argmax(-1) if out is None else out.copy_(logits.argmax(-1)))
     runner = llm.engine.runner
     decode = runner.graphs = DecodeGraphs(runner)
     decode._capture = lambda b: decode.graphs.__setitem__(
@@ -79,9 +80,10 @@ def eager_graphs(llm: LLM, fused: bool) -> None:
     if fused:
         spec = runner.spec_graphs = SpecGraphs(runner)
 
-        def capture(n):  # as a graph does, each replay writes the same output buffer
-            spec.outputs[n] = spec._step(n)
-            spec.graphs[n] = EagerGraph(lambda: spec.outputs[n].copy_(spec._step(n)))
+        def capture(n, draw):  # as a graph does, each replay writes the same output buffer
+            key = (n, draw)
+            spec.outputs[key] = spec._step(n, draw)
+            spec.graphs[key] = EagerGraph(lambda: spec.outputs[key].copy_(spec._step(n, draw)))
 
         spec._capture = capture
         spec.capture_all()

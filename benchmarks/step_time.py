@@ -88,7 +88,9 @@ def main() -> None:
         prefill, walls[mode] = decode_steps(engine, args, f"async-{mode}")
         prefills.append(prefill)
 
-    # instrumented (synchronous): each phase that launches device work waits for it, so the rest is host time
+    # instrumented (synchronous): each phase that launches device work waits for it, so the rest is host time;
+    # the draws through the sampler (a draw graph would take them out of `sample`'s count)
+    engine.runner.draw_graphs = None
     schedule = engine.scheduler.schedule = Timed(engine.scheduler.schedule, sync=False)
     run = engine.runner.run = Timed(engine.runner.run, sync=True)
     sample = engine.sampler.sample = Timed(engine.sampler.sample, sync=True)

@@ -19,7 +19,7 @@ def write_plot(result: dict, out_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     panels = (["decode", "prefill"] + (["long_context_decode"] if result.get("long_context_decode") else [])
-              + (["layers"] if result.get("layers") else []))
+              + (["layers"] if isinstance(result.get("layers"), list) and result["layers"] else []))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2))
     hf = result.get("hf") or {}
     for ax, panel in zip(axes, panels):

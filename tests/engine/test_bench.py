@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.bench.presets import PRESETS, preset_config
+from engine.bench.report import write_plot
 from engine.bench.roofline import PhaseCosts, expected_experts
 from engine.cli import main
 from engine.config import ModelConfig
@@ -43,6 +44,11 @@ def test_bench_writes_results_and_plot_with_the_peer(tmp_path):
     hf = result["hf"]
     assert set(hf["prefill_tok_s"]) == {"32", "64"} and all(v > 0 for v in hf["decode_tok_s"].values())
     assert set(result["speedup"]["decode"]) == {"1", "2"}
+    assert (tmp_path / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a phase that failed leaves its error in the JSON; the plot draws the others
+    result["layers"] = {"error": "out of memory"}
+    (tmp_path / "tiny.png").unlink()
+    write_plot(result, tmp_path)
     assert (tmp_path / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
