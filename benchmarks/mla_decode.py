@@ -20,7 +20,7 @@ merge, then the GEMV through W_UV (the engine's path), against the merge that ap
 (`mla_decode_attention(..., w_uv=, counter=)`), batch 1; both checked against each other first.
 
 --gluon times the Gluon split kernel (`engine.kernels.mla_decode_gluon`, Hopper, up to 32 heads a
-program; over FP8 rows with one loader warpgroup and with two) beside the Triton one (with --check,
+program; over FP8 rows with two loader warpgroups, its default, and with one) beside the Triton one (with --check,
 both against the reference first); --page the cache's page size (64 by default; the engine's is 16).
 
 --queries-per-seq R times each batch's sequences with R query tokens each (a verification's k + 1 rows,
@@ -48,7 +48,7 @@ FP8_LAYOUT = FP8LatentLayout(512, 64, torch.bfloat16)
 
 KV_LORA, ROPE, PAGE = 512, 64, 64
 TILE_SWEEP = {
-    "default": {},
+    "default": dict(gluon=False),  # the Triton kernel's own tiles (on Hopper the engine takes "gluon")
     "n64 s2": dict(block_n=64, num_stages=2),
     "n64 s5": dict(block_n=64, num_stages=5),
     "n64 s2 w8": dict(block_n=64, num_stages=2, num_warps=8),
@@ -82,7 +82,7 @@ TILE_SWEEP = {
 # accumulator (`acc_t`: the tile as the wgmma's register operand), pipeline depth, four warps,
 # 128-token tiles (one load: two would take 288 KB), 32-token tiles
 FP8_SWEEP = {
-    "default": {},
+    "default": dict(gluon=False),  # the Triton kernel's own tiles (on Hopper the engine takes "gluon")
     "one load s2": dict(dequant=False, reload=False, num_stages=2),
     "reload s2": dict(dequant=False, num_stages=2),
     "reload s5": dict(dequant=False, num_stages=5),
@@ -107,13 +107,14 @@ FP8_SWEEP = {
     "decode once acc_t n32 w4": dict(dequant=True, reload=False, acc_t=True, block_n=32, min_chunk=32, num_warps=4),
     "half partials": dict(half_partials=True),
     "gluon": dict(gluon=True),
-    # the Gluon kernel's FP8 rows by two loader warpgroups (a tile's four chunks in flight at once; 16 heads)
-    "gluon 2wg": dict(gluon=True, gluon_loaders=2),
+    # the Gluon kernel's FP8 rows by one loader warpgroup (a tile's four chunks two at a time) instead of
+    # its default two (all four in flight at once)
+    "gluon 1wg": dict(gluon=True, gluon_loaders=1),
 }
-HEAD_BLOCK_SWEEP = {"default": {}, "h32": dict(block_h=32), "h16": dict(block_h=16)}
+HEAD_BLOCK_SWEEP = {"default": dict(gluon=False), "h32": dict(block_h=32), "h16": dict(block_h=16)}
 # the variants also timed at other slice counts
 SPLIT_SWEEP = ("default", "n64 s2 w8", "n32 s3", "decode once", "decode once w4", "decode once n32 w4", "gluon",
-               "gluon 2wg")
+               "gluon 1wg")
 
 
 def _ints(text: str) -> list[int]:
@@ -309,7 +310,7 @@ def main() -> int:
                 return {k: v for k, v in (FP8_SWEEP if kv == "fp8" else TILE_SWEEP).items()
                         if k == "default" or k.startswith("gluon")}
             if not args.sweep:
-                return {"default": {}}
+                return {"default": dict(gluon=False)}
             every = FP8_SWEEP if kv == "fp8" else TILE_SWEEP if heads <= 16 else HEAD_BLOCK_SWEEP
             if args.variants:  # variants named are timed at any head count
                 every = {**(FP8_SWEEP if kv == "fp8" else TILE_SWEEP), **HEAD_BLOCK_SWEEP}
@@ -344,7 +345,7 @@ def main() -> int:
         args.out.write_text(json.dumps(result, indent=1))
     print(f"\n{result['gpu']}, {result['sms']} SMs: MLA decode, TB/s effective (cache bytes / time per call)")
     for row in result["rows"]:
-        if "tb_s" in row and (row["variant"] in ("default", "before", "gluon", "gluon 2wg", "merge + gemv", "merge absorbs")
+        if "tb_s" in row and (row["variant"] in ("default", "before", "gluon", "gluon 1wg", "merge + gemv", "merge absorbs")
                               or " rows " in row["variant"]):
             print(f"  H={row['heads']:<3} B={row['batch']:<3} ctx={row['context']:<7} {row['kv']:4s} {row['variant']:8s} "
                   f"splits={row.get('splits')!s:<4} {row['us']:9.1f} us {row['tb_s']:6.2f} TB/s")

@@ -1,7 +1,7 @@
 """Speculative decoding with the MTP layer: what it buys a stream, and what verifying k drafts costs.
 
     python benchmarks/spec_decode.py [--model deepseek-tiny] [--k 1,2,3] [--streams 1,4,16]
-                                     [--presets v2-lite,v3-slice] [--fold-chunks] [--out results.json]
+                                     [--presets v2-lite,v3-slice] [--out results.json]
 
 1. A real checkpoint with a trained MTP layer (deepseek-tiny by default): greedy chat answers, or
    sampled ones (`--temperature`, `--top-p`, seeded; ignore_eos, `--max-tokens` each) through `LLMEngine.step`, one batch of `streams` requests at a
@@ -12,7 +12,6 @@
    (a verification, replayed from the decode graphs; and run eagerly, as a chunk) against a one-row
    decode step at `--context` tokens, and the MTP draft after it (its CUDA graph) -> the single-stream
    speedup each number of tokens gained per step would buy: gained * t(decode) / (t(verify) + t(draft)).
-   `--fold-chunks`: the k + 1 rows folded into the decode kernel's heads (each sequence's cache read once).
 """
 
 import argparse
@@ -25,7 +24,6 @@ from engine import SamplingParams
 from engine.bench.presets import preset_config
 from engine.bench.timing import time_fn
 from engine.config import EngineConfig, ModelConfig
-from engine.layers import attention
 from engine.llm_engine import LLMEngine
 from engine.model_runner import DraftGraphs, ModelRunner
 from engine.step_plan import StepPlan
@@ -52,8 +50,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--always-draft", action="store_true",
                    help="draft at every batch size (by default a GPU measures where drafting pays at start)")
-    p.add_argument("--fold-chunks", action="store_true",
-                   help="a verification's k + 1 rows folded into the decode kernel's heads (attention.FOLD_CHUNKS)")
     p.add_argument("--out")
     return p.parse_args()
 
@@ -191,9 +187,7 @@ def verify_costs(preset: str, ks: list[int], context: int) -> dict:
 
 def main() -> None:
     args = parse_args()
-    attention.FOLD_CHUNKS = args.fold_chunks
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "fold_chunks": args.fold_chunks,
               "real_model": real_model(args) if args.model else []}
     if args.presets:
         ks = [int(x) for x in args.k.split(",")]

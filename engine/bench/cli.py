@@ -58,14 +58,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="steps of up to TOKENS tokens replayed from CUDA graphs of their padded length, as the "
                         "engine's --prefill-graph-tokens (default: the engine's, 2048; 0: eager)")
     p.add_argument("--no-gluon", dest="gluon", action="store_false",
-                   help="prefill through the Triton kernels where Hopper would take the warp-specialised Gluon "
-                        "ones (bf16 attention, FP8 expert GEMMs), to measure what they give")
-    p.add_argument("--gluon-decode", action="store_true",
-                   help="decode attention's split programs through the warp-specialised Gluon kernel on Hopper "
-                        "(up to 32 heads a program), to measure it in the engine")
-    p.add_argument("--fold-chunks", action="store_true",
-                   help="a step's equal short chunks (a next turn: --turns) folded into the decode kernel's heads, "
-                        "each sequence's cache read once for its tokens, to measure it in the engine")
+                   help="the Triton kernels where Hopper would take the warp-specialised Gluon ones (prefill's bf16 "
+                        "attention and FP8 expert GEMMs, decode attention's split programs), to measure what they give")
+    p.add_argument("--no-fold-chunks", dest="fold_chunks", action="store_false",
+                   help="a step's equal short chunks (a next turn: --turns) as rows of the decode kernel each, not "
+                        "folded into its heads (each sequence's cache read once for its tokens), to measure the fold")
     p.add_argument("--merge-absorbs", action="store_true",
                    help="one token's output absorption (W_UV) in the decode merge's launch, not a GEMV after it, "
                         "to measure it in the engine")
@@ -95,7 +92,7 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
                         hf_max_prompt_len=args.hf_max_prompt_len, repeats=args.repeats, kernels=args.kernels,
                         device=args.device, dtype=args.dtype, weights=args.weights, backend=args.backend,
                         block_size=args.block_size, eager=args.eager, prefill_graphs=args.prefill_graphs,
-                        pdl=args.pdl, gluon=args.gluon, gluon_decode=args.gluon_decode, fold_chunks=args.fold_chunks,
+                        pdl=args.pdl, gluon=args.gluon, fold_chunks=args.fold_chunks,
                         merge_absorbs=args.merge_absorbs, seed=args.seed,
                         kv_cache_dtype=args.kv_cache_dtype,
                         out_dir=args.out, command=command,

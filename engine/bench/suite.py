@@ -48,12 +48,11 @@ class BenchOptions:
     # default, 0: eager)
     prefill_graphs: int | None = None
     pdl: bool = True  # kernels launched with programmatic dependent launch where the card has it
-    # prefill through the Gluon kernels on Hopper (bf16 attention, FP8 expert GEMMs: mla_prefill / fused_moe.GLUON);
-    # False: the Triton kernels
+    # the Gluon kernels on Hopper (prefill's bf16 attention and FP8 expert GEMMs, decode attention's split
+    # programs: mla_prefill / fused_moe / mla_decode.GLUON); False: the Triton kernels
     gluon: bool = True
-    gluon_decode: bool = False  # decode attention's split programs in Gluon on Hopper (mla_decode.GLUON)
     merge_absorbs: bool = False  # one token's W_UV applied by the decode merge (layers.attention.MERGE_ABSORBS)
-    fold_chunks: bool = False  # a step's equal short chunks folded into the decode kernel's heads (FOLD_CHUNKS)
+    fold_chunks: bool = True  # a step's equal short chunks folded into the decode kernel's heads (FOLD_CHUNKS)
     seed: int = 0
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -94,8 +93,7 @@ def run(opts: BenchOptions) -> dict:
     before, _util.PDL = _util.PDL, opts.pdl
     gluon_before = mla_prefill.GLUON, fused_moe.GLUON, mla_decode.GLUON
     attention_before = attention.MERGE_ABSORBS, attention.FOLD_CHUNKS
-    mla_prefill.GLUON = fused_moe.GLUON = opts.gluon
-    mla_decode.GLUON = opts.gluon_decode
+    mla_prefill.GLUON = fused_moe.GLUON = mla_decode.GLUON = opts.gluon
     attention.MERGE_ABSORBS, attention.FOLD_CHUNKS = opts.merge_absorbs, opts.fold_chunks
     try:
         return _run(opts)

@@ -58,10 +58,11 @@ from engine.kernels._util import (check, check_float, check_last_contiguous, glu
 from engine.layers.fp8_latent import FP8LatentLayout, dequantized
 
 LOG2E = 1.4426950408889634
-# the split kernel on Hopper through the warp-specialised Gluon one (`mla_decode_gluon`: up to 32 heads a
-# program, bf16 or FP8 rows), where it applies; off until timed against this one on a card
-# (`benchmarks/mla_decode.py --gluon`, `bench --gluon-decode`)
-GLUON = False
+# the split kernel on Hopper through the warp-specialised Gluon one (`mla_decode_gluon`: up to 32 heads,
+# bf16 or FP8 rows), where it applies: on an H100 as fast or faster at every batch, context, page and
+# cache timed (FP8 rows at batch 64 and 32k: 1.3-1.9x), one stream at 32k over the FP8 cache +6-12 %
+# (docs/perf.md, "The Gluon decode kernel on a card"; `benchmarks/mla_decode.py --gluon`, `bench --no-gluon`)
+GLUON = True
 
 
 @triton.jit

@@ -43,7 +43,7 @@ class AttentionMetadata:
     query_index: torch.Tensor | None = None
     # decode rows only: R > 1 where every sequence's rows are R consecutive tokens, each seeing one more
     # than the one before (a verification's k + 1 rows, as the graphs that run them know), which
-    # FOLD_CHUNKS folds into the decode kernel's heads; 1: nothing promised
+    # FOLD_VERIFICATIONS folds into the decode kernel's heads; 1: nothing promised
     queries_per_seq: int = 1
 
     @property
@@ -202,14 +202,17 @@ ABSORBED_MAX_QUERY = 16
 # float32 partial results (H x slices x kv_lora), which a step of many short fresh prompts would inflate
 ABSORBED_MAX_TOKENS = 256
 # one token's output absorption (W_UV) in the decode merge's launch instead of a GEMV after it: one
-# launch fewer a layer; off until measured in the engine (`bench --merge-absorbs`)
+# launch fewer a layer; measured no faster in the engine (one stream on an H100: 422.5 / 365.8 tokens/s at
+# 1k / 32k against 424.7 / 367.8), so off (`bench --merge-absorbs`)
 MERGE_ABSORBS = False
-# a step's absorbed chunks, where all have the same length R > 1 (a conversation's next turn, say), and a
-# fused speculative step's verifications (k + 1 rows a sequence: `AttentionMetadata.queries_per_seq`),
-# folded into the decode kernel's heads (`mla_decode_attention(queries_per_seq=R)`): each sequence's cache
-# read once for its R tokens instead of once a token; off until measured in the engine (`bench
-# --fold-chunks`, `benchmarks/spec_decode.py --fold-chunks`)
-FOLD_CHUNKS = False
+# a step's absorbed chunks, where all have the same length R > 1 (a conversation's next turn, say), folded
+# into the decode kernel's heads (`mla_decode_attention(queries_per_seq=R)`): each sequence's cache read
+# once for its R tokens instead of once a token (a next turn of 9 tokens over 32k on an H100: 590 -> 611
+# tokens/s; `bench --no-fold-chunks` without)
+FOLD_CHUNKS = True
+# the same for a fused speculative step's verifications (k + 1 rows a sequence, as its graphs tell the
+# metadata: `AttentionMetadata.queries_per_seq`); off until timed on a card
+FOLD_VERIFICATIONS = False
 
 
 def mla_prefill_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv_lora_rank, v_head_dim,
@@ -251,7 +254,7 @@ def mla_decode_fast(q_nope, q_pe, kv_cache, meta: AttentionMetadata, w_kv_b, kv_
     for one token, given `absorb`; q_latent: one token's query absorption already made, by the latent
     write's launch)."""
     first = meta.num_prefills
-    fold = meta.queries_per_seq if FOLD_CHUNKS and not first else 1
+    fold = meta.queries_per_seq if FOLD_VERIFICATIONS and not first else 1
     return _absorbed_attention(q_nope, q_pe, kv_cache, meta.block_tables[first:], meta.context_lens[first:], w_kv_b,
                                v_head_dim, softmax_scale, absorb, q_latent, queries_per_seq=fold)
 

@@ -739,11 +739,12 @@ def test_gluon_decode_takes_only_what_it_is_built_for():
                                                         (16, [1, 700, 20000, 33], 16, None), (32, [3000, 17], 64, None),
                                                         (20, [900, 4100], 32, 128)])
 def test_gluon_decode_is_the_reference_and_the_triton_kernels_math(cache, heads, lens, page, num_splits, monkeypatch):
-    """The Gluon split kernel (`mla_decode.GLUON`) within bf16 rounding of the float32 reference and of the
-    Triton kernel it replaces (2e-3 over bf16 rows; over the FP8 cache 1e-2, where the Triton kernel at up
-    to 32 heads folds each row's scale into the scores and probabilities instead of rounding the scaled
-    rows to bf16); every element written. The FP8 rows by one loader warpgroup or two (16 heads a program;
-    at 32 one serves)."""
+    """The Gluon split kernel (`mla_decode.GLUON`) within bf16 rounding of the float32 reference; over bf16
+    rows within 2e-3 of the Triton kernel it replaces; over the FP8 cache at least as close to the
+    reference as the Triton kernel, which folds each row's scale into the scores and probabilities (P
+    times the scale rounded to bf16: 1.2-1.9e-2 from the reference on an H100, the Gluon kernel 1-3e-4)
+    where the Gluon one rounds the scaled rows; every element written. The FP8 rows by one loader
+    warpgroup or two."""
     from engine.kernels import mla_decode, mla_decode_gluon
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -762,14 +763,15 @@ def test_gluon_decode_is_the_reference_and_the_triton_kernels_math(cache, heads,
     out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
     mla_decode_attention(*args, scale, num_splits=num_splits, out=out,
                          tiles=dict(gluon=True, gluon_loaders=2 if "two" in cache else 1))
-    assert calls and rel_err(out, ref) < 1e-2 and rel_err(out, want) < (1e-2 if fp8 else 2e-3)
+    assert calls and rel_err(out, ref) < 1e-2
+    assert rel_err(out, ref) <= rel_err(want, ref) if fp8 else rel_err(out, want) < 2e-3
     empty = torch.tensor(lens, device=DEV) == 0
     assert not out[empty].any()
 
 
-def _mla_layer_case(monkeypatch, g, cache, meta, tokens, fold, heads, nope, vdim, lora, rope):
-    """The MLA layer's arguments over `meta` (random queries and W_UKV), `attention.FOLD_CHUNKS` set to
-    fold -> (args, each decode-kernel call's queries_per_seq as it comes)."""
+def _mla_layer_case(monkeypatch, g, cache, meta, tokens, fold, heads, nope, vdim, lora, rope, switch="FOLD_CHUNKS"):
+    """The MLA layer's arguments over `meta` (random queries and W_UKV), the fold's switch in
+    `layers.attention` set to fold -> (args, each decode-kernel call's queries_per_seq as it comes)."""
     from engine.kernels import mla_decode
     from engine.layers import attention
 
@@ -779,7 +781,7 @@ def _mla_layer_case(monkeypatch, g, cache, meta, tokens, fold, heads, nope, vdim
     folds, attend = [], mla_decode.mla_decode_attention
     monkeypatch.setattr(mla_decode, "mla_decode_attention",
                         lambda *a, **k: folds.append(k.get("queries_per_seq", 1)) or attend(*a, **k))
-    monkeypatch.setattr(attention, "FOLD_CHUNKS", fold)
+    monkeypatch.setattr(attention, switch, fold)
     return (q_nope, q_pe, cache, meta, w_kv_b, lora, vdim, 0.3), folds
 
 
@@ -817,7 +819,7 @@ def test_mla_prefill_fast_paths_match_the_reference_layer(q_lens, fold, monkeypa
 def test_mla_decode_fast_folds_a_verifications_rows(fold, monkeypatch):
     """A fused speculative step's rows (`AttentionMetadata.queries_per_seq` = k + 1: each sequence's
     consecutive tokens, as `SpecGraphs` captures them) through the decode fast path: every real row as
-    the reference layer computes it, folded into the kernel's heads where FOLD_CHUNKS is on (once a
+    the reference layer computes it, folded into the kernel's heads where FOLD_VERIFICATIONS is on (once a
     sequence), one row at a time where it is off; a padding sequence (every row at position 0 of the
     scratch block) gives finite rows."""
     from engine.kernels.spec_step import reference_decode_rows
@@ -838,7 +840,8 @@ def test_mla_decode_fast_folds_a_verifications_rows(fold, monkeypatch):
         context_lens=(positions + 1).int(), block_tables=tables, num_prefills=0, num_prefill_tokens=0,
         block_size=page, query_start_loc_cpu=list(range(10)), query_lens_cpu=[1] * 9,
         context_lens_cpu=(positions + 1).tolist(), queries_per_seq=rows)
-    args, folds = _mla_layer_case(monkeypatch, g, cache, meta, 9, fold, heads, nope, vdim, lora, rope)
+    args, folds = _mla_layer_case(monkeypatch, g, cache, meta, 9, fold, heads, nope, vdim, lora, rope,
+                                  "FOLD_VERIFICATIONS")
     out = mla_decode_fast(*args)
     real = 2 * rows
     assert rel_err(out[:real], reference_layer(*args)[:real]) < F32_TOL and out.isfinite().all()

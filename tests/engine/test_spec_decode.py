@@ -603,7 +603,7 @@ def test_on_the_gpu_graphs_give_the_plain_tokens(tiny_prompts, k, fold, monkeypa
     steps launched ahead of the verification before them (positions and noise keys shifted on the
     device); greedy and seeded sampled tokens as plain decoding's (the sampling noise is keyed by position).
     Steps verify, draw (greedy, or with temperature and top-p), accept and draft in one fused replay, its
-    three outputs copied as one span; with `attention.FOLD_CHUNKS` the fused graphs' k + 1 rows a
+    three outputs copied as one span; with `attention.FOLD_VERIFICATIONS` the fused graphs' k + 1 rows a
     sequence folded into the decode kernel's heads."""
     from engine.kernels import mla_decode
     from engine.layers import attention
@@ -611,7 +611,7 @@ def test_on_the_gpu_graphs_give_the_plain_tokens(tiny_prompts, k, fold, monkeypa
     folds, attend = [], mla_decode.mla_decode_attention
     monkeypatch.setattr(mla_decode, "mla_decode_attention",
                         lambda *a, **kw: folds.append(kw.get("queries_per_seq", 1)) or attend(*a, **kw))
-    monkeypatch.setattr(attention, "FOLD_CHUNKS", fold)
+    monkeypatch.setattr(attention, "FOLD_VERIFICATIONS", fold)
     params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True)]
     batch = [tiny_prompts[0], tiny_prompts[1], tiny_prompts[1]]
     plain = LLM("deepseek-tiny", dtype="float32").generate(batch, [params[0], params[0], params[1]])
