@@ -19,7 +19,7 @@ last R query tokens (a verification's k + 1 rows) can be folded into the heads (
 one program's products then take R x H rows, each masked to the rows its token sees, and the
 sequence's cache is read once for all R instead of once a row.
 
-On Hopper, where `GLUON` is on, the split programs are `mla_decode_gluon`'s (up to 32 heads, 16 a program):
+On Hopper, where `GLUON` is on, the split programs are `mla_decode_gluon`'s (up to 32 heads a program):
 the same slices and outputs, each tile loaded by warps of its own (TMA, or the FP8 rows decoded into
 shared memory) while a consumer warpgroup runs both products on wgmma.
 

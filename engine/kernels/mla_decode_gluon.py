@@ -1,9 +1,7 @@
-"""MLA decode attention's split kernel in Gluon on Hopper, for up to 32 heads (V2-Lite's 16; V3's 128 heads
-over four or eight GPUs) in programs of up to 16 (`mla_decode.block_heads`: 32 heads run as two programs a
-slice, the second reading the tile from L2; a 32-head program compiles, untimed): `mla_decode`'s
-contract and outputs, each slice's tile work split over warps that run at once (after FlashMLA's
-design: loads and conversions beside the warpgroup that runs the products), for DeepSeek's latent
-widths (kv_lora 512, rope 64).
+"""MLA decode attention's split kernel in Gluon on Hopper, for up to 32 heads a program (V2-Lite's 16; V3's
+128 heads over four or eight GPUs): `mla_decode`'s contract and outputs, each slice's tile work split
+over warps that run at once (after FlashMLA's design: loads and conversions beside the warpgroup that
+runs the products), for DeepSeek's latent widths (kv_lora 512, rope 64).
 
 Why: at 16 heads a program the Triton split kernel is bound by its own latency (docs/perf.md, "Where the
 16-head kernel's time goes": one eight-warp program an SM, no eligible warp in 67-79 % of cycles), and
@@ -50,7 +48,7 @@ BLOCK_N = gl.constexpr(64)  # tokens a tile: the scores' M
 MIN_CHUNK = gl.constexpr(64)  # a slice is at least one tile
 CHUNK = gl.constexpr(16)  # FP8 rows decoded at a time (a [16, 512] e4m3 chunk: 64 bytes a loader thread)
 STAGES = 2  # tiles in the ring (72 KB each as bf16)
-MAX_HEADS = 32  # heads it takes (programs of up to 16); a program's O^T [512, H] takes 4 H registers a consumer thread
+MAX_HEADS = 32  # heads a program: O^T [512, H] takes 4 H registers a consumer thread
 MAX_SPLITS = 128
 # FP8 loader warpgroups: one (a tile's four chunks two at a time) or two (each a half: all four in flight);
 # two measured as fast or faster everywhere on an H100 (7-22 % at 16k-32k, batch 1-64)
@@ -416,7 +414,7 @@ def _pages_fit(page: int) -> bool:
 
 def applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, queries_per_seq: int = 1) -> bool:
     """Whether the Gluon split kernel takes these operands: a Hopper GPU, bf16 queries, DeepSeek's latent
-    widths, up to 32 heads (64 heads and more: the Triton kernel's 64-head tiles), pages of
+    widths, up to 32 heads a program (64 heads and more: the Triton kernel's 64-head tiles), pages of
     whole tiles or of 16 or 32 tokens, a cache TMA can describe (bf16 rows: contiguous, 16-byte aligned) or
     an FP8 one, and one query token a sequence. A bf16 cache's rows past a context must be finite (TMA
     reads them, a zero probability multiplies them): the engine's pool starts zeroed and holds latents."""
@@ -438,7 +436,7 @@ def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mi
     launched with programmatic dependent launch (the kernel waits for the one ahead before any read);
     fp8_loaders: the FP8 loader warpgroups (default FP8_LOADERS)."""
     batch, num_heads, _ = q_latent.shape
-    heads = block_heads(num_heads)  # up to 16 a program, as the Triton kernel's bf16 tiles (measured on both caches)
+    heads = block_heads(num_heads)
     page = kv_cache.shape[1]
     grid = (triton.cdiv(num_heads, heads), num_splits, batch)
     common = (q_latent, q_pe, block_tables, context_lens, mid_o, mid_lse, out)
