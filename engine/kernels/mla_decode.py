@@ -322,13 +322,15 @@ def programs_per_sm(batch: int, num_heads: int, sms: int = 132, block_h: int | N
     return 1 if batch * triton.cdiv(num_heads, block_h) * 32 <= sms else 2
 
 
-def default_num_splits(batch: int, num_heads: int, sms: int = 132, block_h: int | None = None) -> int:
+def default_num_splits(batch: int, num_heads: int, sms: int = 132, block_h: int | None = None,
+                       per_sm: int | None = None) -> int:
     """Slices per sequence so that (sequence, head block, slice) programs fill every SM's program slots
     once, a power of two (each count is a compiled merge variant) at most MAX_SPLITS; from the batch
-    alone, since the context lives on the device. The programs size their slices from the context."""
+    alone, since the context lives on the device. The programs size their slices from the context.
+    per_sm: programs an SM runs at once (default `programs_per_sm`'s, this kernel's)."""
     block_h = block_h or block_heads(num_heads)
     programs = batch * triton.cdiv(num_heads, block_h)
-    fill = max(1, programs_per_sm(batch, num_heads, sms, block_h) * sms // programs)
+    fill = max(1, (per_sm or programs_per_sm(batch, num_heads, sms, block_h)) * sms // programs)
     return min(MAX_SPLITS, 1 << (fill.bit_length() - 1))
 
 

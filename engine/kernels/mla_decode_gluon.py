@@ -40,6 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from engine.kernels import mla_decode
 from engine.kernels._gluon import WS_LIST_FORM, descriptor, thread_barrier, tma_load, wait_for_inputs
 from engine.kernels._util import _capability
 
@@ -49,7 +50,6 @@ MIN_CHUNK = gl.constexpr(64)  # a slice is at least one tile
 CHUNK = gl.constexpr(16)  # FP8 rows decoded at a time (a [16, 512] e4m3 chunk: 64 bytes a loader thread)
 STAGES = 2  # tiles in the ring (72 KB each as bf16)
 MAX_HEADS = 32  # heads a program: O^T [512, H] takes 4 H registers a consumer thread
-MAX_SPLITS = 128
 # FP8 loader warpgroups: one (a tile's four chunks two at a time) or two (each a half: all four in flight);
 # two measured as fast or faster everywhere on an H100 (7-22 % at 16k-32k, batch 1-64)
 FP8_LOADERS = 2
@@ -400,11 +400,9 @@ def block_heads(num_heads: int) -> int:
 
 
 def default_num_splits(batch: int, num_heads: int, sms: int) -> int:
-    """Slices a sequence so that the programs (one an SM) fill the chip once: a power of two (each count
-    is a merge variant), at most MAX_SPLITS."""
-    programs = batch * triton.cdiv(num_heads, block_heads(num_heads))
-    fill = max(1, sms // programs)
-    return min(MAX_SPLITS, 1 << (fill.bit_length() - 1))
+    """Slices a sequence so that this kernel's programs (one an SM) fill the chip once: `mla_decode`'s
+    choice at its head blocks."""
+    return mla_decode.default_num_splits(batch, num_heads, sms, block_heads(num_heads), per_sm=1)
 
 
 def _pages_fit(page: int) -> bool:
