@@ -12,6 +12,9 @@
    (a verification, replayed from the decode graphs; and run eagerly, as a chunk) against a one-row
    decode step at `--context` tokens, and the MTP draft after it (its CUDA graph) -> the single-stream
    speedup each number of tokens gained per step would buy: gained * t(decode) / (t(verify) + t(draft)).
+   Then the fused step (`SpecGraphs`: verify, accept and draft in one replay) of one sequence, captured
+   with the verification's rows folded into the decode kernel's heads and not
+   (`attention.FOLD_VERIFICATIONS`): the device time of a replay at that context, either way.
 """
 
 import argparse
@@ -25,7 +28,8 @@ from engine.bench.presets import preset_config
 from engine.bench.timing import time_fn
 from engine.config import EngineConfig, ModelConfig
 from engine.llm_engine import LLMEngine
-from engine.model_runner import DraftGraphs, ModelRunner
+from engine.layers import attention
+from engine.model_runner import DraftGraphs, GraphSampling, ModelRunner, SpecGraphs
 from engine.step_plan import StepPlan
 
 QUESTIONS = [
@@ -148,7 +152,8 @@ def verify_costs(preset: str, ks: list[int], context: int) -> dict:
     hf["num_nextn_predict_layers"] = 1
     model_config = ModelConfig.from_hf(hf)
     bs = max([64, *hf.get("compress_ratios", [])])  # V4: a page holds whole windows of every compressed layer
-    blocks = -(-(context + 2 * max(ks) + 8) // bs)
+    # room for the fused steps' replays, each moving the rows on by up to k + 1 positions
+    blocks = -(-(context + FUSED_REPLAYS * (max(ks) + 1) + 8) // bs)
     config = EngineConfig(model=preset, dtype="bfloat16", max_num_seqs=8, block_size=bs, num_kv_blocks=blocks + 1,
                           show_progress=False, speculative_config={"num_speculative_tokens": max(ks)},
                           extra={"capture_graphs_at_start": False})
@@ -177,12 +182,40 @@ def verify_costs(preset: str, ks: list[int], context: int) -> dict:
         out["draft_s"][k] = time_fn(lambda: graphs.replay(ids, rows, None, tables), dev, repeats=20, warmup=3)
         t = out["verify_s"][k] + out["draft_s"][k]
         out.setdefault("speedup_if_gained", {})[k] = {g: g * out["decode_s"] / t for g in range(1, k + 2)}
+        if runner.graphs.max_batch >= n:
+            out.setdefault("fused_s", {})[k] = {fold: fused_step(runner, k, context, fold) for fold in (False, True)}
         print(json.dumps({"preset": preset, "k": k, "decode_ms": out["decode_s"] * 1e3,
                           "verify_ms": out["verify_s"][k] * 1e3, "verify_eager_ms": out["verify_eager_s"][k] * 1e3,
-                          "draft_ms": out["draft_s"][k] * 1e3}), flush=True)
+                          "draft_ms": out["draft_s"][k] * 1e3,
+                          **{f"fused_{'folded' if fold else 'unfolded'}_ms": t * 1e3
+                             for fold, t in out.get("fused_s", {}).get(k, {}).items()}}), flush=True)
     del runner
     torch.cuda.empty_cache()
     return out
+
+
+FUSED_REPLAYS = 40  # warm-up and timed replays of a fused step, each moving its sequence on
+
+
+def fused_step(runner: ModelRunner, k: int, context: int, fold: bool) -> float:
+    """Device seconds of one fused speculative step (greedy) of one sequence whose k + 1 rows start at
+    `context`, captured with `attention.FOLD_VERIFICATIONS = fold`. The rows are loaded once and each
+    replay moves them on by what it accepted, as consecutive fused steps do (at most FUSED_REPLAYS (k + 1)
+    positions in all)."""
+    saved_k, saved_fold = runner.num_speculative_tokens, attention.FOLD_VERIFICATIONS
+    runner.num_speculative_tokens, attention.FOLD_VERIFICATIONS = k, fold  # read as the graph is captured
+    try:
+        spec = SpecGraphs(runner)
+        spec._capture(1, GraphSampling.GREEDY)
+    finally:
+        runner.num_speculative_tokens, attention.FOLD_VERIFICATIONS = saved_k, saved_fold
+    n = k + 1
+    plan = StepPlan([0], [context], [n], 1, [7] * n, list(range(n)), use_graph=True, fused_verify=True)
+    spec.replay(plan, None, None)
+    graph = spec.graphs[1, GraphSampling.GREEDY]
+    seconds = time_fn(graph.replay, runner.device, repeats=FUSED_REPLAYS - 6, warmup=5)
+    del spec, graph
+    return seconds
 
 
 def main() -> None:

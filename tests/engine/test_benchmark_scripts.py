@@ -22,3 +22,53 @@ def test_spec_host_work_reports_each_setting():
     rows = {line.split("  ")[0]: line.split() for line in out.splitlines()}
     assert {"plain", "k = 3, decode + draft graphs", "k = 3, fused"} <= set(rows)
     assert float(rows["k = 3, fused"][-3]) < float(rows["k = 3, decode + draft graphs"][-3])  # torch calls/step
+
+
+def test_spec_decode_times_the_fused_step_folded_and_not(monkeypatch):
+    """`benchmarks/spec_decode.py`'s fused step on a two-layer `v2-lite` on a CPU, each graph's function
+    where its replay would be: captured once with the verification folded into the decode kernel's heads
+    and once without (the switch read as the graph is captured, and put back), and timed."""
+    from benchmarks import spec_decode
+    from engine import model_runner
+    from engine.bench.presets import preset_config
+    from engine.config import EngineConfig, ModelConfig
+    from engine.layers import attention
+
+    folds = []
+
+    class Replayed:  # a captured graph's stand-in: replay runs the step again into the same outputs
+        def __init__(self, step, out):
+            self.step, self.out = step, out
+
+        def replay(self):
+            self.out.copy_(self.step())
+
+        def pool(self):
+            return None
+
+    def capture(step, pool, reset=None):
+        folds.append(attention.FOLD_VERIFICATIONS)
+        out = step()
+        if reset is not None:
+            reset()
+        return Replayed(step, out), out
+
+    monkeypatch.setattr(model_runner, "capture_graph", capture)
+    hf = preset_config("v2-lite")
+    hf.update(num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
+              topk_group=1, hidden_size=256, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4,
+              vocab_size=512, num_nextn_predict_layers=1)
+    context, bs, k = 100, 64, 3
+    blocks = -(-(context + spec_decode.FUSED_REPLAYS * (k + 1) + 8) // bs)
+    config = EngineConfig(model="v2-lite", dtype="float32", device="cpu", max_num_seqs=4, block_size=bs,
+                          num_kv_blocks=blocks + 1, show_progress=False, speculative_config={"num_speculative_tokens": k},
+                          extra={"capture_graphs_at_start": False})
+    runner = model_runner.ModelRunner(config, ModelConfig.from_hf(hf), None, blocks * bs)
+    runner.init_cache(blocks + 1)
+    runner.tables.apply([(0, 0, list(range(blocks)))])
+    runner.graphs = model_runner.DecodeGraphs(runner)
+    seconds = [spec_decode.fused_step(runner, k, context, fold) for fold in (False, True)]
+    assert folds == [False, True] and attention.FOLD_VERIFICATIONS is False
+    assert all(s > 0 for s in seconds)
+    # the replays moved the sequence's rows on from the context, by at least one position a replay
+    assert runner.graphs.positions[0].item() >= context + spec_decode.FUSED_REPLAYS - 1
