@@ -25,7 +25,7 @@ def test_spec_host_work_reports_each_setting():
 
 
 def test_spec_decode_times_the_fused_step_folded_and_not(monkeypatch):
-    """`benchmarks/spec_decode.py`'s fused step on a two-layer `v2-lite` on a CPU, each graph's function
+    """`benchmarks/spec_decode.py`'s fused step on the `tiny` preset with an MTP layer on a CPU, each graph's function
     where its replay would be: captured once with the verification folded into the decode kernel's heads
     and once without (the switch read as the graph is captured, and put back), and timed."""
     from benchmarks import spec_decode
@@ -54,13 +54,10 @@ def test_spec_decode_times_the_fused_step_folded_and_not(monkeypatch):
         return Replayed(step, out), out
 
     monkeypatch.setattr(model_runner, "capture_graph", capture)
-    hf = preset_config("v2-lite")
-    hf.update(num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
-              topk_group=1, hidden_size=256, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4,
-              vocab_size=512, num_nextn_predict_layers=1)
+    hf = dict(preset_config("tiny"), num_nextn_predict_layers=1)
     context, bs, k = 100, 64, 3
     blocks = -(-(context + spec_decode.FUSED_REPLAYS * (k + 1) + 8) // bs)
-    config = EngineConfig(model="v2-lite", dtype="float32", device="cpu", max_num_seqs=4, block_size=bs,
+    config = EngineConfig(model="tiny", dtype="float32", device="cpu", max_num_seqs=4, block_size=bs,
                           num_kv_blocks=blocks + 1, show_progress=False, speculative_config={"num_speculative_tokens": k},
                           extra={"capture_graphs_at_start": False})
     runner = model_runner.ModelRunner(config, ModelConfig.from_hf(hf), None, blocks * bs)

@@ -611,11 +611,22 @@ def test_on_the_gpu_graphs_give_the_plain_tokens(tiny_prompts, k, fold, monkeypa
 
     # the decode kernel's fold while the fused graphs are captured (elsewhere a verification run as a
     # chunk of k + 1 equal rows is folded by `attention.FOLD_CHUNKS`, whatever this switch says)
-    folds, attend, capture, capturing = [], mla_decode.mla_decode_attention, SpecGraphs._capture, []
-    monkeypatch.setattr(mla_decode, "mla_decode_attention", lambda *a, **kw: (
-        folds.append(kw.get("queries_per_seq", 1)) if capturing else None) or attend(*a, **kw))
-    monkeypatch.setattr(SpecGraphs, "_capture", lambda self, *a: capturing.append(1) or capture(self, *a)
-                        or capturing.clear())
+    folds, attend, capture, capturing = [], mla_decode.mla_decode_attention, SpecGraphs._capture, [False]
+
+    def attend_recorded(*args, **kwargs):
+        if capturing[0]:
+            folds.append(kwargs.get("queries_per_seq", 1))
+        return attend(*args, **kwargs)
+
+    def capture_recorded(self, *args):
+        capturing[0] = True
+        try:
+            capture(self, *args)
+        finally:
+            capturing[0] = False
+
+    monkeypatch.setattr(mla_decode, "mla_decode_attention", attend_recorded)
+    monkeypatch.setattr(SpecGraphs, "_capture", capture_recorded)
     monkeypatch.setattr(attention, "FOLD_VERIFICATIONS", fold)
     params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True)]
     batch = [tiny_prompts[0], tiny_prompts[1], tiny_prompts[1]]
