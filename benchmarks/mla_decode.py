@@ -20,8 +20,9 @@ merge, then the GEMV through W_UV (the engine's path), against the merge that ap
 (`mla_decode_attention(..., w_uv=, counter=)`), batch 1; both checked against each other first.
 
 --gluon times the Gluon split kernel (`engine.kernels.mla_decode_gluon`, Hopper, up to 32 heads a
-program; over FP8 rows with two loader warpgroups, its default, and with one) beside the Triton one (with --check,
-both against the reference first); --page the cache's page size (64 by default; the engine's is 16).
+program; over FP8 rows with two loader warpgroups, its default, and with one, and the rows staged as
+codes or decoded) beside the Triton one (with --check, both against the reference first; --variants
+keeps the named ones); --page the cache's page size (64 by default; the engine's is 16).
 
 --queries-per-seq R times each batch's sequences with R query tokens each (a verification's k + 1 rows,
 row r seeing R - 1 - r tokens fewer than the last): as B x R separate rows, against the R rows folded
@@ -110,11 +111,15 @@ FP8_SWEEP = {
     # the Gluon kernel's FP8 rows by one loader warpgroup (a tile's four chunks two at a time) instead of
     # its default two (all four in flight at once)
     "gluon 1wg": dict(gluon=True, gluon_loaders=1),
+    # the Gluon kernel's FP8 rows staged as codes (float16, the scales applied to scores and
+    # probabilities) or decoded to bf16 rows in the loaders, whichever is not its default
+    "gluon codes": dict(gluon=True, gluon_codes=True),
+    "gluon rows": dict(gluon=True, gluon_codes=False),
 }
 HEAD_BLOCK_SWEEP = {"default": dict(gluon=False), "h32": dict(block_h=32), "h16": dict(block_h=16)}
 # the variants also timed at other slice counts
 SPLIT_SWEEP = ("default", "n64 s2 w8", "n32 s3", "decode once", "decode once w4", "decode once n32 w4", "gluon",
-               "gluon 1wg")
+               "gluon 1wg", "gluon codes", "gluon rows")
 
 
 def _ints(text: str) -> list[int]:
@@ -308,7 +313,7 @@ def main() -> int:
         def variants(kv: str) -> dict:
             if args.gluon:
                 return {k: v for k, v in (FP8_SWEEP if kv == "fp8" else TILE_SWEEP).items()
-                        if k == "default" or k.startswith("gluon")}
+                        if (k == "default" or k.startswith("gluon")) and (not args.variants or k in args.variants)}
             if not args.sweep:
                 return {"default": dict(gluon=False)}
             every = FP8_SWEEP if kv == "fp8" else TILE_SWEEP if heads <= 16 else HEAD_BLOCK_SWEEP
@@ -345,9 +350,10 @@ def main() -> int:
         args.out.write_text(json.dumps(result, indent=1))
     print(f"\n{result['gpu']}, {result['sms']} SMs: MLA decode, TB/s effective (cache bytes / time per call)")
     for row in result["rows"]:
-        if "tb_s" in row and (row["variant"] in ("default", "before", "gluon", "gluon 1wg", "merge + gemv", "merge absorbs")
-                              or " rows " in row["variant"]):
-            print(f"  H={row['heads']:<3} B={row['batch']:<3} ctx={row['context']:<7} {row['kv']:4s} {row['variant']:8s} "
+        if "tb_s" in row and (row["variant"] in ("default", "before", "merge + gemv", "merge absorbs")
+                              or row["variant"].startswith("gluon") or " rows " in row["variant"]):
+            print(f"  H={row['heads']:<3} B={row['batch']:<3} ctx={row['context']:<7} {row['kv']:4s} "
+                  f"{row['variant']:11s} "
                   f"splits={row.get('splits')!s:<4} {row['us']:9.1f} us {row['tb_s']:6.2f} TB/s")
     for f in result["failures"]:
         print("FAIL", f)

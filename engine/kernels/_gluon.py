@@ -1,6 +1,7 @@
-"""What the Gluon kernels (Hopper's warp-specialised ones) share: the TMA load and the partition barrier
-under their names in the installed Triton, the form `warp_specialize` takes there, the consumer
-warpgroups' rows, the wait of programmatic dependent launch, and host-side TMA descriptors."""
+"""What the Gluon kernels (Hopper's warp-specialised ones) share: the TMA load, the partition barrier and
+a shared buffer's reinterpretation under their names in the installed Triton, the form `warp_specialize`
+takes there, the consumer warpgroups' rows, the wait of programmatic dependent launch, and host-side TMA
+descriptors."""
 
 import inspect
 
@@ -20,6 +21,8 @@ thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 # newer Gluon: warp_specialize([(fn, args), ...], warps, regs); earlier: (default_args, default_fn,
 # worker_args, worker_fns, warps, regs), the workers sharing one argument tuple
 WS_LIST_FORM = gl.constexpr("functions_and_args" in inspect.signature(gl.warp_specialize).parameters)
+# a shared buffer viewed as another dtype: `reinterpret` in newer Gluon, `_reinterpret` in Triton 3.6
+REINTERPRET_NAMED = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 WG_ROWS = gl.constexpr(64)  # rows of one consumer warpgroup (wgmma's M); a block is 2 x 64
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
@@ -33,6 +36,16 @@ def wait_for_inputs(PDL: gl.constexpr):
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
+
+
+@gluon.jit
+def reinterpret(mem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """The shared buffer `mem` viewed as `dtype` [shape] in `layout` (the same bytes)."""
+    if REINTERPRET_NAMED:
+        view = mem.reinterpret(dtype, shape, layout)
+    else:
+        view = mem._reinterpret(dtype, shape, layout)
+    return view
 
 
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:

@@ -391,7 +391,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     merge_cm, merge_warps: the merge's columns a program and warps; half_partials: the slices' partial
     outputs stored in float16; gluon: True or False, the Gluon split kernel where it applies or the Triton
     one, whatever `GLUON` says; tiles without it run the Triton kernel; gluon_loaders: its FP8 loader
-    warpgroups, 1 or 2), for benchmarks and tests.
+    warpgroups, 1 or 2; gluon_codes: its FP8 rows staged as their codes, or decoded), for benchmarks and
+    tests.
 
     queries_per_seq R > 1: the rows are sequences' last R query tokens, R consecutive rows a sequence
     (one block table), row r of a sequence seeing R - 1 - r rows fewer than its last row (a chunk's
@@ -480,7 +481,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     if gluon:
         mla_decode_gluon.split(q_latent, q_pe, kv_cache, (cache, cache_r, cache_s) if fp8 else None, block_tables,
                                last_lens, mid_o, mid_lse, out, num_splits, softmax_scale, direct, pdl=on,
-                               fp8_loaders=cfg.get("gluon_loaders"))
+                               fp8_loaders=cfg.get("gluon_loaders"), fp8_codes=cfg.get("gluon_codes"))
     else:
         _split_kernel[grid](q_latent, q_pe, cache, cache_r, cache_s, block_tables, last_lens, mid_o, mid_lse, out,
                             q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),

@@ -9,9 +9,11 @@ over the FP8 cache it executes twice the instructions, so it is slower than over
 reads half the bytes. Here a program is
 
 - a loader: bf16 rows by TMA (one warp: a tile's c_kv and k_pe boxes, one page's 64 rows or four
-  16-token pages' pieces, into a free stage of a two-tile ring); or FP8 rows (a warpgroup): a tile's e4m3 c_kv, k_pe and scales loaded, each
-  row times its scale rounded to bf16 (the rows the prefill path and the reference decode), stored to the
-  stage, so the conversions run beside the products instead of before them;
+  16-token pages' pieces, into a free stage of a two-tile ring); or FP8 rows (one or two warpgroups): a
+  tile's e4m3 c_kv, k_pe and scales loaded and stored to the stage, either as codes (each widened to
+  float16, exact, one conversion a pair; the scales beside them, applied by the consumer to each row's
+  score and probability) or decoded (each row times its scale rounded to bf16, the rows the prefill path
+  and the reference decode read), so the conversions run beside the products instead of before them;
 - a consumer warpgroup: per tile the scores transposed, S^T [64 tokens, H] = K Q^T (M = the tile's 64
   tokens, so 16 heads fill a wgmma without padding), the online softmax down each head's column, P^T
   [64, H] to shared memory, and O^T [512, H] += V^T P^T (M = the 512 latent columns, the tile read
@@ -41,7 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from engine.kernels import mla_decode
-from engine.kernels._gluon import WS_LIST_FORM, descriptor, thread_barrier, tma_load, wait_for_inputs
+from engine.kernels._gluon import (WS_LIST_FORM, descriptor, reinterpret, thread_barrier, tma_load,
+                                  wait_for_inputs)
 from engine.kernels._util import _capability
 
 KV_LORA, ROPE = gl.constexpr(512), gl.constexpr(64)  # the latent widths it is built for (every DeepSeek MLA model's)
@@ -53,11 +56,23 @@ MAX_HEADS = 32  # heads a program: O^T [512, H] takes 4 H registers a consumer t
 # FP8 loader warpgroups: one (a tile's four chunks two at a time) or two (each a half: all four in flight);
 # two measured as fast or faster everywhere on an H100 (7-22 % at 16k-32k, batch 1-64)
 FP8_LOADERS = 2
-# registers a thread of the TMA warp and of each FP8 loader warpgroup (by their number), the fewest without
-# spills (ptxas for sm_90): the TMA warp 40 (four pieces' rows looked up ahead at 16-token pages); one FP8
-# warpgroup 208 (with four chunks in flight it spilled even at 256); two 168 each, which leaves the consumer
-# 168, too few for 32 heads' O^T (it spilled): there one loader warpgroup serves.
-TMA_REGS, FP8_REGS = 40, {1: 208, 2: 168}
+# FP8 rows staged as their codes (`_fp8_codes`: each e4m3 code widened to float16, one conversion a pair,
+# exact; each row's scale applied to its score and probability instead of to its 512 values) at 32 heads
+# a program, and at 16 from this many sequences a launch; else decoded to bf16 rows in the loaders
+# (`_fp8_rows`, three instructions a value). Measured on an H100 (docs/perf.md, "FP8 codes in the decode
+# stage"): the codes 2-7 % faster where a program reads 16 tiles or more (8 sequences at 8k, 4 at 32k,
+# 64: 6-7 %; 32 heads at one sequence: 6 %), the decoded rows 2-8 % faster where it reads 1-4 (one
+# stream of 16 heads at 8k-32k); the launch knows the batch, not the contexts, so the batch decides.
+CODES_FROM_BATCH = 8
+# registers a thread of the TMA warp and of each FP8 loader warpgroup (by staging and their number), the
+# fewest without spills (ptxas for sm_90): the TMA warp 40 (four pieces' rows looked up ahead at 16-token
+# pages); decoding rows, one warpgroup 208 (with four chunks in flight it spilled even at 256), two 168
+# each, which leaves the consumer 168, too few for 32 heads' O^T (it spilled): there one loader warpgroup
+# serves; staging codes (a tile's four chunks in flight), one 208, two 152, which leaves the consumer (two
+# score accumulators) 184.
+TMA_REGS, FP8_REGS = 40, {(False, 1): 208, (False, 2): 168, (True, 1): 208, (True, 2): 152}
+# the queries' largest |value| in float16 once scaled by a power of two: 2^14, below 65504
+Q_RANGE = gl.constexpr(16384.0)
 
 
 @gluon.jit
@@ -74,12 +89,12 @@ def _slice(ctx, s, num_splits, BLOCK_N: gl.constexpr, MIN_CHUNK: gl.constexpr):
 # ---------------------------------------------------------------------------------------------------------
 @gluon.jit
 def _tma_loader(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
-                LOADERS: gl.constexpr):
+                LOADERS: gl.constexpr, CODES: gl.constexpr):
     """One warp: each tile's c_kv and k_pe boxes into the next stage, once the consumer released it. A
     tile is one page's rows, or (pages of 16 or 32 tokens) several pages' pieces; a piece past the
     slice's end loads the last piece's rows again (finite rows, masked by the consumer), so every stage
     receives the same bytes."""
-    q_s, qp_s, kv_s, kp_s, p_s, full, empty = ops[0]
+    q_s, qp_s, kv_s, kp_s, p_s, sc_s, full, empty = ops[0]
     ckv_desc, kpe_desc = ops[1]
     (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh, stride_qpb,
      stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2) = ops[2]
@@ -125,18 +140,24 @@ def _piece_rows(Tables, b, stride_tb, n0, last_piece, PAGE: gl.constexpr, ROWS: 
 
 @gluon.jit
 def _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0, end, stride_cb, stride_ct, stride_rb, stride_rt,
-               stride_sb, PAGE: gl.constexpr):
+               stride_sb, PAGE: gl.constexpr, WORDS: gl.constexpr):
     """Tokens [n0, n0 + CHUNK) of sequence b (one page's rows: PAGE is a multiple of CHUNK), those before
-    `end`: c_kv e4m3 [CHUNK, 512], k_pe [CHUNK, 64], scales [CHUNK], loaded, not yet decoded."""
-    c_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])  # 16 bytes a thread, a row a warp
+    `end`: c_kv e4m3 [CHUNK, 512] (WORDS: as int32 words of four codes, [CHUNK, 128], so a thread's 16
+    bytes stay in four registers: unpacked, a code a register, a tile held in flight spilled), k_pe
+    [CHUNK, 64], scales [CHUNK], loaded, not yet decoded."""
+    PER: gl.constexpr = 4 if WORDS else 1  # codes an element
+    c_layout: gl.constexpr = gl.BlockedLayout([1, 16 // PER], [1, 32], [4, 1], [1, 0])  # 16 B a thread, a warp a row
     r_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    codes = Cache
+    if WORDS:
+        codes = Cache.to(gl.pointer_type(gl.int32), bitcast=True)
     page = gl.load(Tables + b * stride_tb + n0 // PAGE, mask=n0 < end, other=0).to(gl.int64)
     tok0 = n0 % PAGE
     rc = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, c_layout))
-    cc = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, c_layout))
+    cc = gl.arange(0, KV_LORA // PER, layout=gl.SliceLayout(0, c_layout))
     live_c = n0 + rc < end
-    kv = gl.load(Cache + page * stride_cb + (tok0 + rc)[:, None] * stride_ct + cc[None, :],
-                 mask=live_c[:, None] & (cc < KV_LORA)[None, :], other=0.0)
+    kv = gl.load(codes + page * (stride_cb // PER) + (tok0 + rc)[:, None] * (stride_ct // PER) + cc[None, :],
+                 mask=live_c[:, None] & (cc < KV_LORA // PER)[None, :], other=0.0)
     sc = gl.load(CacheS + page * stride_sb + tok0 + rc, mask=live_c, other=0.0)
     rr = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, r_layout))
     cr = gl.arange(0, ROPE, layout=gl.SliceLayout(0, r_layout))
@@ -159,7 +180,7 @@ def _fp8_rows(ops, PAGE: gl.constexpr, STAGES: gl.constexpr, R0: gl.constexpr, C
     """One loader warpgroup's rows of every tile, [R0, R0 + CHUNKS x CHUNK): loaded two chunks at a time
     (the first two before it waits for the stage), decoded into the stage once the consumer released it,
     the stage's barrier arrived at when every thread's stores are done (one arrival a loader warpgroup)."""
-    q_s, qp_s, kv_s, kp_s, p_s, full, empty = ops[0]
+    q_s, qp_s, kv_s, kp_s, p_s, sc_s, full, empty = ops[0]
     Cache, CacheR, CacheS, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb = ops[1]
     (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh, stride_qpb,
      stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2) = ops[2]
@@ -167,19 +188,19 @@ def _fp8_rows(ops, PAGE: gl.constexpr, STAGES: gl.constexpr, R0: gl.constexpr, C
         stage = j % STAGES
         n0 = start + j * BLOCK_N + R0
         kv0, sc0, kp0 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0, end, stride_cb, stride_ct,
-                                   stride_rb, stride_rt, stride_sb, PAGE)
+                                   stride_rb, stride_rt, stride_sb, PAGE, False)
         kv1, sc1, kp1 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0 + CHUNK, end, stride_cb, stride_ct,
-                                   stride_rb, stride_rt, stride_sb, PAGE)
+                                   stride_rb, stride_rt, stride_sb, PAGE, False)
         if j >= STAGES:
             mbarrier.wait(empty.index(stage), phase=(j // STAGES - 1) & 1)
         _fp8_store(kv_s, kp_s, stage, R0, kv0, sc0, kp0)
         if CHUNKS == 4:  # the next chunk's loads issued before the current one is decoded and stored
             kv0, sc0, kp0 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0 + 2 * CHUNK, end, stride_cb,
-                                       stride_ct, stride_rb, stride_rt, stride_sb, PAGE)
+                                       stride_ct, stride_rb, stride_rt, stride_sb, PAGE, False)
         _fp8_store(kv_s, kp_s, stage, R0 + CHUNK, kv1, sc1, kp1)
         if CHUNKS == 4:
             kv1, sc1, kp1 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0 + 3 * CHUNK, end, stride_cb,
-                                       stride_ct, stride_rb, stride_rt, stride_sb, PAGE)
+                                       stride_ct, stride_rb, stride_rt, stride_sb, PAGE, False)
             _fp8_store(kv_s, kp_s, stage, R0 + 2 * CHUNK, kv0, sc0, kp0)
             _fp8_store(kv_s, kp_s, stage, R0 + 3 * CHUNK, kv1, sc1, kp1)
         fence_async_shared()  # the generic stores visible to the consumer's wgmma (the async proxy)
@@ -189,17 +210,73 @@ def _fp8_rows(ops, PAGE: gl.constexpr, STAGES: gl.constexpr, R0: gl.constexpr, C
 
 @gluon.jit
 def _fp8_loader0(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
-                 LOADERS: gl.constexpr):
-    """The first FP8 loader warpgroup: every row of a tile, or its first half where there are two."""
-    _fp8_rows(ops, PAGE, STAGES, 0, 4 // LOADERS)
+                 LOADERS: gl.constexpr, CODES: gl.constexpr):
+    """The first FP8 loader warpgroup: every tile, or (two, codes) the even ones, or (two, decoded rows)
+    every tile's first half."""
+    if CODES:
+        _fp8_codes(ops, PAGE, STAGES, 0, LOADERS)
+    else:
+        _fp8_rows(ops, PAGE, STAGES, 0, 4 // LOADERS)
 
 
 @gluon.jit
 def _fp8_loader1(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
-                 LOADERS: gl.constexpr):
-    """The second FP8 loader warpgroup (LOADERS = 2): the tile's second half, so all four chunks of a tile
-    are in flight at once."""
-    _fp8_rows(ops, PAGE, STAGES, 2 * CHUNK, 2)
+                 LOADERS: gl.constexpr, CODES: gl.constexpr):
+    """The second FP8 loader warpgroup (LOADERS = 2): the odd tiles (codes), or every tile's second half
+    (decoded rows: all four chunks of a tile in flight at once)."""
+    if CODES:
+        _fp8_codes(ops, PAGE, STAGES, 1, LOADERS)
+    else:
+        _fp8_rows(ops, PAGE, STAGES, 2 * CHUNK, 2)
+
+
+@gluon.jit
+def _codes_store(kv_s, kp_s, sc_s, stage, r0, kv, sc, kp):
+    """A loaded chunk into the stage as it is: the codes widened to float16 (exact: every e4m3 value is
+    one; a word's four codes by two conversions of a pair, stored as two words of float16 pairs through
+    the stage viewed as words), k_pe, and the rows' scales for the consumer."""
+    lo, hi = gl.inline_asm_elementwise(
+        "{ .reg .b16 a, b; mov.b32 {a, b}, $2; cvt.rn.f16x2.e4m3x2 $0, a; cvt.rn.f16x2.e4m3x2 $1, b; }",
+        "=r,=r,r", [kv], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    halves = gl.reshape(gl.join(lo, hi), [CHUNK, KV_LORA // 2])  # codes (4w, 4w + 1) then (4w + 2, 4w + 3)
+    words: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, KV_LORA // 2], gl.int32)
+    reinterpret(kv_s.index(stage), gl.int32, [BLOCK_N, KV_LORA // 2], words).slice(r0, CHUNK, dim=0).store(halves)
+    kp_s.index(stage).slice(r0, CHUNK, dim=0).store(kp)
+    sc_s.index(stage).slice(r0, CHUNK, dim=0).store(sc)
+
+
+@gluon.jit
+def _fp8_codes(ops, PAGE: gl.constexpr, STAGES: gl.constexpr, W: gl.constexpr, LOADERS: gl.constexpr):
+    """Loader warpgroup W's tiles (every LOADERS-th from tile W: with two, each fills one stage of the
+    ring), as codes: a tile's four chunks loaded at once, stored once the consumer released the stage,
+    and the stage's barrier arrived at when every thread's stores are done. The tiles split between the
+    loaders rather than their rows: a loader's fence before its arrival waits for its own loads in
+    flight, so loads of a next tile issued before it (a chunk pipeline inside one warpgroup) would wait
+    there too, while the other loader's next tile is in flight through it."""
+    q_s, qp_s, kv_s, kp_s, p_s, sc_s, full, empty = ops[0]
+    Cache, CacheR, CacheS, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb = ops[1]
+    (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh, stride_qpb,
+     stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2) = ops[2]
+    for j in range(W, n_tiles, LOADERS):
+        stage = j % STAGES
+        n0 = start + j * BLOCK_N
+        kv0, sc0, kp0 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0, end, stride_cb, stride_ct,
+                                     stride_rb, stride_rt, stride_sb, PAGE, True)
+        kv1, sc1, kp1 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0 + CHUNK, end, stride_cb,
+                                     stride_ct, stride_rb, stride_rt, stride_sb, PAGE, True)
+        kv2, sc2, kp2 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0 + 2 * CHUNK, end, stride_cb,
+                                     stride_ct, stride_rb, stride_rt, stride_sb, PAGE, True)
+        kv3, sc3, kp3 = _fp8_chunk(Cache, CacheR, CacheS, Tables, b, stride_tb, n0 + 3 * CHUNK, end, stride_cb,
+                                     stride_ct, stride_rb, stride_rt, stride_sb, PAGE, True)
+        if j >= STAGES:
+            mbarrier.wait(empty.index(stage), phase=(j // STAGES - 1) & 1)
+        _codes_store(kv_s, kp_s, sc_s, stage, 0, kv0, sc0, kp0)
+        _codes_store(kv_s, kp_s, sc_s, stage, CHUNK, kv1, sc1, kp1)
+        _codes_store(kv_s, kp_s, sc_s, stage, 2 * CHUNK, kv2, sc2, kp2)
+        _codes_store(kv_s, kp_s, sc_s, stage, 3 * CHUNK, kv3, sc3, kp3)
+        fence_async_shared()  # the generic stores visible to the consumer's wgmma (the async proxy)
+        thread_barrier()  # every thread's rows stored before the stage is handed over
+        mbarrier.arrive(full.index(stage), count=1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -218,9 +295,10 @@ def _softmax(s, m_i, l_i, valid, scale_log2):
 
 @gluon.jit
 def _stage_p(p_s, p):
-    """P^T rounded to bf16 (the Triton kernel's rounding) into shared memory, the values product's B
-    operand: visible to the async proxy, and stored by all four warps before any issues the product."""
-    p_s.store(p.to(gl.bfloat16))
+    """P^T rounded to the operands' 16 bits (bf16: the Triton kernel's rounding) into shared memory, the
+    values product's B operand: visible to the async proxy, and stored by all four warps before any issues
+    the product."""
+    p_s.store(p.to(p_s.dtype))
     fence_async_shared()
     thread_barrier()
 
@@ -234,8 +312,11 @@ def _issue_scores(kv_s, kp_s, stage, q_t, qp_t, s0):
 
 @gluon.jit
 def _load_queries(QL, QP, q_s, qp_s, b, hb, num_heads, stride_qlb, stride_qlh, stride_qpb, stride_qph,
-                  H: gl.constexpr):
-    """The program's heads' absorbed queries (zeros past num_heads) into shared memory: the scores' B operand."""
+                  H: gl.constexpr, CODES: gl.constexpr):
+    """The program's heads' absorbed queries (zeros past num_heads) into shared memory, the scores' B
+    operand -> the factor they were scaled by. Beside FP8 codes (float16 operands) the latent queries are
+    scaled by the power of two that brings their largest |value| into [2^14, 2^15): exact (bf16's 8
+    significant bits fit float16's 11), out of float16's overflow, and dividing the scores back is exact."""
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     h = hb * H + gl.arange(0, H, layout=gl.SliceLayout(1, q_layout))
     c = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, q_layout))
@@ -245,21 +326,37 @@ def _load_queries(QL, QP, q_s, qp_s, b, hb, num_heads, stride_qlb, stride_qlh, s
                 other=0.0)
     qp = gl.load(QP + b * stride_qpb + h[:, None] * stride_qph + r[None, :], mask=live[:, None] & (r < ROPE)[None, :],
                  other=0.0)
-    q_s.store(q)
+    if CODES:
+        q = q.to(gl.float32)
+        amax = gl.max(gl.max(gl.abs(q), axis=1), axis=0)
+        q_mult = gl.exp2(gl.floor(gl.log2(Q_RANGE / gl.maximum(amax, 1e-30))))
+        q_s.store((q * q_mult).to(gl.float16))
+    else:
+        q_mult = 1.0
+        q_s.store(q)
     qp_s.store(qp)
     fence_async_shared()
     thread_barrier()
+    return q_mult
 
 
 @gluon.jit
-def _consume(q_s, qp_s, kv_s, kp_s, p_s, full, empty, start, n_tiles, end, scale_log2, H: gl.constexpr,
-             STAGES: gl.constexpr):
-    """Every tile of the slice -> (O^T [512, H] unnormalized, m, l), FlashAttention's online softmax over
-    the transposed products. Per tile: wait for it, its scores, their softmax, O rescaled, P^T staged, its
-    values product, then the stage released at once. Decode is bound by bytes, not by the tensor cores, so
-    what matters is that the ring's other stage is loading while a tile is consumed: holding two stages
-    (a tile's scores in flight with the previous tile's values product, FlashAttention-3's overlap) would
-    start each load only once the previous one landed."""
+def _consume(q_s, qp_s, kv_s, kp_s, p_s, sc_s, full, empty, start, n_tiles, end, scale_log2, q_mult, H: gl.constexpr,
+             STAGES: gl.constexpr, CODES: gl.constexpr):
+    """Every tile of the slice -> (O^T [512, H] unnormalized, m, l, the factor O is in units of),
+    FlashAttention's online softmax over the transposed products. Per tile: wait for it, its scores, their
+    softmax, O rescaled, P^T staged, its values product, then the stage released at once. Decode is bound
+    by bytes, not by the tensor cores, so what matters is that the ring's other stage is loading while a
+    tile is consumed: holding two stages (a tile's scores in flight with the previous tile's values
+    product, FlashAttention-3's overlap) would start each load only once the previous one landed. Over
+    FP8 codes, whose loaders hold the next tile in registers before they wait for a stage, that overlap
+    was built and measured 2-8 % slower at every batch (docs/perf.md, "FP8 codes in the decode stage").
+
+    Over FP8 codes (CODES) row n of the tile is its codes c_n times its scale d_n, so its score is d_n (c_n .
+    q) and its values' share of O is (p_n d_n) c_n: the latent product over the codes and the k_pe product
+    (bf16) in two accumulators, the first scaled by d_n / q_mult, and P^T times d_n / d_ref in float16
+    (d_ref the slice's first tile's largest scale, so the factors stay near 1 where float16 is exact to
+    11 bits; O comes out in units of d_ref)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
     m_i = gl.full([H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
     l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(0, s_layout))
@@ -267,32 +364,48 @@ def _consume(q_s, qp_s, kv_s, kp_s, p_s, full, empty, start, n_tiles, end, scale
     o = gl.zeros([KV_LORA, H], gl.float32, layout=s_layout)
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     q_t, qp_t = q_s.permute((1, 0)), qp_s.permute((1, 0))  # [512, H], [64, H]
+    d_ref = scale_log2 * 0.0 + 1.0  # a float32 scalar
+    if CODES:
+        if n_tiles > 0:  # the first tile's largest scale, taken before O is live (in the loop, 32 heads spilled)
+            mbarrier.wait(full.index(0), phase=0)
+            d_ref = gl.max(sc_s.index(0).load(gl.SliceLayout(1, s_layout)), axis=0)
     for j in range(n_tiles):
         stage = j % STAGES
         mbarrier.wait(full.index(stage), phase=(j // STAGES) & 1)
-        s = _issue_scores(kv_s, kp_s, stage, q_t, qp_t, s0)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        if CODES:
+            d = sc_s.index(stage).load(gl.SliceLayout(1, s_layout))
+            s_c = warpgroup_mma(kv_s.index(stage), q_t, s0, use_acc=False, is_async=True)
+            s_r = warpgroup_mma(kp_s.index(stage), qp_t, s0, use_acc=False, is_async=True)
+            s_c, s_r = warpgroup_mma_wait(num_outstanding=0, deps=(s_c, s_r))
+            s = s_c * (d / q_mult)[:, None] + s_r
+        else:
+            s = _issue_scores(kv_s, kp_s, stage, q_t, qp_t, s0)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start + j * BLOCK_N + rows < end, scale_log2)
         o = o * alpha[None, :]  # the first tile's alpha is 0 (m was -inf), O still zeros
+        if CODES:  # rows past the end: p = 0 and d = 0 (their loads masked)
+            p = p * (d / d_ref)[:, None]
         _stage_p(p_s, p)  # the previous tile's values product, its reader, has completed
         o = warpgroup_mma(kv_s.index(stage).permute((1, 0)), p_s, o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
         mbarrier.arrive(empty.index(stage), count=1)
-    return o, m_i, l_i
+    return o, m_i, l_i, d_ref
 
 
 @gluon.jit
 def _consumer(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
-              LOADERS: gl.constexpr):
+              LOADERS: gl.constexpr, CODES: gl.constexpr):
     """The default partition (four warps): the queries, every tile, then the slice's output."""
-    q_s, qp_s, kv_s, kp_s, p_s, full, empty = ops[0]
+    q_s, qp_s, kv_s, kp_s, p_s, sc_s, full, empty = ops[0]
     (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh, stride_qpb,
      stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2) = ops[2]
-    _load_queries(QL, QP, q_s, qp_s, b, hb, num_heads, stride_qlb, stride_qlh, stride_qpb, stride_qph, H)
-    o, m_i, l_i = _consume(q_s, qp_s, kv_s, kp_s, p_s, full, empty, start, n_tiles, end, scale_log2, H, STAGES)
+    q_mult = _load_queries(QL, QP, q_s, qp_s, b, hb, num_heads, stride_qlb, stride_qlh, stride_qpb, stride_qph, H,
+                           CODES)
+    o, m_i, l_i, d_ref = _consume(q_s, qp_s, kv_s, kp_s, p_s, sc_s, full, empty, start, n_tiles, end, scale_log2,
+                                  q_mult, H, STAGES, CODES)
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
     has = l_i > 0
-    out = o / gl.where(has, l_i, 1.0)[None, :]
+    out = o * (d_ref / gl.where(has, l_i, 1.0))[None, :]
     # stored from the accumulator's layout: a warp's store covers 8 latent columns (32 bytes) of 8 heads
     c = gl.arange(0, KV_LORA, layout=gl.SliceLayout(1, o_layout))
     h = hb * H + gl.arange(0, H, layout=gl.SliceLayout(0, o_layout))
@@ -319,23 +432,27 @@ def _program(Lens, num_splits):
 
 
 @gluon.jit
-def _buffers(H: gl.constexpr, STAGES: gl.constexpr, LOADERS: gl.constexpr):
-    """The program's shared memory: queries, the ring of tiles, P^T, and the ring's barriers."""
-    dt: gl.constexpr = gl.bfloat16
+def _buffers(H: gl.constexpr, STAGES: gl.constexpr, LOADERS: gl.constexpr, CODES: gl.constexpr):
+    """The program's shared memory: queries, the ring of tiles (and of their rows' scales: FP8 codes), P^T,
+    and the ring's barriers. The latent operands in float16 beside FP8 codes, else bf16."""
+    dt: gl.constexpr = gl.float16 if CODES else gl.bfloat16
+    bf: gl.constexpr = gl.bfloat16
     q_s = gl.allocate_shared_memory(dt, [H, KV_LORA], gl.NVMMASharedLayout.get_default_for([H, KV_LORA], dt))
-    qp_s = gl.allocate_shared_memory(dt, [H, ROPE], gl.NVMMASharedLayout.get_default_for([H, ROPE], dt))
+    qp_s = gl.allocate_shared_memory(bf, [H, ROPE], gl.NVMMASharedLayout.get_default_for([H, ROPE], bf))
     kv_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, KV_LORA],
                                      gl.NVMMASharedLayout.get_default_for([BLOCK_N, KV_LORA], dt))
-    kp_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, ROPE],
-                                     gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dt))
+    kp_s = gl.allocate_shared_memory(bf, [STAGES, BLOCK_N, ROPE],
+                                     gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], bf))
     p_s = gl.allocate_shared_memory(dt, [BLOCK_N, H], gl.NVMMASharedLayout.get_default_for([BLOCK_N, H], dt))
+    sc_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=LOADERS)  # a TMA warp's expect, or each FP8 loader warpgroup's arrival
+        # a TMA warp's expect, an FP8 codes loader's arrival, or each decoding loader warpgroup's
+        mbarrier.init(full.index(i), count=1 if CODES else LOADERS)
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()  # the barriers' initialisation visible to the TMA unit
-    return q_s, qp_s, kv_s, kp_s, p_s, full, empty
+    return q_s, qp_s, kv_s, kp_s, p_s, sc_s, full, empty
 
 
 # neither the table's width (it follows the step's longest sequence) nor the slice count makes a variant
@@ -347,15 +464,16 @@ def _tma_decode_kernel(ckv_desc, kpe_desc, QL, QP, Tables, Lens, MidO, MidLse, O
     """bf16 rows: the consumer warpgroup (the default partition) + the TMA warp."""
     wait_for_inputs(PDL)  # the lengths and queries are the kernel ahead's
     hb, s, b, start, end, n_tiles = _program(Lens, num_splits)
-    ops = (_buffers(H, STAGES, 1), (ckv_desc, kpe_desc),
+    ops = (_buffers(H, STAGES, 1, False), (ckv_desc, kpe_desc),
            (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh,
             stride_qpb, stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits,
             scale_log2))
     if WS_LIST_FORM:
-        gl.warp_specialize([(_consumer, (ops, H, PAGE, STAGES, DIRECT, 1)),
-                            (_tma_loader, (ops, H, PAGE, STAGES, DIRECT, 1))], [1], [LOADER_REGS])
+        gl.warp_specialize([(_consumer, (ops, H, PAGE, STAGES, DIRECT, 1, False)),
+                            (_tma_loader, (ops, H, PAGE, STAGES, DIRECT, 1, False))], [1], [LOADER_REGS])
     else:
-        gl.warp_specialize((ops, H, PAGE, STAGES, DIRECT, 1), _consumer, (ops, H, PAGE, STAGES, DIRECT, 1),
+        gl.warp_specialize((ops, H, PAGE, STAGES, DIRECT, 1, False), _consumer,
+                           (ops, H, PAGE, STAGES, DIRECT, 1, False),
                            [_tma_loader], [1], [LOADER_REGS])
 
 
@@ -364,31 +482,33 @@ def _fp8_decode_kernel(Cache, CacheR, CacheS, QL, QP, Tables, Lens, MidO, MidLse
                        stride_rt, stride_sb, stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_tb, stride_mb,
                        stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2,
                        H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
-                       LOADER_REGS: gl.constexpr, PDL: gl.constexpr, LOADERS: gl.constexpr):
-    """FP8 rows: the consumer warpgroup (the default partition) + one or two decoding loader warpgroups."""
+                       LOADER_REGS: gl.constexpr, PDL: gl.constexpr, LOADERS: gl.constexpr, CODES: gl.constexpr):
+    """FP8 rows: the consumer warpgroup (the default partition) + one or two loader warpgroups (staging the
+    codes with CODES, else decoded rows)."""
     wait_for_inputs(PDL)
     hb, s, b, start, end, n_tiles = _program(Lens, num_splits)
-    ops = (_buffers(H, STAGES, LOADERS), (Cache, CacheR, CacheS, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb),
+    ops = (_buffers(H, STAGES, LOADERS, CODES),
+           (Cache, CacheR, CacheS, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb),
            (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh,
             stride_qpb, stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits,
             scale_log2))
     if LOADERS == 2:
         if WS_LIST_FORM:
-            gl.warp_specialize([(_consumer, (ops, H, PAGE, STAGES, DIRECT, LOADERS)),
-                                (_fp8_loader0, (ops, H, PAGE, STAGES, DIRECT, LOADERS)),
-                                (_fp8_loader1, (ops, H, PAGE, STAGES, DIRECT, LOADERS))], [4, 4],
+            gl.warp_specialize([(_consumer, (ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES)),
+                                (_fp8_loader0, (ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES)),
+                                (_fp8_loader1, (ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES))], [4, 4],
                                [LOADER_REGS, LOADER_REGS])
         else:
-            gl.warp_specialize((ops, H, PAGE, STAGES, DIRECT, LOADERS), _consumer,
-                               (ops, H, PAGE, STAGES, DIRECT, LOADERS), [_fp8_loader0, _fp8_loader1], [4, 4],
+            gl.warp_specialize((ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES), _consumer,
+                               (ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES), [_fp8_loader0, _fp8_loader1], [4, 4],
                                [LOADER_REGS, LOADER_REGS])
     else:
         if WS_LIST_FORM:
-            gl.warp_specialize([(_consumer, (ops, H, PAGE, STAGES, DIRECT, LOADERS)),
-                                (_fp8_loader0, (ops, H, PAGE, STAGES, DIRECT, LOADERS))], [4], [LOADER_REGS])
+            gl.warp_specialize([(_consumer, (ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES)),
+                                (_fp8_loader0, (ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES))], [4], [LOADER_REGS])
         else:
-            gl.warp_specialize((ops, H, PAGE, STAGES, DIRECT, LOADERS), _consumer,
-                               (ops, H, PAGE, STAGES, DIRECT, LOADERS), [_fp8_loader0], [4], [LOADER_REGS])
+            gl.warp_specialize((ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES), _consumer,
+                               (ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES), [_fp8_loader0], [4], [LOADER_REGS])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -427,12 +547,14 @@ def applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
 
 
 def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mid_lse, out, num_splits,
-          softmax_scale, direct: bool, pdl: bool = False, fp8_loaders: int | None = None):
+          softmax_scale, direct: bool, pdl: bool = False, fp8_loaders: int | None = None,
+          fp8_codes: bool | None = None):
     """Launch the split kernel over [B, H, 512] / [B, H, 64] queries: the slices' partial outputs into mid_o
     [B, H, S, 512] and log-sum-exps into mid_lse [B, H, S] (base 2), or with `direct` (one slice) the
     output into out [B, H, 512]. `views`: the FP8 cache's (c_kv, k_pe, scale) views, else None; pdl:
     launched with programmatic dependent launch (the kernel waits for the one ahead before any read);
-    fp8_loaders: the FP8 loader warpgroups (default FP8_LOADERS)."""
+    fp8_loaders: the FP8 loader warpgroups (default FP8_LOADERS); fp8_codes: the FP8 rows staged as their
+    codes or decoded (default: codes at 32 heads a program or from CODES_FROM_BATCH sequences)."""
     batch, num_heads, _ = q_latent.shape
     heads = block_heads(num_heads)
     page = kv_cache.shape[1]
@@ -450,7 +572,8 @@ def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mi
     else:
         c_kv, k_pe, scale = views
         loaders = 1 if heads > 16 else fp8_loaders or FP8_LOADERS
+        codes = heads > 16 or batch >= CODES_FROM_BATCH if fp8_codes is None else fp8_codes
         _fp8_decode_kernel[grid](c_kv, k_pe, scale, *common, c_kv.stride(0), c_kv.stride(1), k_pe.stride(0),
                                  k_pe.stride(1), scale.stride(0), *strides, H=heads, PAGE=page, STAGES=STAGES,
-                                 DIRECT=direct, LOADER_REGS=FP8_REGS[loaders], PDL=pdl, LOADERS=loaders,
-                                 launch_pdl=pdl, num_warps=4)
+                                 DIRECT=direct, LOADER_REGS=FP8_REGS[codes, loaders], PDL=pdl, LOADERS=loaders,
+                                 CODES=codes, launch_pdl=pdl, num_warps=4)

@@ -365,9 +365,10 @@ def compile_gluon() -> list[dict]:
         # in the decode chain: launched with programmatic dependent launch, as the engine does on Hopper
         constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct, LOADER_REGS=d.TMA_REGS, PDL=True)
         builds.append((d._tma_decode_kernel, dict(tma, **dict.fromkeys(constexprs, "constexpr")), constexprs))
-        for loaders in (1, 2) if heads == 16 else (1,):  # the FP8 rows by one loader warpgroup or two
-            constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct, LOADER_REGS=d.FP8_REGS[loaders],
-                              PDL=True, LOADERS=loaders)
+        # the FP8 rows by one loader warpgroup or two (at 16 heads), staged as codes or decoded
+        for codes, loaders in itertools.product((True, False), (1, 2) if heads == 16 else (1,)):
+            constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct,
+                              LOADER_REGS=d.FP8_REGS[codes, loaders], PDL=True, LOADERS=loaders, CODES=codes)
             builds.append((d._fp8_decode_kernel, dict(fp8, **dict.fromkeys(constexprs, "constexpr")), constexprs))
     results = []
     for kernel, sig, constexprs in builds:
