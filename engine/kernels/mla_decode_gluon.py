@@ -572,7 +572,7 @@ def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mi
     else:
         c_kv, k_pe, scale = views
         loaders = 1 if heads > 16 else fp8_loaders or FP8_LOADERS
-        codes = heads > 16 or batch >= CODES_FROM_BATCH if fp8_codes is None else fp8_codes
+        codes = (heads > 16 or batch >= CODES_FROM_BATCH) if fp8_codes is None else fp8_codes
         _fp8_decode_kernel[grid](c_kv, k_pe, scale, *common, c_kv.stride(0), c_kv.stride(1), k_pe.stride(0),
                                  k_pe.stride(1), scale.stride(0), *strides, H=heads, PAGE=page, STAGES=STAGES,
                                  DIRECT=direct, LOADER_REGS=FP8_REGS[codes, loaders], PDL=pdl, LOADERS=loaders,

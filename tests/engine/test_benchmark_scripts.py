@@ -58,7 +58,8 @@ def test_spec_decode_times_the_fused_step_folded_and_not(monkeypatch):
     context, bs, k = 100, 64, 3
     blocks = -(-(context + spec_decode.FUSED_REPLAYS * (k + 1) + 8) // bs)
     config = EngineConfig(model="tiny", dtype="float32", device="cpu", max_num_seqs=4, block_size=bs,
-                          num_kv_blocks=blocks + 1, show_progress=False, speculative_config={"num_speculative_tokens": k},
+                          num_kv_blocks=blocks + 1, show_progress=False,
+                          speculative_config={"num_speculative_tokens": k},
                           extra={"capture_graphs_at_start": False})
     runner = model_runner.ModelRunner(config, ModelConfig.from_hf(hf), None, blocks * bs)
     runner.init_cache(blocks + 1)

@@ -415,8 +415,8 @@ def _exact_fp8_reference(q_latent, q_pe, fp8_cache, block_tables, context_lens, 
     rounded to the activations' dtype (the output is, as a kernel's)."""
     from engine.layers.fp8_latent import FP8LatentLayout
 
-    c_kv, k_pe, scale = FP8LatentLayout(q_latent.shape[2], q_pe.shape[2], q_latent.dtype).views(fp8_cache)
-    rows = torch.cat([c_kv.float() * scale[..., None], k_pe.float()], -1)  # [blocks, page, kv_lora + rope]
+    layout = FP8LatentLayout(q_latent.shape[2], q_pe.shape[2], q_latent.dtype)
+    rows = layout.dequantize(fp8_cache, torch.float32)  # [blocks, page, kv_lora + rope], codes x scale unrounded
     return reference_mla_decode_attention(q_latent.float(), q_pe.float(), rows, block_tables, context_lens,
                                           softmax_scale).to(q_latent.dtype)
 
