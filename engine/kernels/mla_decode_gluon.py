@@ -22,6 +22,10 @@ reads half the bytes. Here a program is
   works on the other (decode is bound by bytes: the ring's depth, not the products' overlap, is what
   counts).
 
+Under programmatic dependent launch a program asks L2 for its slice's first tiles before it waits for the
+kernel ahead (`_ask_l2`, as the Triton kernel does), so the first tile's bytes are on their way while the
+new token's latent write ends.
+
 The split (slice sizes from the context on the device, an empty slice writing only its -inf log-sum-exp)
 and the outputs (each slice's normalized partial output and base-2 log-sum-exp, or with one slice the
 output itself) are `mla_decode`'s, so its merge kernels follow unchanged. One program an SM (two bf16
@@ -45,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from engine.kernels import mla_decode
 from engine.kernels._gluon import (WS_LIST_FORM, descriptor, reinterpret, thread_barrier, tma_load,
                                   wait_for_inputs)
-from engine.kernels._util import _capability
+from engine.kernels._util import _capability, pow2
 
 KV_LORA, ROPE = gl.constexpr(512), gl.constexpr(64)  # the latent widths it is built for (every DeepSeek MLA model's)
 BLOCK_N = gl.constexpr(64)  # tokens a tile: the scores' M
@@ -71,6 +75,9 @@ CODES_FROM_BATCH = 8
 # serves; staging codes (a tile's four chunks in flight), one 208, two 152, which leaves the consumer (two
 # score accumulators) 184.
 TMA_REGS, FP8_REGS = 40, {(False, 1): 208, (False, 2): 168, (True, 1): 208, (True, 2): 152}
+# tiles of its slice each program asks of L2 before it waits for the kernel ahead (under PDL): the Triton
+# kernel's `mla_decode.L2_PREFETCH_TILES`, whose measured best was 2
+L2_PREFETCH_TILES = 2
 # the queries' largest |value| in float16 once scaled by a power of two: 2^14, below 65504
 Q_RANGE = gl.constexpr(16384.0)
 
@@ -82,6 +89,41 @@ def _slice(ctx, s, num_splits, BLOCK_N: gl.constexpr, MIN_CHUNK: gl.constexpr):
     start = s * chunk
     end = gl.minimum(start + chunk, ctx)
     return start, end, gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+
+
+@gluon.jit
+def _prefetch_l2(Base, nbytes, LINES: gl.constexpr):
+    """`_util.prefetch_l2` in Gluon: one `prefetch.global.L2` a 128-byte line of the first nbytes (at most
+    LINES x 128) at Base, spread over the program's four warps; nothing waits for it."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    offs = gl.arange(0, LINES, layout=layout) * 128
+    gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+                              "=r,l,r", [Base.to(gl.pointer_type(gl.int8), bitcast=True) + offs,
+                                         (offs < nbytes).to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ask_l2(Lens, Tables, C, R, b, s, num_splits, stride_tb, table_width, num_pages, stride_cb, stride_ct, stride_rb,
+            stride_rt, C_BYTES: gl.constexpr, R_BYTES: gl.constexpr, TILES: gl.constexpr, PAGE: gl.constexpr,
+            LINES_C: gl.constexpr, LINES_R: gl.constexpr):
+    """The slice's first TILES tiles asked of L2 before the program waits for the kernel ahead (the new
+    token's latent write), as the Triton kernel does (`mla_decode._split_kernel`): in a decode graph the
+    lengths, the tables and every cache row but the new token's were written launches back, and L2 is where
+    memory is coherent, so a line asked for before the new row lands is still read as written. The length
+    and table read here only aim the prefetch (an eager step's lengths come from a cast launched just ahead,
+    so they may be stale): the table read within its width, the page clamped into the cache; the program's
+    work is sliced by the length read after the wait. A tile's rows a page at a time (C's: c_kv, or bf16
+    rows whole; R's: an FP8 cache's k_pe, R_BYTES 0 where none)."""
+    ROWS: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # a tile's rows within one page
+    start, end, n_tiles = _slice(gl.load(Lens + b), s, num_splits, BLOCK_N, MIN_CHUNK)
+    for i in gl.static_range(TILES * (BLOCK_N // ROWS)):
+        n0 = start + i * ROWS
+        page = gl.load(Tables + b * stride_tb + n0 // PAGE, mask=(n0 < end) & (n0 // PAGE < table_width), other=0)
+        page = gl.minimum(gl.maximum(page, 0), num_pages - 1).to(gl.int64)
+        rows = gl.minimum(end - n0, ROWS)  # none past the slice's end
+        _prefetch_l2(C + page * stride_cb + (n0 % PAGE) * stride_ct, rows * stride_ct * C_BYTES, LINES_C)
+        if R_BYTES > 0:
+            _prefetch_l2(R + page * stride_rb + (n0 % PAGE) * stride_rt, rows * stride_rt * R_BYTES, LINES_R)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -456,12 +498,18 @@ def _buffers(H: gl.constexpr, STAGES: gl.constexpr, LOADERS: gl.constexpr, CODES
 
 
 # neither the table's width (it follows the step's longest sequence) nor the slice count makes a variant
-@gluon.jit(do_not_specialize=["stride_tb", "num_splits"])
-def _tma_decode_kernel(ckv_desc, kpe_desc, QL, QP, Tables, Lens, MidO, MidLse, Out, stride_qlb, stride_qlh, stride_qpb,
-                       stride_qph, stride_tb, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads,
-                       num_splits, scale_log2, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                       DIRECT: gl.constexpr, LOADER_REGS: gl.constexpr, PDL: gl.constexpr):
-    """bf16 rows: the consumer warpgroup (the default partition) + the TMA warp."""
+@gluon.jit(do_not_specialize=["stride_tb", "table_width", "num_splits"])
+def _tma_decode_kernel(ckv_desc, kpe_desc, Rows, QL, QP, Tables, Lens, MidO, MidLse, Out, stride_qlb, stride_qlh,
+                       stride_qpb, stride_qph, stride_tb, table_width, num_pages, stride_mb, stride_mh, stride_ms,
+                       stride_ob, stride_oh, num_heads, num_splits, scale_log2, H: gl.constexpr, PAGE: gl.constexpr,
+                       STAGES: gl.constexpr, DIRECT: gl.constexpr, LOADER_REGS: gl.constexpr, PDL: gl.constexpr,
+                       L2_TILES: gl.constexpr, LINES_C: gl.constexpr):
+    """bf16 rows: the consumer warpgroup (the default partition) + the TMA warp. Rows: the cache's rows
+    [pages x PAGE, 576], which the descriptors describe (the prefetch's addresses)."""
+    if L2_TILES > 0:
+        W: gl.constexpr = KV_LORA + ROPE
+        _ask_l2(Lens, Tables, Rows, Rows, gl.program_id(2), gl.program_id(1), num_splits, stride_tb, table_width,
+                num_pages, PAGE * W, W, 0, 0, 2, 0, L2_TILES, PAGE, LINES_C, 1)
     wait_for_inputs(PDL)  # the lengths and queries are the kernel ahead's
     hb, s, b, start, end, n_tiles = _program(Lens, num_splits)
     ops = (_buffers(H, STAGES, 1, False), (ckv_desc, kpe_desc),
@@ -477,14 +525,18 @@ def _tma_decode_kernel(ckv_desc, kpe_desc, QL, QP, Tables, Lens, MidO, MidLse, O
                            [_tma_loader], [1], [LOADER_REGS])
 
 
-@gluon.jit(do_not_specialize=["stride_tb", "num_splits"])
+@gluon.jit(do_not_specialize=["stride_tb", "table_width", "num_splits"])
 def _fp8_decode_kernel(Cache, CacheR, CacheS, QL, QP, Tables, Lens, MidO, MidLse, Out, stride_cb, stride_ct, stride_rb,
-                       stride_rt, stride_sb, stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_tb, stride_mb,
-                       stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2,
-                       H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
-                       LOADER_REGS: gl.constexpr, PDL: gl.constexpr, LOADERS: gl.constexpr, CODES: gl.constexpr):
+                       stride_rt, stride_sb, stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_tb, table_width,
+                       num_pages, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits,
+                       scale_log2, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+                       LOADER_REGS: gl.constexpr, PDL: gl.constexpr, LOADERS: gl.constexpr, CODES: gl.constexpr,
+                       L2_TILES: gl.constexpr, LINES_C: gl.constexpr, LINES_R: gl.constexpr):
     """FP8 rows: the consumer warpgroup (the default partition) + one or two loader warpgroups (staging the
     codes with CODES, else decoded rows)."""
+    if L2_TILES > 0:
+        _ask_l2(Lens, Tables, Cache, CacheR, gl.program_id(2), gl.program_id(1), num_splits, stride_tb, table_width,
+                num_pages, stride_cb, stride_ct, stride_rb, stride_rt, 1, 2, L2_TILES, PAGE, LINES_C, LINES_R)
     wait_for_inputs(PDL)
     hb, s, b, start, end, n_tiles = _program(Lens, num_splits)
     ops = (_buffers(H, STAGES, LOADERS, CODES),
@@ -548,27 +600,31 @@ def applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
 
 def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mid_lse, out, num_splits,
           softmax_scale, direct: bool, pdl: bool = False, fp8_loaders: int | None = None,
-          fp8_codes: bool | None = None):
+          fp8_codes: bool | None = None, l2_tiles: int | None = None):
     """Launch the split kernel over [B, H, 512] / [B, H, 64] queries: the slices' partial outputs into mid_o
     [B, H, S, 512] and log-sum-exps into mid_lse [B, H, S] (base 2), or with `direct` (one slice) the
     output into out [B, H, 512]. `views`: the FP8 cache's (c_kv, k_pe, scale) views, else None; pdl:
     launched with programmatic dependent launch (the kernel waits for the one ahead before any read);
     fp8_loaders: the FP8 loader warpgroups (default FP8_LOADERS); fp8_codes: the FP8 rows staged as their
-    codes or decoded (default: codes at 32 heads a program or from CODES_FROM_BATCH sequences)."""
+    codes or decoded (default: codes at 32 heads a program or from CODES_FROM_BATCH sequences); l2_tiles:
+    tiles of its slice a program asks of L2 before it waits (under PDL; default L2_PREFETCH_TILES)."""
     batch, num_heads, _ = q_latent.shape
     heads = block_heads(num_heads)
     page = kv_cache.shape[1]
     grid = (triton.cdiv(num_heads, heads), num_splits, batch)
     common = (q_latent, q_pe, block_tables, context_lens, mid_o, mid_lse, out)
     strides = (q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0),
-               mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), out.stride(0), out.stride(1), num_heads, num_splits,
-               softmax_scale * 1.4426950408889634)
+               block_tables.shape[1], kv_cache.shape[0], mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+               out.stride(0), out.stride(1), num_heads, num_splits, softmax_scale * 1.4426950408889634)
+    piece = min(page, int(BLOCK_N))  # a tile's rows within one page (a TMA box, a prefetch)
+    l2 = (L2_PREFETCH_TILES if l2_tiles is None else l2_tiles) if pdl else 0
+    lines = lambda nbytes: pow2(triton.cdiv(piece * nbytes, 128), 1)  # a piece's 128-byte lines, nbytes a row
     if views is None:
         rows = kv_cache.view(-1, kv_cache.shape[2])  # [pages * page, 576]
-        piece = min(page, int(BLOCK_N))  # the rows of one page a TMA box takes
         descs = (descriptor(rows, [piece, int(KV_LORA)]), descriptor(rows, [piece, int(ROPE)]))
-        _tma_decode_kernel[grid](*descs, *common, *strides, H=heads, PAGE=page, STAGES=STAGES, DIRECT=direct,
-                                 LOADER_REGS=TMA_REGS, PDL=pdl, launch_pdl=pdl, num_warps=4)
+        _tma_decode_kernel[grid](*descs, rows, *common, *strides, H=heads, PAGE=page, STAGES=STAGES, DIRECT=direct,
+                                 LOADER_REGS=TMA_REGS, PDL=pdl, L2_TILES=l2, LINES_C=lines(rows.stride(0) * 2),
+                                 launch_pdl=pdl, num_warps=4)
     else:
         c_kv, k_pe, scale = views
         loaders = 1 if heads > 16 else fp8_loaders or FP8_LOADERS
@@ -576,4 +632,5 @@ def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mi
         _fp8_decode_kernel[grid](c_kv, k_pe, scale, *common, c_kv.stride(0), c_kv.stride(1), k_pe.stride(0),
                                  k_pe.stride(1), scale.stride(0), *strides, H=heads, PAGE=page, STAGES=STAGES,
                                  DIRECT=direct, LOADER_REGS=FP8_REGS[codes, loaders], PDL=pdl, LOADERS=loaders,
-                                 CODES=codes, launch_pdl=pdl, num_warps=4)
+                                 CODES=codes, L2_TILES=l2, LINES_C=lines(c_kv.stride(1)),
+                                 LINES_R=lines(k_pe.stride(1) * k_pe.element_size()), launch_pdl=pdl, num_warps=4)

@@ -321,6 +321,7 @@ def compile_gluon() -> list[dict]:
     from engine.kernels import fused_moe_gluon as m
     from engine.kernels import mla_prefill_gluon as g
     from engine.kernels._gluon import WG_ROWS, descriptor, signature_of
+    from engine.kernels._util import pow2
 
     kernel = g._ws_prefill_kernel
     rows = int(WG_ROWS)
@@ -353,22 +354,27 @@ def compile_gluon() -> list[dict]:
 
     lora, rope = int(d.KV_LORA), int(d.ROPE)
     common = dict(QL="*bf16", QP="*bf16", Tables="*i32", Lens="*i32", MidO="*fp32", MidLse="*fp32", Out="*bf16",
-                  **dict.fromkeys(["stride_qlb", "stride_qlh", "stride_qpb", "stride_qph", "stride_tb", "stride_mb",
-                                   "stride_mh", "stride_ms", "stride_ob", "stride_oh", "num_heads", "num_splits"], "i32"),
+                  **dict.fromkeys(["stride_qlb", "stride_qlh", "stride_qpb", "stride_qph", "stride_tb", "table_width",
+                                   "num_pages", "stride_mb", "stride_mh", "stride_ms", "stride_ob", "stride_oh",
+                                   "num_heads", "num_splits"], "i32"),
                   scale_log2="fp32")
     fp8 = dict(Cache="*fp8e4nv", CacheR="*bf16", CacheS="*fp32", **common,
                **dict.fromkeys(["stride_cb", "stride_ct", "stride_rb", "stride_rt", "stride_sb"], "i32"))
     for heads, direct, page in ((16, False, 64), (16, True, 64), (32, False, 64), (16, False, 16)):
         rows = min(page, int(d.BLOCK_N))
         tma = dict(ckv_desc=signature_of(descriptor(_empty(256, lora + rope), [rows, lora])),
-                   kpe_desc=signature_of(descriptor(_empty(256, lora + rope), [rows, rope])), **common)
-        # in the decode chain: launched with programmatic dependent launch, as the engine does on Hopper
-        constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct, LOADER_REGS=d.TMA_REGS, PDL=True)
+                   kpe_desc=signature_of(descriptor(_empty(256, lora + rope), [rows, rope])), Rows="*bf16", **common)
+        # in the decode chain: launched with programmatic dependent launch, as the engine does on Hopper, the
+        # slice's first tiles asked of L2 before the wait (a piece's 128-byte lines: bf16 rows, c_kv, k_pe)
+        lines = lambda nbytes: pow2(-(-rows * nbytes // 128), 1)
+        constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct, LOADER_REGS=d.TMA_REGS, PDL=True,
+                          L2_TILES=d.L2_PREFETCH_TILES, LINES_C=lines(2 * (lora + rope)))
         builds.append((d._tma_decode_kernel, dict(tma, **dict.fromkeys(constexprs, "constexpr")), constexprs))
         # the FP8 rows by one loader warpgroup or two (at 16 heads), staged as codes or decoded
         for codes, loaders in itertools.product((True, False), (1, 2) if heads == 16 else (1,)):
             constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct,
-                              LOADER_REGS=d.FP8_REGS[codes, loaders], PDL=True, LOADERS=loaders, CODES=codes)
+                              LOADER_REGS=d.FP8_REGS[codes, loaders], PDL=True, LOADERS=loaders, CODES=codes,
+                              L2_TILES=d.L2_PREFETCH_TILES, LINES_C=lines(lora), LINES_R=lines(2 * rope))
             builds.append((d._fp8_decode_kernel, dict(fp8, **dict.fromkeys(constexprs, "constexpr")), constexprs))
     results = []
     for kernel, sig, constexprs in builds:
@@ -377,8 +383,15 @@ def compile_gluon() -> list[dict]:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         results.append(dict(key=(kernel.__name__, str(constexprs)), kernel=kernel.__name__,
                             shared=compiled.metadata.shared, constexprs=constexprs, options=options,
-                            waits="griddepcontrol.wait" in compiled.asm["ptx"], spills=_spills(compiled.asm["ptx"])))
+                            waits="griddepcontrol.wait" in compiled.asm["ptx"], spills=_spills(compiled.asm["ptx"]),
+                            late_l2=constexprs.get("L2_TILES", 0) > 0 and not _asks_l2_first(compiled.asm["ptx"])))
     return results
+
+
+def _asks_l2_first(ptx: str) -> bool:
+    """Whether a kernel asks L2 for its first tiles before it waits for the kernel ahead (the prefetch's point)."""
+    first, wait = ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait")
+    return 0 <= first < wait
 
 
 def _spills(ptx: str, arch: int = 90) -> int:
@@ -420,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         flag = "  over the limit" if r in bad else ""
         flag += "  launched early but never waits" if r in unsafe else ""
         flag += f"  spills {r['spills']} bytes" if r.get("spills") else ""
+        flag += "  asks L2 only after waiting" if r.get("late_l2") else ""
         print(f"{r['kernel']:22s} shared {r['shared']:7d} B  {r['options']}{flag}")
     print(f"{len(results)} kernel variants compiled for sm_{args.arch}")
     return 1 if bad or unsafe else 0

@@ -41,3 +41,5 @@ def test_every_kernel_compiles_for_hopper_within_its_shared_memory():
     assert "never waits" not in proc.stdout
     # the Gluon kernels' partitions hold their registers without spilling (ptxas on their PTX)
     assert "spills" not in proc.stdout
+    # the Gluon decode kernels ask L2 for their first tiles before they wait for the kernel ahead
+    assert "asks L2 only after waiting" not in proc.stdout
