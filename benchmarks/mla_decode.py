@@ -145,8 +145,12 @@ def make_case(batch: int, context: int, heads: int, copies: int, lens: list[int]
     return q, q_pe, caches, tables, torch.tensor(lens, dtype=torch.int32, device="cuda")
 
 
-def time_calls(calls, repeats: int = 5) -> float:
-    """Seconds per call: the calls captured in one graph, replayed; median of `repeats` replays."""
+def time_calls(calls, repeats: int = 5, warmup_s: float = 0.1) -> float:
+    """Seconds per call: the calls captured in one graph, replayed for at least `warmup_s` untimed, then the
+    median of `repeats` replays. The warm-up is by time, not by count: after one replay of warm-up, the
+    first variant timed over a freshly made cache at 16 sequences or more and 16k tokens or more read
+    12-18 % slower than the same kernel timed right after it (H100; docs/perf.md, "A second consumer
+    warpgroup in the decode kernel")."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -157,7 +161,15 @@ def time_calls(calls, repeats: int = 5) -> float:
     with torch.cuda.graph(graph):
         for c in calls:
             c()
-    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    warm, replays = 0.0, 0
+    while warm < warmup_s and replays < 1000:
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        warm += start.elapsed_time(end) / 1e3
+        replays += 1
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
