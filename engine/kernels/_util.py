@@ -96,6 +96,11 @@ def last_program(Counter, programs):
     return last
 
 
+# one `prefetch.global.L2` of the line at $1 where $2 is non-zero ($0 a dummy result): `prefetch_l2`'s, and
+# the Gluon decode kernel's (`mla_decode_gluon._prefetch_l2`, whose ranges need a layout)
+PREFETCH_L2_ASM = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
+
+
 @triton.jit
 def prefetch_l2(Base, nbytes, LINES: tl.constexpr):
     """Ask L2 for the first nbytes (at most LINES * 128) at Base: one `prefetch.global.L2` a 128-byte line,
@@ -104,8 +109,8 @@ def prefetch_l2(Base, nbytes, LINES: tl.constexpr):
     ahead finishes; L2 is where the GPU's memory is coherent, so a line the kernel ahead rewrites is never
     stale. GPU only (inline PTX)."""
     offs = tl.arange(0, LINES) * 128
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-                              "=r,l,r", [Base.to(tl.pointer_type(tl.int8)) + offs, (offs < nbytes).to(tl.int32)],
+    tl.inline_asm_elementwise(PREFETCH_L2_ASM, "=r,l,r", [Base.to(tl.pointer_type(tl.int8)) + offs,
+                                                         (offs < nbytes).to(tl.int32)],
                               dtype=tl.int32, is_pure=False, pack=1)
 
 

@@ -481,7 +481,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     if gluon:
         mla_decode_gluon.split(q_latent, q_pe, kv_cache, (cache, cache_r, cache_s) if fp8 else None, block_tables,
                                last_lens, mid_o, mid_lse, out, num_splits, softmax_scale, direct, pdl=on,
-                               fp8_loaders=cfg.get("gluon_loaders"), fp8_codes=cfg.get("gluon_codes"))
+                               fp8_loaders=cfg.get("gluon_loaders"), fp8_codes=cfg.get("gluon_codes"),
+                               l2_tiles=cfg.get("l2_tiles"))
     else:
         _split_kernel[grid](q_latent, q_pe, cache, cache_r, cache_s, block_tables, last_lens, mid_o, mid_lse, out,
                             q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from engine.kernels import mla_decode
 from engine.kernels._gluon import (WS_LIST_FORM, descriptor, reinterpret, thread_barrier, tma_load,
                                   wait_for_inputs)
-from engine.kernels._util import _capability, pow2
+from engine.kernels._util import PREFETCH_L2_ASM, _capability, pow2
 
 KV_LORA, ROPE = gl.constexpr(512), gl.constexpr(64)  # the latent widths it is built for (every DeepSeek MLA model's)
 BLOCK_N = gl.constexpr(64)  # tokens a tile: the scores' M
@@ -75,9 +75,6 @@ CODES_FROM_BATCH = 8
 # serves; staging codes (a tile's four chunks in flight), one 208, two 152, which leaves the consumer (two
 # score accumulators) 184.
 TMA_REGS, FP8_REGS = 40, {(False, 1): 208, (False, 2): 168, (True, 1): 208, (True, 2): 152}
-# tiles of its slice each program asks of L2 before it waits for the kernel ahead (under PDL): the Triton
-# kernel's `mla_decode.L2_PREFETCH_TILES`, whose measured best was 2
-L2_PREFETCH_TILES = 2
 # the queries' largest |value| in float16 once scaled by a power of two: 2^14, below 65504
 Q_RANGE = gl.constexpr(16384.0)
 
@@ -97,9 +94,9 @@ def _prefetch_l2(Base, nbytes, LINES: gl.constexpr):
     LINES x 128) at Base, spread over the program's four warps; nothing waits for it."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     offs = gl.arange(0, LINES, layout=layout) * 128
-    gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-                              "=r,l,r", [Base.to(gl.pointer_type(gl.int8), bitcast=True) + offs,
-                                         (offs < nbytes).to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(PREFETCH_L2_ASM, "=r,l,r", [Base.to(gl.pointer_type(gl.int8), bitcast=True) + offs,
+                                                         (offs < nbytes).to(gl.int32)],
+                              dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -577,6 +574,11 @@ def default_num_splits(batch: int, num_heads: int, sms: int) -> int:
     return mla_decode.default_num_splits(batch, num_heads, sms, block_heads(num_heads), per_sm=1)
 
 
+def prefetch_lines(page: int, row_bytes: int) -> int:
+    """The 128-byte lines `_ask_l2` asks for a tile's rows within one page (a power of two, its LINES)."""
+    return pow2(triton.cdiv(min(page, int(BLOCK_N)) * row_bytes, 128), 1)
+
+
 def _pages_fit(page: int) -> bool:
     """Pages of whole tiles, or tiles of whole pages of 16 or 32 tokens (a TMA box and an FP8 chunk each)."""
     return page % int(BLOCK_N) == 0 or page in (16, 32)
@@ -607,7 +609,8 @@ def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mi
     launched with programmatic dependent launch (the kernel waits for the one ahead before any read);
     fp8_loaders: the FP8 loader warpgroups (default FP8_LOADERS); fp8_codes: the FP8 rows staged as their
     codes or decoded (default: codes at 32 heads a program or from CODES_FROM_BATCH sequences); l2_tiles:
-    tiles of its slice a program asks of L2 before it waits (under PDL; default L2_PREFETCH_TILES)."""
+    tiles of its slice a program asks of L2 before it waits (under PDL; default
+    `mla_decode.L2_PREFETCH_TILES`)."""
     batch, num_heads, _ = q_latent.shape
     heads = block_heads(num_heads)
     page = kv_cache.shape[1]
@@ -617,14 +620,14 @@ def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mi
                block_tables.shape[1], kv_cache.shape[0], mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
                out.stride(0), out.stride(1), num_heads, num_splits, softmax_scale * 1.4426950408889634)
     piece = min(page, int(BLOCK_N))  # a tile's rows within one page (a TMA box, a prefetch)
-    l2 = (L2_PREFETCH_TILES if l2_tiles is None else l2_tiles) if pdl else 0
-    lines = lambda nbytes: pow2(triton.cdiv(piece * nbytes, 128), 1)  # a piece's 128-byte lines, nbytes a row
+    l2 = (mla_decode.L2_PREFETCH_TILES if l2_tiles is None else l2_tiles) if pdl else 0
     if views is None:
         rows = kv_cache.view(-1, kv_cache.shape[2])  # [pages * page, 576]
         descs = (descriptor(rows, [piece, int(KV_LORA)]), descriptor(rows, [piece, int(ROPE)]))
         _tma_decode_kernel[grid](*descs, rows, *common, *strides, H=heads, PAGE=page, STAGES=STAGES, DIRECT=direct,
-                                 LOADER_REGS=TMA_REGS, PDL=pdl, L2_TILES=l2, LINES_C=lines(rows.stride(0) * 2),
-                                 launch_pdl=pdl, num_warps=4)
+                                 LOADER_REGS=TMA_REGS, PDL=pdl, L2_TILES=l2,
+                                 LINES_C=prefetch_lines(page, rows.stride(0) * rows.element_size()), launch_pdl=pdl,
+                                 num_warps=4)
     else:
         c_kv, k_pe, scale = views
         loaders = 1 if heads > 16 else fp8_loaders or FP8_LOADERS
@@ -632,5 +635,6 @@ def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mi
         _fp8_decode_kernel[grid](c_kv, k_pe, scale, *common, c_kv.stride(0), c_kv.stride(1), k_pe.stride(0),
                                  k_pe.stride(1), scale.stride(0), *strides, H=heads, PAGE=page, STAGES=STAGES,
                                  DIRECT=direct, LOADER_REGS=FP8_REGS[codes, loaders], PDL=pdl, LOADERS=loaders,
-                                 CODES=codes, L2_TILES=l2, LINES_C=lines(c_kv.stride(1)),
-                                 LINES_R=lines(k_pe.stride(1) * k_pe.element_size()), launch_pdl=pdl, num_warps=4)
+                                 CODES=codes, L2_TILES=l2, LINES_C=prefetch_lines(page, c_kv.stride(1)),
+                                 LINES_R=prefetch_lines(page, k_pe.stride(1) * k_pe.element_size()), launch_pdl=pdl,
+                                 num_warps=4)

@@ -321,7 +321,6 @@ def compile_gluon() -> list[dict]:
     from engine.kernels import fused_moe_gluon as m
     from engine.kernels import mla_prefill_gluon as g
     from engine.kernels._gluon import WG_ROWS, descriptor, signature_of
-    from engine.kernels._util import pow2
 
     kernel = g._ws_prefill_kernel
     rows = int(WG_ROWS)
@@ -351,6 +350,7 @@ def compile_gluon() -> list[dict]:
     # heads a program (V2-Lite; V3 over eight GPUs) with and without slices, at 32 (V3 over four), over
     # pages of 64 tokens (a tile) and of 16 (the engine's default: four pages a tile)
     from engine.kernels import mla_decode_gluon as d
+    from engine.kernels.mla_decode import L2_PREFETCH_TILES
 
     lora, rope = int(d.KV_LORA), int(d.ROPE)
     common = dict(QL="*bf16", QP="*bf16", Tables="*i32", Lens="*i32", MidO="*fp32", MidLse="*fp32", Out="*bf16",
@@ -366,15 +366,15 @@ def compile_gluon() -> list[dict]:
                    kpe_desc=signature_of(descriptor(_empty(256, lora + rope), [rows, rope])), Rows="*bf16", **common)
         # in the decode chain: launched with programmatic dependent launch, as the engine does on Hopper, the
         # slice's first tiles asked of L2 before the wait (a piece's 128-byte lines: bf16 rows, c_kv, k_pe)
-        lines = lambda nbytes: pow2(-(-rows * nbytes // 128), 1)
-        constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct, LOADER_REGS=d.TMA_REGS, PDL=True,
-                          L2_TILES=d.L2_PREFETCH_TILES, LINES_C=lines(2 * (lora + rope)))
+        l2 = dict(L2_TILES=L2_PREFETCH_TILES, LINES_C=d.prefetch_lines(page, 2 * (lora + rope)))
+        constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct, LOADER_REGS=d.TMA_REGS, PDL=True, **l2)
         builds.append((d._tma_decode_kernel, dict(tma, **dict.fromkeys(constexprs, "constexpr")), constexprs))
         # the FP8 rows by one loader warpgroup or two (at 16 heads), staged as codes or decoded
         for codes, loaders in itertools.product((True, False), (1, 2) if heads == 16 else (1,)):
             constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct,
                               LOADER_REGS=d.FP8_REGS[codes, loaders], PDL=True, LOADERS=loaders, CODES=codes,
-                              L2_TILES=d.L2_PREFETCH_TILES, LINES_C=lines(lora), LINES_R=lines(2 * rope))
+                              L2_TILES=L2_PREFETCH_TILES, LINES_C=d.prefetch_lines(page, lora),
+                              LINES_R=d.prefetch_lines(page, 2 * rope))
             builds.append((d._fp8_decode_kernel, dict(fp8, **dict.fromkeys(constexprs, "constexpr")), constexprs))
     results = []
     for kernel, sig, constexprs in builds:
