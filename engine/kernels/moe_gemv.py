@@ -5,7 +5,8 @@ At decode an expert meets about one token, so the grouped GEMM's sort (about 27 
 slots: its routed experts, then the shared experts cut into S = shared_inter / inter pieces of the
 routed experts' width (a SwiGLU MLP of width S * I is the sum of S MLPs of width I over its row
 blocks), each of weight 1. Three launches:
-  up:   one program per (slot, BLOCK_N outputs): SiLU(x W_gate) * (x W_up) -> act [T * slots, I]
+  up:   one program per (slot, BLOCK_N outputs): SiLU(x W_gate) * (x W_up) -> act [T * slots, I]; under
+        programmatic dependent launch the shared pieces' programs start while the routing still runs
   down: one program per (slot, BLOCK_N outputs): weight * act W_down -> [T * slots, hidden]
   sum:  over each token's slots, in order -> [T, hidden].
 Each program multiplies elementwise into a [BLOCK_N, GROUPS, GROUP_K] accumulator and reduces it once
@@ -45,6 +46,11 @@ CONFIG = {"bf16": (16, 1, 4), "fp8": (8, 4, 4)}
 # (benchmarks/pdl_chain.py, one token's MoE block, us): V2-Lite 48.2 without PDL, 45.7 waiting first,
 # 43.3 loading first; V3 (FP8) 160.6 / 156.1 / 153.3
 PREFETCH = {"bf16": True, "fp8": True}
+# under programmatic dependent launch, whether the up kernel's shared-expert programs stream their rows while
+# the routing ahead of them runs (they need none of it) and wait only before they write. Measured on an H100
+# (engine bench, one stream of V2-Lite, two shared pieces of eight slots): 430 -> 439 tok/s at 1k context,
+# 369-370 -> 375-378 at 32k; eight streams and the V3 slice (one shared piece of nine) unchanged
+SHARED_EARLY = True
 # MXFP4: (BLOCK_N, groups of 32 values per step, num_warps) by decode: "bytes" one code at a time
 # (`mxfp4.fp4_gemv_rows`), "words" two at a time from 32-bit words (`mxfp4.fp4_gemv_words`), "asm" the
 # same in inline PTX (GPU only)
@@ -82,7 +88,7 @@ def _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn, stride_
     token, slot = pair // slots, pair % slots
     routed = slot < top_k
     pick = token * top_k + tl.minimum(slot, top_k - 1)
-    expert = tl.load(Ids + pick).to(tl.int64)
+    expert = tl.load(Ids + pick, mask=routed, other=0).to(tl.int64)  # a shared piece reads no id
     w = tl.where(routed, W + expert * stride_we, SW)
     s = tl.where(routed, WS + expert * stride_wse, SWS)
     return (token, tl.where(routed, -1, slot - top_k), pick, w, tl.where(routed, stride_wn, stride_sn), s,
@@ -93,9 +99,17 @@ def _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn, stride_
 def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, limit, stride_xm, stride_we, stride_wn,
                stride_wse, stride_wsn, stride_sn, stride_ssn, stride_am,
                USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
-               PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+               PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr, SHARED_EARLY: tl.constexpr):
     pair, pid_n = tl.program_id(0), tl.program_id(1)
-    wait_for_inputs(PDL)  # the expert ids are the routing's output
+    # under PDL a shared piece needs nothing of the routing, which the kernel ahead computes: it streams its
+    # rows during the routing and waits only before it writes (x was made two launches back, by the norm)
+    if SHARED_EARLY:
+        if pair % slots >= top_k:
+            tl.extra.cuda.gdc_launch_dependents()  # the routed programs release the next kernel after waiting
+        else:
+            wait_for_inputs(PDL)  # the expert ids are the routing's output
+    else:
+        wait_for_inputs(PDL)
     token, piece, _, w, row_stride, s, srow = _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn,
                                                     stride_wse, stride_wsn, stride_sn, stride_ssn)
     # routed: rows [0, N) gate and [N, 2N) up of its expert; shared piece p: rows p*N.. and Is + p*N..
@@ -130,6 +144,9 @@ def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, limit
     gate = tl.minimum(tl.sum(tl.sum(acc, axis=2), axis=1), limit)  # V4 clamps both pre-activations
     up = tl.maximum(tl.minimum(tl.sum(tl.sum(acc_up, axis=2), axis=1), limit), -limit)
     out = gate / (1.0 + tl.exp(-gate)) * up
+    if SHARED_EARLY:
+        if pair % slots >= top_k:  # nothing written before the kernel ahead is done (its buffers may be reused)
+            tl.extra.cuda.gdc_wait()
     tl.store(Act + pair * stride_am + offs_n, out.to(Act.dtype.element_ty), mask=mask_n)
 
 
@@ -295,7 +312,10 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     None: FP4_PLANAR_X) lays x out as float32 planes first (contiguous activation reads in the up kernel,
     one launch more). sum_slots=False (bf16 and FP8 experts; MXFP4 ones always sum): the token's slots
     come back unsummed, [T, top_k (+ shared pieces), H] in x's dtype, for a consumer that sums them as
-    it reads them (`rms_norm`); each slot is already weighted."""
+    it reads them (`rms_norm`); each slot is already weighted.
+    Under programmatic dependent launch the shared experts' programs read x before the kernel ahead has
+    finished (`SHARED_EARLY`): x must not be that kernel's output (in a MoE layer the router runs between
+    the norm that makes x and the experts)."""
     check_float("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] contiguous, got {tuple(x.shape)}")
     if is_mxfp4(w13):
@@ -349,7 +369,8 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         x, w13, s13, sw13, ss13, act, ids, inter, hidden, top_k, slots, sw13.shape[0] // 2,
         float("inf") if swiglu_limit is None else float(swiglu_limit),
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
-        sw13.stride(0), ss13.stride(0) if fp8 else 0, act.stride(0), PDL=on, **common)
+        sw13.stride(0), ss13.stride(0) if fp8 else 0, act.stride(0), PDL=on, SHARED_EARLY=on and SHARED_EARLY,
+        **common)
     _down_kernel[(num_tokens * slots, triton.cdiv(hidden, block_n))](
         act, w2, s2, sw2, ss2, partial, topk_weights, ids, hidden, inter, top_k, slots,
         act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,

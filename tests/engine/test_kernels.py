@@ -1425,6 +1425,57 @@ def test_next_norm_sums_the_unsummed_slots_as_moe_gemv_does(dtype, with_residual
     assert rel_err(ref[0] if with_residual else ref, want[0] if with_residual else want) < 1e-2
 
 
+@gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_shared_experts_stream_while_the_router_runs(fp8, monkeypatch):
+    """Under programmatic dependent launch the up kernel's shared-expert programs read x and their rows before
+    the router ahead has finished, and wait only to write (`moe_gemv.SHARED_EARLY`). Three MoE blocks in a row
+    (norm -> one-launch router -> experts), captured with PDL and replayed on new inputs, give bit for bit the
+    outputs of the same launches without PDL."""
+    from engine.kernels import _util, moe_gemv as moe_gemv_mod
+    from engine.kernels.moe_gemv import SharedExperts, moe_gemv
+    from engine.kernels.moe_routing import route_tokens
+
+    assert moe_gemv_mod.SHARED_EARLY
+    g = torch.Generator(DEV).manual_seed(21)
+    hidden, inter, e, k, block = 2048, 1024 if fp8 else 1408, 16, 6, (128, 128)
+    rnd = lambda *size: 0.02 * torch.randn(*size, generator=g, device=DEV)
+    w13, w2 = rnd(e, 2 * inter, hidden), rnd(e, hidden, inter)
+    gate_up, down = rnd(4 * inter, hidden), rnd(hidden, 2 * inter)  # two shared pieces
+    if fp8:
+        (w13, s13), (w2, s2) = _fp8_experts(w13, block), _fp8_experts(w2, block)
+        (gate_up, sgu), (down, sdn) = quantize_fp8_block(gate_up, block), quantize_fp8_block(down, block)
+        scales, shared = (s13, s2), SharedExperts(gate_up, down, sgu, sdn)
+    else:
+        scales, shared = (None, None), SharedExperts(gate_up.bfloat16(), down.bfloat16())
+        w13, w2 = w13.bfloat16(), w2.bfloat16()
+    router, norm_w = rnd(e, hidden) * 50, 1 + rnd(hidden)
+    counter = torch.zeros(8, dtype=torch.int32, device=DEV)
+
+    def blocks(h):
+        for _ in range(3):
+            x = rms_norm(h, norm_w.bfloat16(), 1e-6)
+            weights, ids = route_tokens(x, router, counter, None, k, "softmax", "greedy", 1, 1, False, 1.0)
+            h = h + moe_gemv(x, w13, w2, weights, ids, *scales, block=block if fp8 else None, shared=shared)
+        return h
+
+    inputs = [torch.randn(tokens, hidden, generator=g, device=DEV).bfloat16() for tokens in (1, 1, 3, 3)]
+    monkeypatch.setattr(_util, "PDL", False)
+    want = [blocks(h) for h in inputs]
+    monkeypatch.setattr(_util, "PDL", True)
+    for tokens in (1, 3):
+        h = torch.zeros(tokens, hidden, device=DEV, dtype=torch.bfloat16)
+        blocks(h)  # compiled before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = blocks(h)
+        for x, ref in zip(inputs, want):
+            if x.shape[0] == tokens:
+                h.copy_(x)
+                graph.replay()
+                assert torch.equal(out, ref)
+
+
 def test_moe_gemv_fp8_is_the_grouped_kernels_math():
     from engine.kernels.fp8_gemm import fp8_linear
     from engine.kernels.moe_gemv import SharedExperts, moe_gemv
