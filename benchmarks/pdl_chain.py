@@ -11,8 +11,10 @@ with PDL waiting first, and with PDL loading the first weights before waiting.
 - projection: (RMSNorm -> GEMV) pairs, each GEMV on its own copy of the weight (so it comes from
   memory, not L2), for every projection one decode token meets in DeepSeek-V2-Lite (bf16) and
   DeepSeek-V3 (FP8 128 x 128 blocks); microseconds per pair;
-- MoE block: RMSNorm -> router GEMV -> top-k -> `moe_gemv` (up, down, slot sum) for one token, on
-  copies of the experts; microseconds per block;
+- MoE block: RMSNorm -> router (its GEMV and top-k in one launch, `route_tokens`, as the engine runs it)
+  -> `moe_gemv` (up, down, slot sum) for one token, on copies of the experts; microseconds per block; a
+  fourth way, "shared early", lets the shared experts' up programs stream while the router runs
+  (`moe_gemv.SHARED_EARLY`; the other ways run without it);
 - first, one token's MLA absorptions: cuBLAS batched GEMMs against per-head GEMVs, at 16 to 128 heads.
 """
 
@@ -25,7 +27,7 @@ from engine.bench.timing import time_replayed
 from engine.kernels import _util, gemv as gemv_mod, moe_gemv as moe_gemv_mod
 from engine.kernels.gemv import gemv
 from engine.kernels.moe_gemv import SharedExperts, moe_gemv
-from engine.kernels.moe_routing import route
+from engine.kernels.moe_routing import route_tokens
 from engine.kernels.rms_norm import rms_norm
 from engine.layers.fp8 import quantize_fp8_block
 
@@ -46,6 +48,7 @@ PROJECTIONS = {
 # name: (hidden, inter, experts kept, top_k, shared pieces, kind)
 MOE = {"v2-lite MoE block": (2048, 1408, 64, 6, 2, "bf16"), "v3 MoE block": (7168, 2048, 32, 8, 1, "fp8")}
 WAYS = ("off", "wait first", "prefetch")
+MOE_WAYS = WAYS + ("shared early",)
 
 
 def _weight(n: int, k: int, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -60,7 +63,8 @@ def _copies(nbytes: int) -> int:
 def _timed(way: str, kind: str, chain) -> float:
     """Seconds of one replay of chain() (its kernels compiled for this way first)."""
     _util.PDL = way != "off"
-    gemv_mod.PREFETCH[kind] = moe_gemv_mod.PREFETCH[kind] = way == "prefetch"
+    gemv_mod.PREFETCH[kind] = moe_gemv_mod.PREFETCH[kind] = way in ("prefetch", "shared early")
+    moe_gemv_mod.SHARED_EARLY = way == "shared early"
     return time_replayed(chain, DEV, calls=1, repeats=20)
 
 
@@ -88,17 +92,17 @@ def moe_block(hidden: int, inter: int, experts: int, top_k: int, shared: int, ki
         blocks.append(dict(w13=stack(w13, 0), w2=stack(w2, 0), w13_scale=stack(w13, 1), w2_scale=stack(w2, 1),
                            shared=SharedExperts(sh13[0], sh2[0], *([sh13[1], sh2[1]] if kind == "fp8" else [])),
                            router=0.02 * torch.randn(experts, hidden, device=DEV)))
+    counter = torch.zeros(1, dtype=torch.int32, device=DEV)
     x, norm_w = torch.randn(1, hidden, device=DEV, dtype=torch.bfloat16), torch.ones(hidden, device=DEV, dtype=torch.bfloat16)
 
     def chain():
         for b in blocks:
             h = rms_norm(x, norm_w, 1e-6)
-            weights, ids = route(gemv(h, b["router"], out_dtype=torch.float32), None, top_k, "softmax", "greedy",
-                                 1, 1, False, 1.0)
+            weights, ids = route_tokens(h, b["router"], counter, None, top_k, "softmax", "greedy", 1, 1, False, 1.0)
             moe_gemv(h, b["w13"], b["w2"], weights, ids, b["w13_scale"], b["w2_scale"],
                      BLOCK if kind == "fp8" else None, shared=b["shared"])
 
-    times = {way: _timed(way, kind, chain) / copies * 1e6 for way in WAYS}
+    times = {way: _timed(way, kind, chain) / copies * 1e6 for way in MOE_WAYS}
     del blocks
     torch.cuda.empty_cache()
     return times
@@ -152,9 +156,10 @@ def main() -> None:
     for name, shape in PROJECTIONS.items():
         rows[name] = projection(*shape)
         print(f"{name:24s}" + "".join(f"{rows[name][w]:12.1f}" for w in WAYS), flush=True)
+    print(f"{'case':24s}" + "".join(f"{w:>14s}" for w in MOE_WAYS))
     for name, shape in MOE.items():
         rows[name] = moe_block(*shape)
-        print(f"{name:24s}" + "".join(f"{rows[name][w]:12.1f}" for w in WAYS), flush=True)
+        print(f"{name:24s}" + "".join(f"{rows[name][w]:14.1f}" for w in MOE_WAYS), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), unit="us", rows=rows), f, indent=2)
