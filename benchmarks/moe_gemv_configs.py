@@ -5,7 +5,8 @@
 For DeepSeek-V2-Lite's experts (bf16: 64 experts top-6, hidden 2048, width 1408, two shared experts)
 and DeepSeek-V3's (FP8 128x128 blocks: 256 experts top-8, hidden 7168, width 2048, one shared expert),
 at 1, 2, 4 and 8 tokens: every (BLOCK_N, K groups per step, num_warps) candidate of the GEMV path, then the
-grouped GEMM plus the shared experts' own MLP, which the GEMV path replaces. Each is a CUDA graph of
+grouped GEMM plus the shared experts' own MLP, which the GEMV path replaces, and for FP8 experts the
+GEMV with its products on the tensor cores (`moe_gemv(..., dot=True)`). Each is a CUDA graph of
 four calls on different experts (so the weights come from memory, not L2), replayed; printed as
 microseconds per call and the weight bytes' rate.
 """
@@ -81,10 +82,10 @@ def main() -> None:
             for cfg in CONFIGS:
                 try:
                     out = moe_gemv(xs[0], m["w13"], m["w2"], ws[0], ids[0], *m["scales"], block=m["block"],
-                                   shared=m["shared"], config=cfg)
+                                   shared=m["shared"], config=cfg, dot=False)
                     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                     fn = lambda: [moe_gemv(x, m["w13"], m["w2"], w, d, *m["scales"], block=m["block"],
-                                           shared=m["shared"], config=cfg) for x, w, d in zip(xs, ws, ids)]
+                                           shared=m["shared"], config=cfg, dot=False) for x, w, d in zip(xs, ws, ids)]
                     us = do_bench_cudagraph(fn, rep=50) * 1e3 / 4
                     rows.append((us, cfg, err))
                 except Exception as exc:  # a tile the compiler refuses: skip it, say so
@@ -92,12 +93,21 @@ def main() -> None:
             grouped = lambda: [fused_experts(x, m["w13"], m["w2"], w, d, *m["scales"], block=m["block"])
                                + shared_mlp(x, m["shared"], m["block"]) for x, w, d in zip(xs, ws, ids)]
             g_us = do_bench_cudagraph(grouped, rep=50) * 1e3 / 4
+            dot = ""
+            if shape["fp8"]:  # the products on the tensor cores (`moe_gemv.DOT`), its own tile
+                out = moe_gemv(xs[0], m["w13"], m["w2"], ws[0], ids[0], *m["scales"], block=m["block"],
+                               shared=m["shared"], dot=True)
+                d_err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                d_us = do_bench_cudagraph(lambda: [moe_gemv(x, m["w13"], m["w2"], w, d, *m["scales"], block=m["block"],
+                                                            shared=m["shared"], dot=True)
+                                                   for x, w, d in zip(xs, ws, ids)], rep=50) * 1e3 / 4
+                dot = f" | tensor cores {d_us:7.1f} us ({n_bytes / d_us / 1e6:5.2f} TB/s, rel err {d_err:.1e})"
             rows.sort()
             us, cfg, err = rows[0]
             best[(name, tokens)] = cfg
             print(f"{name:13s} T={tokens}: {n_bytes / 1e6:6.1f} MB | gemv best {cfg} {us:7.1f} us "
                   f"({n_bytes / us / 1e6:5.2f} TB/s, rel err {err:.1e}) | next {[(round(u, 1), c) for u, c, _ in rows[1:4]]}"
-                  f" | grouped + shared MLP {g_us:7.1f} us ({n_bytes / g_us / 1e6:5.2f} TB/s)")
+                  f" | grouped + shared MLP {g_us:7.1f} us ({n_bytes / g_us / 1e6:5.2f} TB/s)" + dot)
     print("best:", best)
 
 

@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, interpreted, pdl, wait_for_inputs
-from engine.kernels.fp8_gemm import FP8
+from engine.kernels._util import check, check_float, interpreted, pdl, upcast_fp8_dot, wait_for_inputs
+from engine.kernels.fp8_gemm import FP8, _round_to_e4m3
 from engine.kernels.gemv import fp8_groups, gemv_rows
 from engine.kernels.mxfp4 import as_bytes, as_words, check_mxfp4, fp4_gemv_rows, fp4_gemv_words, is_mxfp4
 
@@ -51,6 +51,13 @@ PREFETCH = {"bf16": True, "fp8": True}
 # (engine bench, one stream of V2-Lite, two shared pieces of eight slots): 430 -> 439 tok/s at 1k context,
 # 369-370 -> 375-378 at 32k; eight streams and the V3 slice (one shared piece of nine) unchanged
 SHARED_EARLY = True
+# FP8 experts on the tensor cores (`_dot_rows`): a program's DOT_BLOCK_N rows are the M of a wgmma product
+# with the token's quantized K group broadcast to its 16 columns, the weights staged into shared memory by
+# cp.async, DOT_STAGES deep, instead of widened and multiplied on the CUDA cores (an e4m3 byte there costs a
+# conversion and an FMA in float32: 2.45 TB/s on an H100 where the bf16 experts read 2.72). Off until
+# measured: `dot=` of `moe_gemv`, `benchmarks/moe_gemv_configs.py` times both
+DOT = False
+DOT_BLOCK_N, DOT_STAGES, DOT_WARPS = 64, 4, 4
 # MXFP4: (BLOCK_N, groups of 32 values per step, num_warps) by decode: "bytes" one code at a time
 # (`mxfp4.fp4_gemv_rows`), "words" two at a time from 32-bit words (`mxfp4.fp4_gemv_words`), "asm" the
 # same in inline PTX (GPU only)
@@ -96,10 +103,37 @@ def _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn, stride_
 
 
 @triton.jit
+def _quantize_group(a, PRE_ROUND: tl.constexpr):
+    """One K group of activations [GROUP_K] float32 -> (e4m3 codes, scale): `gemv.fp8_groups`'s rounding."""
+    scale = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-10) / 448.0
+    q = a / scale
+    if PRE_ROUND:
+        q = _round_to_e4m3(q)
+    return q.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _dot_group(w, codes, UPCAST: tl.constexpr):
+    """w [BLOCK_N, GROUP_K] e4m3 times one row of codes [GROUP_K] -> [BLOCK_N, 16] float32, every column the
+    same: the codes broadcast to the 16 columns of a tensor-core product (the rows are its M)."""
+    x16 = tl.broadcast_to(codes[None, :], [16, codes.shape[0]])
+    if UPCAST:  # the interpreter, or K groups under 32: float32 holds every e4m3 product exactly
+        return tl.dot(w.to(tl.float32), tl.trans(x16.to(tl.float32)))
+    return tl.dot(w, tl.trans(x16))
+
+
+@triton.jit
+def _column0(acc):
+    """[BLOCK_N, 16] -> its first column [BLOCK_N]."""
+    return tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, acc, 0.0), axis=1)
+
+
+@triton.jit
 def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, limit, stride_xm, stride_we, stride_wn,
                stride_wse, stride_wsn, stride_sn, stride_ssn, stride_am,
                USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
-               PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr, SHARED_EARLY: tl.constexpr):
+               PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr, SHARED_EARLY: tl.constexpr,
+               DOT: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr):
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     # under PDL a shared piece needs nothing of the routing, which the kernel ahead computes: it streams its
     # rows during the routing and waits only before it writes (x was made two launches back, by the norm)
@@ -124,25 +158,42 @@ def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, limit
     if USE_FP8:  # BLOCK_N divides GROUP_N: the program's rows share one scale per K group
         gate_scales = s + ((row0 + pid_n * BLOCK_N) // GROUP_N) * srow
         up_scales = s + ((row0 + pid_n * BLOCK_N + up) // GROUP_N) * srow
-    # products accumulate elementwise and are reduced once at the end: no cross-thread sum per K step
-    acc = tl.zeros([BLOCK_N, GROUPS, GROUP_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, GROUPS, GROUP_K], tl.float32)
-    for k0 in range(0, K, GROUPS * GROUP_K):
-        mask_k = offs_k < K - k0
-        mask = mask_n[:, None, None] & mask_k[None, :, :]
-        g = tl.load(gate_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(X + token * stride_xm + k0 + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        a_up = a
-        if USE_FP8:  # the block scales go onto the activations (one per GROUP_K), not every weight
-            a = fp8_groups(a, PRE_ROUND)
-            mask_g = offs_g * GROUP_K < K - k0
-            a_up = a * tl.load(up_scales + k0 // GROUP_K + offs_g, mask=mask_g, other=0.0)[:, None]
-            a = a * tl.load(gate_scales + k0 // GROUP_K + offs_g, mask=mask_g, other=0.0)[:, None]
-        acc += g * a[None, :, :]
-        acc_up += u * a_up[None, :, :]
-    gate = tl.minimum(tl.sum(tl.sum(acc, axis=2), axis=1), limit)  # V4 clamps both pre-activations
-    up = tl.maximum(tl.minimum(tl.sum(tl.sum(acc_up, axis=2), axis=1), limit), -limit)
+    if DOT:  # FP8 on the tensor cores; K a multiple of GROUP_K, one K group a product
+        offs_k = tl.arange(0, GROUP_K)
+        gate_rows = w + (row0 + offs_n)[:, None].to(tl.int64) * row_stride + offs_k[None, :]
+        up_rows = gate_rows + up.to(tl.int64) * row_stride
+        acc = tl.zeros([BLOCK_N, 16], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, 16], tl.float32)
+        for k0 in tl.range(0, K, GROUP_K, num_stages=STAGES):
+            codes, a_scale = _quantize_group(tl.load(X + token * stride_xm + k0 + offs_k).to(tl.float32), PRE_ROUND)
+            g = _dot_group(tl.load(gate_rows + k0, mask=mask_n[:, None], other=0.0), codes, UPCAST)
+            u = _dot_group(tl.load(up_rows + k0, mask=mask_n[:, None], other=0.0), codes, UPCAST)
+            acc += g * (a_scale * tl.load(gate_scales + k0 // GROUP_K))
+            acc_up += u * (a_scale * tl.load(up_scales + k0 // GROUP_K))
+        gate = _column0(acc)
+        up = _column0(acc_up)
+    else:
+        # products accumulate elementwise and are reduced once at the end: no cross-thread sum per K step
+        acc = tl.zeros([BLOCK_N, GROUPS, GROUP_K], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, GROUPS, GROUP_K], tl.float32)
+        for k0 in range(0, K, GROUPS * GROUP_K):
+            mask_k = offs_k < K - k0
+            mask = mask_n[:, None, None] & mask_k[None, :, :]
+            g = tl.load(gate_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(up_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
+            a = tl.load(X + token * stride_xm + k0 + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            a_up = a
+            if USE_FP8:  # the block scales go onto the activations (one per GROUP_K), not every weight
+                a = fp8_groups(a, PRE_ROUND)
+                mask_g = offs_g * GROUP_K < K - k0
+                a_up = a * tl.load(up_scales + k0 // GROUP_K + offs_g, mask=mask_g, other=0.0)[:, None]
+                a = a * tl.load(gate_scales + k0 // GROUP_K + offs_g, mask=mask_g, other=0.0)[:, None]
+            acc += g * a[None, :, :]
+            acc_up += u * a_up[None, :, :]
+        gate = tl.sum(tl.sum(acc, axis=2), axis=1)
+        up = tl.sum(tl.sum(acc_up, axis=2), axis=1)
+    gate = tl.minimum(gate, limit)  # V4 clamps both pre-activations
+    up = tl.maximum(tl.minimum(up, limit), -limit)
     out = gate / (1.0 + tl.exp(-gate)) * up
     if SHARED_EARLY:
         if pair % slots >= top_k:  # nothing written before the kernel ahead is done (its buffers may be reused)
@@ -154,7 +205,8 @@ def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, limit
 def _down_kernel(Act, W, WS, SW, SWS, Out, Weights, Ids, N, K, top_k, slots, stride_am, stride_we, stride_wn,
                  stride_wse, stride_wsn, stride_sn, stride_ssn, stride_om,
                  USE_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GROUPS: tl.constexpr,
-                 PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, WAIT_FIRST: tl.constexpr, PREFETCH: tl.constexpr):
+                 PRE_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, WAIT_FIRST: tl.constexpr, PREFETCH: tl.constexpr,
+                 DOT: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr):
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     wait_for_inputs(WAIT_FIRST)
     # PREFETCH: the ids and routing weights come from before the up kernel (which waited for them): read before
@@ -165,11 +217,22 @@ def _down_kernel(Act, W, WS, SW, SWS, Out, Weights, Ids, N, K, top_k, slots, str
     # routed: its expert's [N, K]; shared piece p: columns [p*K, (p+1)*K) of the shared [N, Is]
     col0 = tl.where(piece < 0, 0, piece * K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, GROUPS)[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
-    w_ptrs = w + offs_n[:, None, None].to(tl.int64) * row_stride + col0 + offs_k[None, :, :]
     scales = s + ((pid_n * BLOCK_N) // GROUP_N) * srow + col0 // GROUP_K
-    y = gemv_rows(w_ptrs, Act + pair * stride_am + offs_k, scales, offs_n < N, K, USE_FP8, GROUP_K, GROUPS,
-                  PRE_ROUND, BLOCK_N, PREFETCH)
+    if DOT:  # FP8 on the tensor cores (as the up kernel); the weights staged only after the wait
+        wait_for_inputs(PREFETCH)
+        offs_k = tl.arange(0, GROUP_K)
+        rows = w + offs_n[:, None].to(tl.int64) * row_stride + col0 + offs_k[None, :]
+        acc = tl.zeros([BLOCK_N, 16], tl.float32)
+        for k0 in tl.range(0, K, GROUP_K, num_stages=STAGES):
+            codes, a_scale = _quantize_group(tl.load(Act + pair * stride_am + k0 + offs_k).to(tl.float32), PRE_ROUND)
+            p = _dot_group(tl.load(rows + k0, mask=(offs_n < N)[:, None], other=0.0), codes, UPCAST)
+            acc += p * (a_scale * tl.load(scales + k0 // GROUP_K))
+        y = _column0(acc)
+    else:
+        offs_k = tl.arange(0, GROUPS)[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
+        w_ptrs = w + offs_n[:, None, None].to(tl.int64) * row_stride + col0 + offs_k[None, :, :]
+        y = gemv_rows(w_ptrs, Act + pair * stride_am + offs_k, scales, offs_n < N, K, USE_FP8, GROUP_K, GROUPS,
+                      PRE_ROUND, BLOCK_N, PREFETCH)
     # rounded to the activation dtype before the weight, as the reference path's expert outputs are
     y = y.to(Out.dtype.element_ty).to(tl.float32)
     tl.store(Out + pair * stride_om + offs_n, (y * weight).to(Out.dtype.element_ty), mask=offs_n < N)
@@ -300,7 +363,8 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
              block: tuple[int, int] | None = None, shared: SharedExperts | None = None,
              config: tuple[int, int, int] | None = None, swiglu_limit: float | None = None,
-             fp4_decode: str | None = None, planar_x: bool | None = None, sum_slots: bool = True) -> torch.Tensor:
+             fp4_decode: str | None = None, planar_x: bool | None = None, sum_slots: bool = True,
+             dot: bool | None = None) -> torch.Tensor:
     """`fused_moe.fused_experts`'s contract, plus the shared experts' output when `shared` is given;
     meant for T * top_k up to a few dozen pairs. `config`: (BLOCK_N, K groups per step, num_warps); a
     K group is 128 columns for bf16 weights and the scale block's width for FP8 ones. `swiglu_limit` l:
@@ -315,7 +379,8 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     it reads them (`rms_norm`); each slot is already weighted.
     Under programmatic dependent launch the shared experts' programs read x before the kernel ahead has
     finished (`SHARED_EARLY`): x must not be that kernel's output (in a MoE layer the router runs between
-    the norm that makes x and the experts)."""
+    the norm that makes x and the experts). `dot` (FP8 experts whose hidden and width are whole K groups; None:
+    DOT): the products on the tensor cores (`_dot_group`), `config` then unused."""
     check_float("x", x)
     check(x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H] contiguous, got {tuple(x.shape)}")
     if is_mxfp4(w13):
@@ -353,9 +418,13 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         return torch.empty_like(x)
     slots = top_k + num_shared
     block_n, groups, warps = config or (INTERPRETED_CONFIG if interpreted(x) else CONFIG["fp8" if fp8 else "bf16"])
+    dot = (DOT if dot is None else dot) and fp8 and block[1] >= 16 and hidden % block[1] == 0 and inter % block[1] == 0
+    if dot:
+        block_n, groups, warps = min(DOT_BLOCK_N, block[0]), 1, DOT_WARPS
     if fp8:
         while block[0] % block_n:  # a program's rows must sit in one scale block
             block_n //= 2
+    dot = dot and block_n >= 16  # a tensor-core product's M
     ids = topk_ids.int()
     act = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)
     partial = torch.empty(num_tokens * slots, hidden, dtype=x.dtype, device=x.device)
@@ -365,6 +434,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     on, prefetch = pdl(x), PREFETCH["fp8" if fp8 else "bf16"]
     common = dict(USE_FP8=fp8, GROUP_N=block[0] if fp8 else 1, GROUP_K=block[1] if fp8 else 128, GROUPS=groups,
                   PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n, launch_pdl=on, num_warps=warps)
+    common.update(DOT=dot, UPCAST=dot and upcast_fp8_dot(x, block[1]), STAGES=DOT_STAGES if dot else 1)
     _up_kernel[(num_tokens * slots, triton.cdiv(inter, block_n))](
         x, w13, s13, sw13, ss13, act, ids, inter, hidden, top_k, slots, sw13.shape[0] // 2,
         float("inf") if swiglu_limit is None else float(swiglu_limit),

@@ -173,6 +173,8 @@ def launch_all() -> None:
                                    *((_empty(2 * shared * inter // 128, hidden // 128, dtype=f32),
                                       _empty(hidden // 128, shared * inter // 128, dtype=f32)) if fp8 else ()))
                 moe_gemv(x, w13, w2, weights, ids, *scales, block=block if fp8 else None, shared=sh)
+                if fp8:  # the products on the tensor cores
+                    moe_gemv(x, w13, w2, weights, ids, *scales, block=block, shared=sh, dot=True)
                 # the next layer's norm summing the slots moe_gemv hands on unsummed
                 rms_norm(_empty(tokens, top_k + shared, hidden), _empty(hidden), 1e-6, _empty(tokens, hidden))
             if fp8:

@@ -1426,12 +1426,12 @@ def test_next_norm_sums_the_unsummed_slots_as_moe_gemv_does(dtype, with_residual
 
 
 @gpu
-@pytest.mark.parametrize("fp8", [False, True])
-def test_shared_experts_stream_while_the_router_runs(fp8, monkeypatch):
+@pytest.mark.parametrize("fp8,dot", [(False, False), (True, False), (True, True)])
+def test_shared_experts_stream_while_the_router_runs(fp8, dot, monkeypatch):
     """Under programmatic dependent launch the up kernel's shared-expert programs read x and their rows before
     the router ahead has finished, and wait only to write (`moe_gemv.SHARED_EARLY`). Three MoE blocks in a row
     (norm -> one-launch router -> experts), captured with PDL and replayed on new inputs, give bit for bit the
-    outputs of the same launches without PDL."""
+    outputs of the same launches without PDL; FP8 experts also with their products on the tensor cores."""
     from engine.kernels import _util, moe_gemv as moe_gemv_mod
     from engine.kernels.moe_gemv import SharedExperts, moe_gemv
     from engine.kernels.moe_routing import route_tokens
@@ -1456,7 +1456,7 @@ def test_shared_experts_stream_while_the_router_runs(fp8, monkeypatch):
         for _ in range(3):
             x = rms_norm(h, norm_w.bfloat16(), 1e-6)
             weights, ids = route_tokens(x, router, counter, None, k, "softmax", "greedy", 1, 1, False, 1.0)
-            h = h + moe_gemv(x, w13, w2, weights, ids, *scales, block=block if fp8 else None, shared=shared)
+            h = h + moe_gemv(x, w13, w2, weights, ids, *scales, block=block if fp8 else None, shared=shared, dot=dot)
         return h
 
     inputs = [torch.randn(tokens, hidden, generator=g, device=DEV).bfloat16() for tokens in (1, 1, 3, 3)]
@@ -1648,6 +1648,56 @@ def test_mxfp4_experts_v4_flash_shapes():
     for decode, planar_x in (("bytes", False), ("words", False), ("words", True), ("asm", False), ("asm", True)):
         out = moe_gemv(x, w13, w2, weights, ids, s13, s2, swiglu_limit=1.5, fp4_decode=decode, planar_x=planar_x)
         assert rel_err(out, want) < 2e-2, decode
+
+
+@pytest.mark.parametrize("block", [(32, 32), (16, 16)])
+def test_moe_gemv_fp8_on_the_tensor_cores_is_the_same_math(block):
+    """`moe_gemv(..., dot=True)`: FP8 experts' products as tensor-core dots of a program's rows by the token's
+    quantized K group, routed and shared experts, two tokens: the grouped kernel's math (and the CUDA-core
+    GEMV's), to float32 rounding. 16-wide blocks take the float32 products the FP8 GEMMs take there."""
+    from engine.kernels.moe_gemv import SharedExperts, moe_gemv
+
+    g = torch.Generator().manual_seed(22)
+    t, hidden, inter, e, k = 2, 128, 64, 6, 3
+    x = torch.randn(t, hidden, generator=g).to(DEV, torch.float32)
+    (w13, s13), (w2, s2) = (_fp8_experts(0.1 * torch.randn(e, 2 * inter, hidden, generator=g), block),
+                            _fp8_experts(0.1 * torch.randn(e, hidden, inter, generator=g), block))
+    (gu, sgu), (dn, sdn) = (quantize_fp8_block((0.1 * torch.randn(2 * inter, hidden, generator=g)).to(DEV), block),
+                            quantize_fp8_block((0.1 * torch.randn(hidden, inter, generator=g)).to(DEV), block))
+    shared = SharedExperts(gu, dn, sgu, sdn)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int().to(DEV)
+    weights = torch.rand(t, k, generator=g).to(DEV)
+    out = moe_gemv(x, w13, w2, weights, ids, s13, s2, block, shared=shared, dot=True)
+    plain = moe_gemv(x, w13, w2, weights, ids, s13, s2, block, shared=shared, dot=False)
+    assert not torch.equal(out, plain)  # another order of the sums: the dot path did run
+    assert rel_err(out, plain) < F32_TOL
+    assert rel_err(moe_gemv(x, w13, w2, weights, ids, s13, s2, block, dot=True),
+                   fused_experts(x, w13, w2, weights, ids, s13, s2, block)) < F32_TOL
+
+
+@gpu
+def test_moe_gemv_fp8_on_the_tensor_cores_at_v3_shapes():
+    """DeepSeek-V3's experts (hidden 7168, width 2048, 128 x 128 blocks, one shared expert), one and two
+    tokens: the tensor-core products (wgmma, e4m3 operands) against the CUDA-core GEMV's float32 ones."""
+    from engine.kernels.moe_gemv import SharedExperts, moe_gemv
+
+    g = torch.Generator(DEV).manual_seed(23)
+    e, hidden, inter, block = 8, 7168, 2048, (128, 128)
+
+    def experts(*shape):  # quantized on the GPU, one matrix at a time
+        parts = [quantize_fp8_block(0.02 * torch.randn(*shape, generator=g, device=DEV), block) for _ in range(e)]
+        return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+    (w13, s13), (w2, s2) = experts(2 * inter, hidden), experts(hidden, inter)
+    (gu, sgu), (dn, sdn) = (quantize_fp8_block(0.02 * torch.randn(2 * inter, hidden, generator=g, device=DEV), block),
+                            quantize_fp8_block(0.02 * torch.randn(hidden, inter, generator=g, device=DEV), block))
+    for tokens in (1, 2):
+        x = torch.randn(tokens, hidden, generator=g, device=DEV).bfloat16()
+        ids = torch.stack([torch.randperm(e, device=DEV, generator=g)[:8] for _ in range(tokens)]).int()
+        weights = torch.rand(tokens, 8, generator=g, device=DEV)
+        args = (x, w13, w2, weights, ids, s13, s2, block)
+        shared = SharedExperts(gu, dn, sgu, sdn)
+        assert rel_err(moe_gemv(*args, shared=shared, dot=True), moe_gemv(*args, shared=shared, dot=False)) < 1e-2
 
 
 # -- GEMV (a few rows of x) ------------------------------------------------------------------------------
