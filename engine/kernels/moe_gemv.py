@@ -151,10 +151,6 @@ def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, limit
     up = tl.where(piece < 0, N, shared_up)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    offs_g = tl.arange(0, GROUPS)
-    offs_k = offs_g[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]  # [GROUPS, GROUP_K]
-    gate_ptrs = w + (row0 + offs_n)[:, None, None].to(tl.int64) * row_stride + offs_k[None, :, :]
-    up_ptrs = gate_ptrs + up.to(tl.int64) * row_stride
     if USE_FP8:  # BLOCK_N divides GROUP_N: the program's rows share one scale per K group
         gate_scales = s + ((row0 + pid_n * BLOCK_N) // GROUP_N) * srow
         up_scales = s + ((row0 + pid_n * BLOCK_N + up) // GROUP_N) * srow
@@ -173,6 +169,10 @@ def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, limit
         gate = _column0(acc)
         up = _column0(acc_up)
     else:
+        offs_g = tl.arange(0, GROUPS)
+        offs_k = offs_g[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]  # [GROUPS, GROUP_K]
+        gate_ptrs = w + (row0 + offs_n)[:, None, None].to(tl.int64) * row_stride + offs_k[None, :, :]
+        up_ptrs = gate_ptrs + up.to(tl.int64) * row_stride
         # products accumulate elementwise and are reduced once at the end: no cross-thread sum per K step
         acc = tl.zeros([BLOCK_N, GROUPS, GROUP_K], tl.float32)
         acc_up = tl.zeros([BLOCK_N, GROUPS, GROUP_K], tl.float32)
