@@ -420,7 +420,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     block_n, groups, warps = config or (INTERPRETED_CONFIG if interpreted(x) else CONFIG["fp8" if fp8 else "bf16"])
     dot = (DOT if dot is None else dot) and fp8 and block[1] >= 16 and hidden % block[1] == 0 and inter % block[1] == 0
     if dot:
-        block_n, groups, warps = min(DOT_BLOCK_N, block[0]), 1, DOT_WARPS
+        block_n, groups, warps = min(DOT_BLOCK_N, block[0] & -block[0]), 1, DOT_WARPS  # a power of two
     if fp8:
         while block[0] % block_n:  # a program's rows must sit in one scale block
             block_n //= 2

@@ -1650,15 +1650,16 @@ def test_mxfp4_experts_v4_flash_shapes():
         assert rel_err(out, want) < 2e-2, decode
 
 
-@pytest.mark.parametrize("block", [(32, 32), (16, 16)])
+@pytest.mark.parametrize("block", [(32, 32), (48, 16)])
 def test_moe_gemv_fp8_on_the_tensor_cores_is_the_same_math(block):
     """`moe_gemv(..., dot=True)`: FP8 experts' products as tensor-core dots of a program's rows by the token's
     quantized K group, routed and shared experts, two tokens: the grouped kernel's math (and the CUDA-core
-    GEMV's), to float32 rounding. 16-wide blocks take the float32 products the FP8 GEMMs take there."""
+    GEMV's), to float32 rounding. 48 x 16 blocks give programs of 16 rows (the largest power of two that
+    divides the block's rows)."""
     from engine.kernels.moe_gemv import SharedExperts, moe_gemv
 
     g = torch.Generator().manual_seed(22)
-    t, hidden, inter, e, k = 2, 128, 64, 6, 3
+    t, hidden, inter, e, k = 2, 128, 96, 6, 3
     x = torch.randn(t, hidden, generator=g).to(DEV, torch.float32)
     (w13, s13), (w2, s2) = (_fp8_experts(0.1 * torch.randn(e, 2 * inter, hidden, generator=g), block),
                             _fp8_experts(0.1 * torch.randn(e, hidden, inter, generator=g), block))
