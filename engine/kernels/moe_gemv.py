@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, interpreted, pdl, upcast_fp8_dot, wait_for_inputs
+from engine.kernels._util import check, check_float, interpreted, mma, pdl, upcast_fp8_dot, wait_for_inputs
 from engine.kernels.fp8_gemm import FP8, _round_to_e4m3
 from engine.kernels.gemv import fp8_groups, gemv_rows
 from engine.kernels.mxfp4 import as_bytes, as_words, check_mxfp4, fp4_gemv_rows, fp4_gemv_words, is_mxfp4
@@ -116,10 +116,8 @@ def _quantize_group(a, PRE_ROUND: tl.constexpr):
 def _dot_group(w, codes, UPCAST: tl.constexpr):
     """w [BLOCK_N, GROUP_K] e4m3 times one row of codes [GROUP_K] -> [BLOCK_N, 16] float32, every column the
     same: the codes broadcast to the 16 columns of a tensor-core product (the rows are its M)."""
-    x16 = tl.broadcast_to(codes[None, :], [16, codes.shape[0]])
-    if UPCAST:  # the interpreter, or K groups under 32: float32 holds every e4m3 product exactly
-        return tl.dot(w.to(tl.float32), tl.trans(x16.to(tl.float32)))
-    return tl.dot(w, tl.trans(x16))
+    # UPCAST (the interpreter, or K groups under 32): float32 holds every e4m3 product exactly
+    return mma(w, tl.trans(tl.broadcast_to(codes[None, :], [16, codes.shape[0]])), UPCAST)
 
 
 @triton.jit
@@ -419,12 +417,16 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     slots = top_k + num_shared
     block_n, groups, warps = config or (INTERPRETED_CONFIG if interpreted(x) else CONFIG["fp8" if fp8 else "bf16"])
     dot = (DOT if dot is None else dot) and fp8 and block[1] >= 16 and hidden % block[1] == 0 and inter % block[1] == 0
+    upcast = dot and upcast_fp8_dot(x, block[1])
+    # a program's rows: the largest power of two up to DOT_BLOCK_N that divides the scale block's rows; e4m3
+    # operands take wgmma's M of 64 (float32 ones, 16 and up)
+    dot_n = min(DOT_BLOCK_N, block[0] & -block[0]) if dot else 0
+    dot = dot and dot_n >= (16 if upcast else DOT_BLOCK_N)
     if dot:
-        block_n, groups, warps = min(DOT_BLOCK_N, block[0] & -block[0]), 1, DOT_WARPS  # a power of two
+        block_n, groups, warps = dot_n, 1, DOT_WARPS
     if fp8:
         while block[0] % block_n:  # a program's rows must sit in one scale block
             block_n //= 2
-    dot = dot and block_n >= 16  # a tensor-core product's M
     ids = topk_ids.int()
     act = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)
     partial = torch.empty(num_tokens * slots, hidden, dtype=x.dtype, device=x.device)
@@ -434,7 +436,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     on, prefetch = pdl(x), PREFETCH["fp8" if fp8 else "bf16"]
     common = dict(USE_FP8=fp8, GROUP_N=block[0] if fp8 else 1, GROUP_K=block[1] if fp8 else 128, GROUPS=groups,
                   PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n, launch_pdl=on, num_warps=warps)
-    common.update(DOT=dot, UPCAST=dot and upcast_fp8_dot(x, block[1]), STAGES=DOT_STAGES if dot else 1)
+    common.update(DOT=dot, UPCAST=dot and upcast, STAGES=DOT_STAGES if dot else 1)
     _up_kernel[(num_tokens * slots, triton.cdiv(inter, block_n))](
         x, w13, s13, sw13, ss13, act, ids, inter, hidden, top_k, slots, sw13.shape[0] // 2,
         float("inf") if swiglu_limit is None else float(swiglu_limit),

@@ -1437,6 +1437,8 @@ def test_shared_experts_stream_while_the_router_runs(fp8, dot, monkeypatch):
     from engine.kernels.moe_routing import route_tokens
 
     assert moe_gemv_mod.SHARED_EARLY
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
     g = torch.Generator(DEV).manual_seed(21)
     hidden, inter, e, k, block = 2048, 1024 if fp8 else 1408, 16, 6, (128, 128)
     rnd = lambda *size: 0.02 * torch.randn(*size, generator=g, device=DEV)
@@ -1650,16 +1652,16 @@ def test_mxfp4_experts_v4_flash_shapes():
         assert rel_err(out, want) < 2e-2, decode
 
 
-@pytest.mark.parametrize("block", [(32, 32), (48, 16)])
+@pytest.mark.parametrize("block", [(64, 32), (48, 16)])
 def test_moe_gemv_fp8_on_the_tensor_cores_is_the_same_math(block):
     """`moe_gemv(..., dot=True)`: FP8 experts' products as tensor-core dots of a program's rows by the token's
     quantized K group, routed and shared experts, two tokens: the grouped kernel's math (and the CUDA-core
-    GEMV's), to float32 rounding. 48 x 16 blocks give programs of 16 rows (the largest power of two that
-    divides the block's rows)."""
+    GEMV's), to float32 rounding. 64 x 32 blocks take e4m3 products on a GPU (wgmma's M of 64); 48 x 16
+    ones float32 products in programs of 16 rows (the largest power of two dividing the block's rows)."""
     from engine.kernels.moe_gemv import SharedExperts, moe_gemv
 
     g = torch.Generator().manual_seed(22)
-    t, hidden, inter, e, k = 2, 128, 96, 6, 3
+    t, hidden, inter, e, k = 2, 64, 192, 6, 3
     x = torch.randn(t, hidden, generator=g).to(DEV, torch.float32)
     (w13, s13), (w2, s2) = (_fp8_experts(0.1 * torch.randn(e, 2 * inter, hidden, generator=g), block),
                             _fp8_experts(0.1 * torch.randn(e, hidden, inter, generator=g), block))
@@ -1671,9 +1673,12 @@ def test_moe_gemv_fp8_on_the_tensor_cores_is_the_same_math(block):
     out = moe_gemv(x, w13, w2, weights, ids, s13, s2, block, shared=shared, dot=True)
     plain = moe_gemv(x, w13, w2, weights, ids, s13, s2, block, shared=shared, dot=False)
     assert not torch.equal(out, plain)  # another order of the sums: the dot path did run
-    assert rel_err(out, plain) < F32_TOL
+    # on a GPU e4m3 products are summed in fewer bits, and act is quantized again after them (interpreted,
+    # and in float32 where the groups are under 32, the sums are exact)
+    tol = F32_TOL if DEV == "cpu" or block[1] < 32 else 1e-2
+    assert rel_err(out, plain) < tol
     assert rel_err(moe_gemv(x, w13, w2, weights, ids, s13, s2, block, dot=True),
-                   fused_experts(x, w13, w2, weights, ids, s13, s2, block)) < F32_TOL
+                   fused_experts(x, w13, w2, weights, ids, s13, s2, block)) < tol
 
 
 @gpu
@@ -1698,7 +1703,9 @@ def test_moe_gemv_fp8_on_the_tensor_cores_at_v3_shapes():
         weights = torch.rand(tokens, 8, generator=g, device=DEV)
         args = (x, w13, w2, weights, ids, s13, s2, block)
         shared = SharedExperts(gu, dn, sgu, sdn)
-        assert rel_err(moe_gemv(*args, shared=shared, dot=True), moe_gemv(*args, shared=shared, dot=False)) < 1e-2
+        out, plain = moe_gemv(*args, shared=shared, dot=True), moe_gemv(*args, shared=shared, dot=False)
+        assert not torch.equal(out, plain)  # the tensor-core path did run
+        assert rel_err(out, plain) < 1e-2
 
 
 # -- GEMV (a few rows of x) ------------------------------------------------------------------------------
