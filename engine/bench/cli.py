@@ -66,6 +66,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge-absorbs", action="store_true",
                    help="one token's output absorption (W_UV) in the decode merge's launch, not a GEMV after it, "
                         "to measure it in the engine")
+    p.add_argument("--no-shared-early", dest="shared_early", action="store_false",
+                   help="the shared experts' GEMV programs wait for the router like the routed ones, to measure "
+                        "what starting them early gives (under PDL)")
+    p.add_argument("--expert-dot", action="store_true",
+                   help="FP8 experts' GEMVs with their products on the tensor cores, to measure them")
     p.add_argument("--no-pdl", dest="pdl", action="store_false",
                    help="kernels without programmatic dependent launch (Hopper+), to measure what it gives")
     p.add_argument("--seed", type=int, default=0)
@@ -93,7 +98,8 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
                         device=args.device, dtype=args.dtype, weights=args.weights, backend=args.backend,
                         block_size=args.block_size, eager=args.eager, prefill_graphs=args.prefill_graphs,
                         pdl=args.pdl, gluon=args.gluon, fold_chunks=args.fold_chunks,
-                        merge_absorbs=args.merge_absorbs, seed=args.seed,
+                        merge_absorbs=args.merge_absorbs, shared_early=args.shared_early,
+                        expert_dot=args.expert_dot, seed=args.seed,
                         kv_cache_dtype=args.kv_cache_dtype,
                         out_dir=args.out, command=command,
                         tensor_parallel_size=args.tensor_parallel_size,
