@@ -4,7 +4,8 @@
 
 For every projection one decode token meets in DeepSeek-V2-Lite (bf16) and DeepSeek-V3 (FP8 128x128
 blocks; its router and head stay float32 / bf16): every (BLOCK_N, K groups per step, num_warps) at one
-row, then the best one at 2 and 4 rows, each against what the layer runs without the GEMV (cuBLAS
+row, then the best one at 2 and 4 rows (FP8 weights also with the products on the tensor cores,
+`gemv(..., dot=True)`), each against what the layer runs without the GEMV (cuBLAS
 through F.linear; the FP8 block GEMM with its activation quantization; the router's cast + float32
 GEMM). Each is a CUDA graph of calls on several copies of the weight (so it comes from memory, not
 L2), replayed; printed as microseconds per call and the weight bytes' rate.
@@ -76,9 +77,9 @@ def main() -> None:
             results = []
             for cfg in (CONFIGS if rows == 1 else [best]):
                 try:
-                    out = gemv(xs[0], *ws[0], block, out_dtype, config=cfg).float()
+                    out = gemv(xs[0], *ws[0], block, out_dtype, config=cfg, dot=False).float()
                     err = ((out - ref).norm() / ref.norm()).item()
-                    us = do_bench_cudagraph(lambda: [gemv(x, w, s, block, out_dtype, config=cfg)
+                    us = do_bench_cudagraph(lambda: [gemv(x, w, s, block, out_dtype, config=cfg, dot=False)
                                                      for x, (w, s) in zip(xs, ws)], rep=40) * 1e3 / len(ws)
                     results.append((us, cfg, err))
                 except Exception as exc:  # a tile the compiler refuses: skip it, say so
@@ -87,6 +88,15 @@ def main() -> None:
             us, cfg, err = results[0]
             best = best or cfg
             line.append(f"M={rows}: gemv {us:6.1f} ({n_bytes / us / 1e6:4.2f} TB/s) vs {base_us:6.1f}")
+            if kind == "fp8":  # the products on the tensor cores (`gemv.DOT`): every row in one pass
+                try:
+                    out = gemv(xs[0], *ws[0], block, out_dtype, dot=True).float()
+                    d_us = do_bench_cudagraph(lambda: [gemv(x, w, s, block, out_dtype, dot=True)
+                                                       for x, (w, s) in zip(xs, ws)], rep=40) * 1e3 / len(ws)
+                    line.append(f"tensor cores {d_us:6.1f} ({n_bytes / d_us / 1e6:4.2f} TB/s, "
+                                f"err {((out - ref).norm() / ref.norm()).item():.1e})")
+                except Exception as exc:  # say so, go on with the sweep
+                    line.append(f"tensor cores: {type(exc).__name__}: {str(exc)[:60]}")
             if rows == 1:
                 line.append(f"best {cfg} err {err:.1e}, next {[(round(u, 1), c) for u, c, _ in results[1:4]]}")
         print(f"{name:22s} {n_bytes / 1e6:7.1f} MB | " + " | ".join(line))

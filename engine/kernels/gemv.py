@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, interpreted, pdl, wait_for_inputs
+from engine.kernels._util import check, check_float, interpreted, mma, pdl, upcast_fp8_dot, wait_for_inputs
 from engine.kernels.fp8_gemm import FP8, _round_to_e4m3
 
 # (BLOCK_N, K groups per step, num_warps) by weight dtype; K groups are block_k wide for FP8 weights, 128
@@ -29,17 +29,31 @@ CONFIG = {"bf16": (8, 8, 4), "fp8": (8, 4, 4)}
 # first, 6.0 loading first); FP8 loses badly loading first (V3 o_proj 42.7 / 40.5 / 66.0)
 PREFETCH = {"bf16": True, "fp8": False}
 INTERPRETED_CONFIG = (32, 2, 4)  # the interpreter pays per program: few, wide ones
+# FP8 weights on the tensor cores (`_dot_kernel`): a program's DOT_BLOCK_N rows are the M of a wgmma product
+# whose 16 columns are up to 16 rows of x (each K group quantized as `fp8_groups` does), so the weight is
+# read once for all of them; staged by cp.async, DOT_STAGES deep. Off until measured (`dot=` of `gemv`;
+# benchmarks/gemv_configs.py times both). Few rows of output give few programs: V3's q_a + kv_a 33
+DOT = False
+DOT_BLOCK_N, DOT_STAGES = 64, 4
+
+
+@triton.jit
+def e4m3_groups(a, PRE_ROUND: tl.constexpr):
+    """Activations [R, GROUP_K] float32 -> (e4m3 codes [R, GROUP_K], scales [R]): each row's group quantized
+    as the FP8 GEMM quantizes it."""
+    scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10) / 448.0
+    q = a / scale[:, None]
+    if PRE_ROUND:
+        q = _round_to_e4m3(q)
+    return q.to(tl.float8e4nv), scale
 
 
 @triton.jit
 def fp8_groups(a, PRE_ROUND: tl.constexpr):
     """Activations [GROUPS, GROUP_K] as the FP8 GEMM sees them: quantized to e4m3 with one scale per
     group, back to float32."""
-    scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10) / 448.0
-    q = a / scale[:, None]
-    if PRE_ROUND:
-        q = _round_to_e4m3(q)
-    return q.to(tl.float8e4nv).to(tl.float32) * scale[:, None]
+    codes, scale = e4m3_groups(a, PRE_ROUND)
+    return codes.to(tl.float32) * scale[:, None]
 
 
 @triton.jit
@@ -102,6 +116,41 @@ def _gemv_kernel(X, W, WS, Out, N, K, rows_per_group, stride_xm, stride_xg, stri
                stride_wsn, stride_om, USE_FP8, GROUP_N, GROUP_K, GROUPS, PRE_ROUND, BLOCK_N, WAIT_FIRST, PREFETCH)
 
 
+@triton.jit
+def _dot_kernel(X, W, WS, Out, M, N, K, stride_xm, stride_wn, stride_wsn, stride_om, GROUP_N: tl.constexpr,
+                GROUP_K: tl.constexpr, PRE_ROUND: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
+                STAGES: tl.constexpr, PDL: tl.constexpr):
+    """FP8 rows on the tensor cores: BLOCK_N rows of W by 16 rows of x a program, one K group a product
+    ([BLOCK_N, GROUP_K] x [GROUP_K, 16]) times the two scales, summed in float32. K a multiple of GROUP_K."""
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    wait_for_inputs(PDL)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * 16 + tl.arange(0, 16)
+    offs_k = tl.arange(0, GROUP_K)
+    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    scales = WS + ((pid_n * BLOCK_N) // GROUP_N) * stride_wsn  # BLOCK_N divides GROUP_N: one scale a K group
+    acc = tl.zeros([BLOCK_N, 16], tl.float32)
+    for k0 in tl.range(0, K, GROUP_K, num_stages=STAGES):
+        codes, a_scale = e4m3_groups(tl.load(x_rows + k0, mask=(offs_m < M)[:, None], other=0.0).to(tl.float32),
+                                     PRE_ROUND)
+        p = mma(tl.load(w_rows + k0, mask=(offs_n < N)[:, None], other=0.0), tl.trans(codes), UPCAST)
+        acc += p * (a_scale[None, :] * tl.load(scales + k0 // GROUP_K))
+    tl.store(Out + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(Out.dtype.element_ty),
+             mask=(offs_m < M)[None, :] & (offs_n < N)[:, None])
+
+
+def dot_rows(x: torch.Tensor, k: int, block: tuple[int, int] | None) -> int:
+    """The rows of W a tensor-core program of `_dot_kernel` (or the MoE GEMVs') takes for FP8 `block`s and K,
+    0 where that path does not apply: K whole groups of 16 or more, the largest power of two up to
+    DOT_BLOCK_N dividing the block's rows, e4m3 operands at wgmma's M of 64 only (float32 ones, under the
+    interpreter or for groups under 32, from 16)."""
+    if block is None or block[1] < 16 or k % block[1]:
+        return 0
+    rows = min(DOT_BLOCK_N, block[0] & -block[0])
+    return rows if rows >= (16 if upcast_fp8_dot(x, block[1]) else DOT_BLOCK_N) else 0
+
+
 def tile(n: int, k: int, x: torch.Tensor, block: tuple[int, int] | None = None, rows_per_group: int | None = None,
          config: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
     """(BLOCK_N, K groups per step, num_warps) for an [n, k] weight (FP8: `block`, its scale block) times
@@ -124,7 +173,7 @@ def tile(n: int, k: int, x: torch.Tensor, block: tuple[int, int] | None = None, 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
          block: tuple[int, int] | None = None, out_dtype: torch.dtype | None = None,
-         config: tuple[int, int, int] | None = None, groups: int = 1) -> torch.Tensor:
+         config: tuple[int, int, int] | None = None, groups: int = 1, dot: bool | None = None) -> torch.Tensor:
     """x [M, K] (M small: each row streams the whole weight) times weight [N, K] -> [M, N] in out_dtype
     (default x's). The weight is x's dtype, float32 (x widened: the router's float32 logits), or FP8 with
     its [ceil(N / block_n), ceil(K / block_k)] scales and the block size.
@@ -132,7 +181,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     [M, groups, K], its groups at any stride: the heads of a strided view) and rows j * N / groups.. of the
     weight multiply x's slice j (DeepSeek-V4's grouped wo_a, MLA's per-head absorptions).
     Under programmatic dependent launch a program may read the weight before the previous kernel in the
-    stream has finished (`PREFETCH`): the weight must not be that kernel's output (model weights never are)."""
+    stream has finished (`PREFETCH`): the weight must not be that kernel's output (model weights never are).
+    `dot` (FP8 weights, one group; None: DOT): the products on the tensor cores (`_dot_kernel`) where
+    `dot_rows` allows, `config` then unused."""
     check_float("x", x)
     if x.dim() == 3:
         check(x.shape[1] == groups and x.stride(-1) == 1,
@@ -158,11 +209,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
               f"weight_scale must be [{-(-n // block[0])}, {-(-k // block[1])}], got {tuple(weight_scale.shape)}")
     else:
         check(weight.dtype in (x.dtype, torch.float32), f"weight ({weight.dtype}) must match x ({x.dtype}) or be float32")
-    block_n, k_groups, warps = tile(n, k, x, block if fp8 else None, rows_per_group if groups > 1 else None, config)
-    group_k = block[1] if fp8 else 128
     out = torch.empty(num_rows, n, dtype=out_dtype or x.dtype, device=x.device)
     if num_rows == 0:
         return out
+    rows = dot_rows(x, k, block) if fp8 and groups == 1 and (DOT if dot is None else dot) else 0
+    if rows:
+        on = pdl(x)
+        _dot_kernel[(triton.cdiv(n, rows), triton.cdiv(num_rows, 16))](
+            x, weight, weight_scale, out, num_rows, n, k, x.stride(0), weight.stride(0), weight_scale.stride(0),
+            out.stride(0), GROUP_N=block[0], GROUP_K=block[1], PRE_ROUND=interpreted(x),
+            UPCAST=upcast_fp8_dot(x, block[1]), BLOCK_N=rows, STAGES=DOT_STAGES, PDL=on, launch_pdl=on, num_warps=4)
+        return out
+    block_n, k_groups, warps = tile(n, k, x, block if fp8 else None, rows_per_group if groups > 1 else None, config)
+    group_k = block[1] if fp8 else 128
     ws = weight_scale if fp8 else weight
     on, prefetch = pdl(x), PREFETCH["fp8" if fp8 else "bf16"]
     _gemv_kernel[(num_rows, triton.cdiv(n, block_n))](

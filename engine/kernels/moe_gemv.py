@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels._util import check, check_float, interpreted, mma, pdl, upcast_fp8_dot, wait_for_inputs
-from engine.kernels.fp8_gemm import FP8, _round_to_e4m3
-from engine.kernels.gemv import fp8_groups, gemv_rows
+from engine.kernels.fp8_gemm import FP8
+from engine.kernels.gemv import dot_rows, e4m3_groups, fp8_groups, gemv_rows
 from engine.kernels.mxfp4 import as_bytes, as_words, check_mxfp4, fp4_gemv_rows, fp4_gemv_words, is_mxfp4
 
 
@@ -51,13 +51,13 @@ PREFETCH = {"bf16": True, "fp8": True}
 # (engine bench, one stream of V2-Lite, two shared pieces of eight slots): 430 -> 439 tok/s at 1k context,
 # 369-370 -> 375-378 at 32k; eight streams and the V3 slice (one shared piece of nine) unchanged
 SHARED_EARLY = True
-# FP8 experts on the tensor cores (`_dot_rows`): a program's DOT_BLOCK_N rows are the M of a wgmma product
+# FP8 experts on the tensor cores (`_dot_group`): a program's `gemv.dot_rows` rows are the M of a wgmma product
 # with the token's quantized K group broadcast to its 16 columns, the weights staged into shared memory by
 # cp.async, DOT_STAGES deep, instead of widened and multiplied on the CUDA cores (an e4m3 byte there costs a
 # conversion and an FMA in float32: 2.45 TB/s on an H100 where the bf16 experts read 2.72). Off until
 # measured: `dot=` of `moe_gemv`, `benchmarks/moe_gemv_configs.py` times both
 DOT = False
-DOT_BLOCK_N, DOT_STAGES, DOT_WARPS = 64, 4, 4
+DOT_STAGES, DOT_WARPS = 4, 4
 # MXFP4: (BLOCK_N, groups of 32 values per step, num_warps) by decode: "bytes" one code at a time
 # (`mxfp4.fp4_gemv_rows`), "words" two at a time from 32-bit words (`mxfp4.fp4_gemv_words`), "asm" the
 # same in inline PTX (GPU only)
@@ -104,20 +104,16 @@ def _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn, stride_
 
 @triton.jit
 def _quantize_group(a, PRE_ROUND: tl.constexpr):
-    """One K group of activations [GROUP_K] float32 -> (e4m3 codes, scale): `gemv.fp8_groups`'s rounding."""
-    scale = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-10) / 448.0
-    q = a / scale
-    if PRE_ROUND:
-        q = _round_to_e4m3(q)
-    return q.to(tl.float8e4nv), scale
+    """One K group of a token's activations [GROUP_K] float32 -> (e4m3 codes [1, GROUP_K], scale [1])."""
+    return e4m3_groups(a[None, :], PRE_ROUND)
 
 
 @triton.jit
 def _dot_group(w, codes, UPCAST: tl.constexpr):
-    """w [BLOCK_N, GROUP_K] e4m3 times one row of codes [GROUP_K] -> [BLOCK_N, 16] float32, every column the
-    same: the codes broadcast to the 16 columns of a tensor-core product (the rows are its M)."""
+    """w [BLOCK_N, GROUP_K] e4m3 times one row of codes [1, GROUP_K] -> [BLOCK_N, 16] float32, every column
+    the same: the codes broadcast to the 16 columns of a tensor-core product (the rows are its M)."""
     # UPCAST (the interpreter, or K groups under 32): float32 holds every e4m3 product exactly
-    return mma(w, tl.trans(tl.broadcast_to(codes[None, :], [16, codes.shape[0]])), UPCAST)
+    return mma(w, tl.trans(tl.broadcast_to(codes, [16, codes.shape[1]])), UPCAST)
 
 
 @triton.jit
@@ -416,12 +412,9 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         return torch.empty_like(x)
     slots = top_k + num_shared
     block_n, groups, warps = config or (INTERPRETED_CONFIG if interpreted(x) else CONFIG["fp8" if fp8 else "bf16"])
-    dot = (DOT if dot is None else dot) and fp8 and block[1] >= 16 and hidden % block[1] == 0 and inter % block[1] == 0
-    upcast = dot and upcast_fp8_dot(x, block[1])
-    # a program's rows: the largest power of two up to DOT_BLOCK_N that divides the scale block's rows; e4m3
-    # operands take wgmma's M of 64 (float32 ones, 16 and up)
-    dot_n = min(DOT_BLOCK_N, block[0] & -block[0]) if dot else 0
-    dot = dot and dot_n >= (16 if upcast else DOT_BLOCK_N)
+    # the tensor cores' rows a program (0: not for these experts): both kernels' K whole groups
+    dot_n = dot_rows(x, hidden, block) if fp8 and (DOT if dot is None else dot) and inter % block[1] == 0 else 0
+    dot = dot_n > 0
     if dot:
         block_n, groups, warps = dot_n, 1, DOT_WARPS
     if fp8:
@@ -436,7 +429,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     on, prefetch = pdl(x), PREFETCH["fp8" if fp8 else "bf16"]
     common = dict(USE_FP8=fp8, GROUP_N=block[0] if fp8 else 1, GROUP_K=block[1] if fp8 else 128, GROUPS=groups,
                   PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n, launch_pdl=on, num_warps=warps)
-    common.update(DOT=dot, UPCAST=dot and upcast, STAGES=DOT_STAGES if dot else 1)
+    common.update(DOT=dot, UPCAST=dot and upcast_fp8_dot(x, block[1]), STAGES=DOT_STAGES if dot else 1)
     _up_kernel[(num_tokens * slots, triton.cdiv(inter, block_n))](
         x, w13, s13, sw13, ss13, act, ids, inter, hidden, top_k, slots, sw13.shape[0] // 2,
         float("inf") if swiglu_limit is None else float(swiglu_limit),

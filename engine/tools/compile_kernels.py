@@ -198,6 +198,8 @@ def launch_all() -> None:
             if tokens == 1:  # projections of one token
                 w, ws = _empty(1536, hidden, dtype=wdtype), _empty(12, hidden // 128, dtype=f32) if fp8 else None
                 gemv(x, w, ws, block if fp8 else None)
+                if fp8:  # the products on the tensor cores
+                    gemv(x, w, ws, block, dot=True)
             lens = torch.full((min(tokens, 64),), 1024, dtype=i32)
             # V3's heads on one GPU, and over four ranks (32 a rank: another tile choice)
             for h, cache in itertools.product((heads, 32) if heads == 128 else (heads,),

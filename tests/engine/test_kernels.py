@@ -1731,6 +1731,25 @@ def test_gemv_fp8_is_the_fp8_linear_math(n, k, block):
     assert rel_err(gemv(x, wq, ws, block), reference_fp8_linear(x, wq, ws, block)) < F32_TOL
 
 
+@pytest.mark.parametrize("m,block", [(1, (64, 32)), (3, (48, 16)), (17, (64, 32))])
+def test_gemv_fp8_on_the_tensor_cores_is_the_fp8_linear_math(m, block):
+    """`gemv(..., dot=True)`: a program's rows of W by up to 16 rows of x on the tensor cores (17 rows: two
+    programs of rows), each row's K groups quantized as the FP8 GEMM does; the CUDA-core GEMV's results and
+    the FP8 linear's, to float32 rounding (on a GPU e4m3 sums lose bits: 1e-2). Rows of W past a program's
+    last one are masked (N = 150)."""
+    from engine.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(33)
+    n, k = 150, 128
+    wq, ws = (t.to(DEV) for t in quantize_fp8_block(torch.randn(n, k, generator=g) * 0.1, block))
+    x = torch.randn(m, k, generator=g).to(DEV, torch.float32)
+    out, plain = gemv(x, wq, ws, block, dot=True), gemv(x, wq, ws, block, dot=False)
+    assert not torch.equal(out, plain)  # another order of the sums: the tensor-core path did run
+    tol = F32_TOL if DEV == "cpu" or block[1] < 32 else 1e-2
+    assert rel_err(out, plain) < tol
+    assert rel_err(out, reference_fp8_linear(x, wq, ws, block)) < tol
+
+
 @gpu
 def test_gemv_deepseek_shapes():
     from engine.kernels.gemv import gemv
@@ -1742,6 +1761,12 @@ def test_gemv_deepseek_shapes():
     wq, ws = quantize_fp8_block(torch.randn(2112, 7168, device=DEV, generator=g) * 0.02)
     x = torch.randn(1, 7168, device=DEV, generator=g, dtype=torch.bfloat16)
     assert rel_err(gemv(x, wq, ws, (128, 128)), reference_fp8_linear(x, wq, ws, (128, 128))) < 1e-2
+    # the tensor-core path (e4m3 wgmma), one row and four
+    for rows in (1, 4):
+        x = torch.randn(rows, 7168, device=DEV, generator=g, dtype=torch.bfloat16)
+        out = gemv(x, wq, ws, (128, 128), dot=True)
+        assert not torch.equal(out, gemv(x, wq, ws, (128, 128), dot=False))
+        assert rel_err(out, reference_fp8_linear(x, wq, ws, (128, 128))) < 1e-2
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -19,10 +19,10 @@ KERNELS = {"_rms_norm_kernel", "_latent_write_kernel", "_write_absorb_kernel", "
            "_down_fp4_words_kernel",
            "_dequant_kernel", "_greedy_kernel", "_decode_rows_kernel", "_accept_kernel", "_advance_kernel",
            "_noise_keys_kernel", "_nucleus_split_kernel", "_draw_finish_kernel", "_ws_prefill_kernel",
-           "_ws_moe_gemm_kernel", "_tma_decode_kernel", "_fp8_decode_kernel"}
+           "_ws_moe_gemm_kernel", "_tma_decode_kernel", "_fp8_decode_kernel", "_dot_kernel"}
 PDL_KERNELS = {"_rms_norm_kernel", "_gemv_kernel", "_latent_write_kernel", "_write_absorb_kernel", "_split_kernel",
                "_merge_kernel", "_merge_absorb_kernel", "_route_kernel", "_router_kernel", "_up_kernel", "_down_kernel",
-               "_sum_kernel", "_greedy_kernel", "_tma_decode_kernel", "_fp8_decode_kernel"}
+               "_sum_kernel", "_greedy_kernel", "_tma_decode_kernel", "_fp8_decode_kernel", "_dot_kernel"}
 
 
 def test_every_kernel_compiles_for_hopper_within_its_shared_memory():
