@@ -71,6 +71,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "what starting them early gives (under PDL)")
     p.add_argument("--expert-dot", action="store_true",
                    help="FP8 experts' GEMVs with their products on the tensor cores, to measure them")
+    p.add_argument("--projection-dot", action="store_true",
+                   help="FP8 projections' GEMVs with their products on the tensor cores, to measure them")
     p.add_argument("--no-pdl", dest="pdl", action="store_false",
                    help="kernels without programmatic dependent launch (Hopper+), to measure what it gives")
     p.add_argument("--seed", type=int, default=0)
@@ -99,7 +101,7 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
                         block_size=args.block_size, eager=args.eager, prefill_graphs=args.prefill_graphs,
                         pdl=args.pdl, gluon=args.gluon, fold_chunks=args.fold_chunks,
                         merge_absorbs=args.merge_absorbs, shared_early=args.shared_early,
-                        expert_dot=args.expert_dot, seed=args.seed,
+                        expert_dot=args.expert_dot, projection_dot=args.projection_dot, seed=args.seed,
                         kv_cache_dtype=args.kv_cache_dtype,
                         out_dir=args.out, command=command,
                         tensor_parallel_size=args.tensor_parallel_size,

@@ -56,6 +56,7 @@ class BenchOptions:
     # under PDL the shared experts' GEMV programs start while the router runs (kernels.moe_gemv.SHARED_EARLY)
     shared_early: bool = True
     expert_dot: bool = False  # FP8 experts' GEMVs with their products on the tensor cores (kernels.moe_gemv.DOT)
+    projection_dot: bool = False  # FP8 projections' GEMVs the same way (kernels.gemv.DOT)
     seed: int = 0
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -90,23 +91,23 @@ def _summary(phases: dict, field_name: str) -> dict:
 
 def run(opts: BenchOptions) -> dict:
     """-> the results dict (also written to opts.out_dir as <preset>.json and .png)."""
-    from engine.kernels import _util, fused_moe, mla_decode, mla_prefill, moe_gemv
+    from engine.kernels import _util, fused_moe, gemv, mla_decode, mla_prefill, moe_gemv
     from engine.layers import attention
 
     before, _util.PDL = _util.PDL, opts.pdl
     gluon_before = mla_prefill.GLUON, fused_moe.GLUON, mla_decode.GLUON
     attention_before = attention.MERGE_ABSORBS, attention.FOLD_CHUNKS
-    experts_before = moe_gemv.SHARED_EARLY, moe_gemv.DOT
+    gemvs_before = moe_gemv.SHARED_EARLY, moe_gemv.DOT, gemv.DOT
     mla_prefill.GLUON = fused_moe.GLUON = mla_decode.GLUON = opts.gluon
     attention.MERGE_ABSORBS, attention.FOLD_CHUNKS = opts.merge_absorbs, opts.fold_chunks
-    moe_gemv.SHARED_EARLY, moe_gemv.DOT = opts.shared_early, opts.expert_dot
+    moe_gemv.SHARED_EARLY, moe_gemv.DOT, gemv.DOT = opts.shared_early, opts.expert_dot, opts.projection_dot
     try:
         return _run(opts)
     finally:
         _util.PDL = before
         mla_prefill.GLUON, fused_moe.GLUON, mla_decode.GLUON = gluon_before
         attention.MERGE_ABSORBS, attention.FOLD_CHUNKS = attention_before
-        moe_gemv.SHARED_EARLY, moe_gemv.DOT = experts_before
+        moe_gemv.SHARED_EARLY, moe_gemv.DOT, gemv.DOT = gemvs_before
         gc.unfreeze()
 
 
@@ -221,9 +222,10 @@ def _run(opts: BenchOptions) -> dict:
         gluon_decode=_gluon_ran(mla_decode.GLUON, device),
         merge_absorbs=opts.merge_absorbs and device.type == "cuda",  # one token's absorptions run on a GPU only
         fold_chunks=opts.fold_chunks and runner.backend == "triton",  # the decode kernel's option
-        # the MoE GEMVs' options: the first under PDL only, the second for FP8 experts
+        # the GEMVs' options: the first under PDL only, the others for FP8 weights
         shared_early=opts.shared_early and runner.backend == "triton" and _util.pdl(torch.empty(0, device=device)),
         expert_dot=opts.expert_dot and fp8 and getattr(model_config, "expert_dtype", None) != "fp4",
+        projection_dot=opts.projection_dot and fp8,
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
         ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),
         decode_tok_s=_summary(decode, "tok_s"), prefill=prefill, decode=decode,
