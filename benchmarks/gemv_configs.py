@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 from engine.kernels.fp8_gemm import fp8_linear
-from engine.kernels.gemv import gemv
+from engine.kernels.gemv import dot_rows, gemv
 from engine.layers.fp8 import quantize_fp8_block
 
 BLOCK = (128, 128)
@@ -88,7 +88,9 @@ def main() -> None:
             us, cfg, err = results[0]
             best = best or cfg
             line.append(f"M={rows}: gemv {us:6.1f} ({n_bytes / us / 1e6:4.2f} TB/s) vs {base_us:6.1f}")
-            if kind == "fp8":  # the products on the tensor cores (`gemv.DOT`): every row in one pass
+            if kind == "fp8" and not dot_rows(xs[0], k, block):
+                line.append("tensor cores: not for these blocks")
+            elif kind == "fp8":  # the products on the tensor cores (`gemv.DOT`): every row in one pass
                 try:
                     out = gemv(xs[0], *ws[0], block, out_dtype, dot=True).float()
                     d_us = do_bench_cudagraph(lambda: [gemv(x, w, s, block, out_dtype, dot=True)

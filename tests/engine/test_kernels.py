@@ -1737,12 +1737,13 @@ def test_gemv_fp8_on_the_tensor_cores_is_the_fp8_linear_math(m, block):
     programs of rows), each row's K groups quantized as the FP8 GEMM does; the CUDA-core GEMV's results and
     the FP8 linear's, to float32 rounding (on a GPU e4m3 sums lose bits: 1e-2). Rows of W past a program's
     last one are masked (N = 150)."""
-    from engine.kernels.gemv import gemv
+    from engine.kernels.gemv import dot_rows, gemv
 
     g = torch.Generator().manual_seed(33)
     n, k = 150, 128
     wq, ws = (t.to(DEV) for t in quantize_fp8_block(torch.randn(n, k, generator=g) * 0.1, block))
     x = torch.randn(m, k, generator=g).to(DEV, torch.float32)
+    assert dot_rows(x, k, block) == min(64, block[0] & -block[0])  # the path takes these blocks
     out, plain = gemv(x, wq, ws, block, dot=True), gemv(x, wq, ws, block, dot=False)
     assert not torch.equal(out, plain)  # another order of the sums: the tensor-core path did run
     tol = F32_TOL if DEV == "cpu" or block[1] < 32 else 1e-2
