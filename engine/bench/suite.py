@@ -210,6 +210,7 @@ def _run(opts: BenchOptions) -> dict:
 
     variants = {"grouped_moe": _guard(_grouped_variant, runner, pool, opts, costs, ceilings)} if runner.backend == "triton" else {}
 
+    pdl_on = _util.pdl(torch.empty(0, device=device))
     result = dict(
         preset=name, model=str(path) if path else None, command=opts.command, commit=_source_commit(),
         gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -217,13 +218,13 @@ def _run(opts: BenchOptions) -> dict:
         dtype=str(runner.dtype).replace("torch.", ""), weights="fp8 e4m3, 128x128 blocks" if fp8 else str(runner.dtype).replace("torch.", ""),
         backend=runner.backend, kv_cache_dtype=opts.kv_cache_dtype, cuda_graphs=runner.graphs is not None,
         prefill_graph_tokens=runner.prefill_graph_sizes[-1] if runner.prefill_graph_sizes else 0,
-        pdl=_util.pdl(torch.empty(0, device=device)), num_layers=model_config.num_hidden_layers,
+        pdl=pdl_on, num_layers=model_config.num_hidden_layers,
         gluon_prefill=_gluon_ran(mla_prefill.GLUON or fused_moe.GLUON, device),
         gluon_decode=_gluon_ran(mla_decode.GLUON, device),
         merge_absorbs=opts.merge_absorbs and device.type == "cuda",  # one token's absorptions run on a GPU only
         fold_chunks=opts.fold_chunks and runner.backend == "triton",  # the decode kernel's option
         # the GEMVs' options: the first under PDL only, the others for FP8 weights
-        shared_early=opts.shared_early and runner.backend == "triton" and _util.pdl(torch.empty(0, device=device)),
+        shared_early=opts.shared_early and runner.backend == "triton" and pdl_on,
         expert_dot=opts.expert_dot and fp8 and getattr(model_config, "expert_dtype", None) != "fp4",
         projection_dot=opts.projection_dot and fp8,
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),

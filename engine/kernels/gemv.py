@@ -34,7 +34,7 @@ INTERPRETED_CONFIG = (32, 2, 4)  # the interpreter pays per program: few, wide o
 # read once for all of them; staged by cp.async, DOT_STAGES deep. Off until measured (`dot=` of `gemv`;
 # benchmarks/gemv_configs.py times both). Few rows of output give few programs: V3's q_a + kv_a 33
 DOT = False
-DOT_BLOCK_N, DOT_STAGES = 64, 4
+DOT_BLOCK_N, DOT_STAGES, DOT_WARPS = 64, 4, 4  # DOT_WARPS: one warpgroup, wgmma's M of 64
 
 
 @triton.jit
@@ -218,7 +218,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
         _dot_kernel[(triton.cdiv(n, rows), triton.cdiv(num_rows, 16))](
             x, weight, weight_scale, out, num_rows, n, k, x.stride(0), weight.stride(0), weight_scale.stride(0),
             out.stride(0), GROUP_N=block[0], GROUP_K=block[1], PRE_ROUND=interpreted(x),
-            UPCAST=upcast_fp8_dot(x, block[1]), BLOCK_N=rows, STAGES=DOT_STAGES, PDL=on, launch_pdl=on, num_warps=4)
+            UPCAST=upcast_fp8_dot(x, block[1]), BLOCK_N=rows, STAGES=DOT_STAGES, PDL=on, launch_pdl=on,
+            num_warps=DOT_WARPS)
         return out
     block_n, k_groups, warps = tile(n, k, x, block if fp8 else None, rows_per_group if groups > 1 else None, config)
     group_k = block[1] if fp8 else 128

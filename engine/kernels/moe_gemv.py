@@ -35,7 +35,7 @@ import triton.language as tl
 
 from engine.kernels._util import check, check_float, interpreted, mma, pdl, upcast_fp8_dot, wait_for_inputs
 from engine.kernels.fp8_gemm import FP8
-from engine.kernels.gemv import dot_rows, e4m3_groups, fp8_groups, gemv_rows
+from engine.kernels.gemv import DOT_STAGES, DOT_WARPS, dot_rows, e4m3_groups, fp8_groups, gemv_rows
 from engine.kernels.mxfp4 import as_bytes, as_words, check_mxfp4, fp4_gemv_rows, fp4_gemv_words, is_mxfp4
 
 
@@ -53,11 +53,10 @@ PREFETCH = {"bf16": True, "fp8": True}
 SHARED_EARLY = True
 # FP8 experts on the tensor cores (`_dot_group`): a program's `gemv.dot_rows` rows are the M of a wgmma product
 # with the token's quantized K group broadcast to its 16 columns, the weights staged into shared memory by
-# cp.async, DOT_STAGES deep, instead of widened and multiplied on the CUDA cores (an e4m3 byte there costs a
+# cp.async, `gemv.DOT_STAGES` deep, instead of widened and multiplied on the CUDA cores (an e4m3 byte there costs a
 # conversion and an FMA in float32: 2.45 TB/s on an H100 where the bf16 experts read 2.72). Off until
 # measured: `dot=` of `moe_gemv`, `benchmarks/moe_gemv_configs.py` times both
 DOT = False
-DOT_STAGES, DOT_WARPS = 4, 4
 # MXFP4: (BLOCK_N, groups of 32 values per step, num_warps) by decode: "bytes" one code at a time
 # (`mxfp4.fp4_gemv_rows`), "words" two at a time from 32-bit words (`mxfp4.fp4_gemv_words`), "asm" the
 # same in inline PTX (GPU only)
@@ -100,12 +99,6 @@ def _slot(Ids, W, WS, SW, SWS, pair, slots, top_k, stride_we, stride_wn, stride_
     s = tl.where(routed, WS + expert * stride_wse, SWS)
     return (token, tl.where(routed, -1, slot - top_k), pick, w, tl.where(routed, stride_wn, stride_sn), s,
             tl.where(routed, stride_wsn, stride_ssn))
-
-
-@triton.jit
-def _quantize_group(a, PRE_ROUND: tl.constexpr):
-    """One K group of a token's activations [GROUP_K] float32 -> (e4m3 codes [1, GROUP_K], scale [1])."""
-    return e4m3_groups(a[None, :], PRE_ROUND)
 
 
 @triton.jit
@@ -155,7 +148,9 @@ def _up_kernel(X, W, WS, SW, SWS, Act, Ids, N, K, top_k, slots, shared_up, limit
         acc = tl.zeros([BLOCK_N, 16], tl.float32)
         acc_up = tl.zeros([BLOCK_N, 16], tl.float32)
         for k0 in tl.range(0, K, GROUP_K, num_stages=STAGES):
-            codes, a_scale = _quantize_group(tl.load(X + token * stride_xm + k0 + offs_k).to(tl.float32), PRE_ROUND)
+            # the token's K group as [1, GROUP_K] codes and a [1] scale
+            codes, a_scale = e4m3_groups(tl.load(X + token * stride_xm + k0 + offs_k)[None, :].to(tl.float32),
+                                         PRE_ROUND)
             g = _dot_group(tl.load(gate_rows + k0, mask=mask_n[:, None], other=0.0), codes, UPCAST)
             u = _dot_group(tl.load(up_rows + k0, mask=mask_n[:, None], other=0.0), codes, UPCAST)
             acc += g * (a_scale * tl.load(gate_scales + k0 // GROUP_K))
@@ -218,7 +213,8 @@ def _down_kernel(Act, W, WS, SW, SWS, Out, Weights, Ids, N, K, top_k, slots, str
         rows = w + offs_n[:, None].to(tl.int64) * row_stride + col0 + offs_k[None, :]
         acc = tl.zeros([BLOCK_N, 16], tl.float32)
         for k0 in tl.range(0, K, GROUP_K, num_stages=STAGES):
-            codes, a_scale = _quantize_group(tl.load(Act + pair * stride_am + k0 + offs_k).to(tl.float32), PRE_ROUND)
+            codes, a_scale = e4m3_groups(tl.load(Act + pair * stride_am + k0 + offs_k)[None, :].to(tl.float32),
+                                         PRE_ROUND)
             p = _dot_group(tl.load(rows + k0, mask=(offs_n < N)[:, None], other=0.0), codes, UPCAST)
             acc += p * (a_scale * tl.load(scales + k0 // GROUP_K))
         y = _column0(acc)
@@ -428,8 +424,9 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     ss13, ss2 = ((shared.gate_up_scale, shared.down_scale) if shared is not None else (s13, s2)) if fp8 else (sw13, sw2)
     on, prefetch = pdl(x), PREFETCH["fp8" if fp8 else "bf16"]
     common = dict(USE_FP8=fp8, GROUP_N=block[0] if fp8 else 1, GROUP_K=block[1] if fp8 else 128, GROUPS=groups,
-                  PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n, launch_pdl=on, num_warps=warps)
-    common.update(DOT=dot, UPCAST=dot and upcast_fp8_dot(x, block[1]), STAGES=DOT_STAGES if dot else 1)
+                  PRE_ROUND=fp8 and interpreted(x), BLOCK_N=block_n, DOT=dot,
+                  UPCAST=dot and upcast_fp8_dot(x, block[1]), STAGES=DOT_STAGES if dot else 1, launch_pdl=on,
+                  num_warps=warps)
     _up_kernel[(num_tokens * slots, triton.cdiv(inter, block_n))](
         x, w13, s13, sw13, ss13, act, ids, inter, hidden, top_k, slots, sw13.shape[0] // 2,
         float("inf") if swiglu_limit is None else float(swiglu_limit),
