@@ -16,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import check, check_float, interpreted, mma, pdl, upcast_fp8_dot, wait_for_inputs
-from engine.kernels.fp8_gemm import FP8, _round_to_e4m3
+from engine.kernels._util import (check, check_float, interpreted, last_program, mma, pdl, upcast_fp8_dot,
+                                  wait_for_inputs)
+from engine.kernels.fp8_gemm import FP8, _round_to_e4m3, num_sms
 
 # (BLOCK_N, K groups per step, num_warps) by weight dtype; K groups are block_k wide for FP8 weights, 128
 # for bf16 and float32. Chosen on an H200 with benchmarks/gemv_configs.py at DeepSeek-V2-Lite's and V3's
@@ -31,10 +32,18 @@ PREFETCH = {"bf16": True, "fp8": False}
 INTERPRETED_CONFIG = (32, 2, 4)  # the interpreter pays per program: few, wide ones
 # FP8 weights on the tensor cores (`_dot_kernel`): a program's DOT_BLOCK_N rows are the M of a wgmma product
 # whose 16 columns are up to 16 rows of x (each K group quantized as `fp8_groups` does), so the weight is
-# read once for all of them; staged by cp.async, DOT_STAGES deep. Off until measured (`dot=` of `gemv`;
-# benchmarks/gemv_configs.py times both). Few rows of output give few programs: V3's q_a + kv_a 33
-DOT = False
+# read once for all of them; staged by cp.async, DOT_STAGES deep; K split into slices where the tiles of
+# rows are few (V3's q_a + kv_a: 33). On by default from DOT_MIN_ROWS rows: measured on an H100 in the
+# engine (bench --no-projection-dot), v3-slice 2 and 4 streams +4.5 %, v4-slice +6.6 %
+DOT = True
 DOT_BLOCK_N, DOT_STAGES, DOT_WARPS = 64, 4, 4  # DOT_WARPS: one warpgroup, wgmma's M of 64
+# K split into slices until the tiles fill the GPU this many programs an SM (`dot_splits`). Measured on an H100
+# (benchmarks/gemv_configs.py): V3's o_proj 69.6 us unsplit, 49.3 in 3 slices (2 an SM), 60.6 in 5 (4 an SM:
+# 560 programs, a second wave past the 528 that fit in shared memory), 54.3 in 10
+DOT_PROGRAMS_PER_SM, DOT_MIN_SPLIT_GROUPS = 2, 4
+# rows of x from which `gemv` takes the tensor cores when DOT is on: for one row the CUDA-core GEMV's tile
+# reads V3's large projections faster (H100, us: o_proj 44.0 against 49.3, dense down 49.9 against 54.6)
+DOT_MIN_ROWS = 2
 
 
 @triton.jit
@@ -117,12 +126,16 @@ def _gemv_kernel(X, W, WS, Out, N, K, rows_per_group, stride_xm, stride_xg, stri
 
 
 @triton.jit
-def _dot_kernel(X, W, WS, Out, M, N, K, stride_xm, stride_wn, stride_wsn, stride_om, GROUP_N: tl.constexpr,
-                GROUP_K: tl.constexpr, PRE_ROUND: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
-                STAGES: tl.constexpr, PDL: tl.constexpr):
+def _dot_kernel(X, W, WS, Out, Partials, Tickets, M, N, K, k_per_split, stride_xm, stride_wn, stride_wsn, stride_om,
+                GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PRE_ROUND: tl.constexpr, UPCAST: tl.constexpr,
+                BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """FP8 rows on the tensor cores: BLOCK_N rows of W by 16 rows of x a program, one K group a product
-    ([BLOCK_N, GROUP_K] x [GROUP_K, 16]) times the two scales, summed in float32. K a multiple of GROUP_K."""
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    ([BLOCK_N, GROUP_K] x [GROUP_K, 16]) times the two scales, summed in float32, over one of the
+    program_id(2) slices of K (each k_per_split long, a multiple of GROUP_K; K a multiple of GROUP_K too).
+    More than one slice: each stores its partial sums [BLOCK_N, 16] to Partials, and the tile's last
+    program adds them up in slice order (the same sums whichever program comes last) and stores Out."""
+    pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    splits = tl.num_programs(2)
     wait_for_inputs(PDL)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * 16 + tl.arange(0, 16)
@@ -131,13 +144,49 @@ def _dot_kernel(X, W, WS, Out, M, N, K, stride_xm, stride_wn, stride_wsn, stride
     x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     scales = WS + ((pid_n * BLOCK_N) // GROUP_N) * stride_wsn  # BLOCK_N divides GROUP_N: one scale a K group
     acc = tl.zeros([BLOCK_N, 16], tl.float32)
-    for k0 in tl.range(0, K, GROUP_K, num_stages=STAGES):
+    k_start = split * k_per_split
+    for k0 in tl.range(k_start, tl.minimum(k_start + k_per_split, K), GROUP_K, num_stages=STAGES):
         codes, a_scale = e4m3_groups(tl.load(x_rows + k0, mask=(offs_m < M)[:, None], other=0.0).to(tl.float32),
                                      PRE_ROUND)
         p = mma(tl.load(w_rows + k0, mask=(offs_n < N)[:, None], other=0.0), tl.trans(codes), UPCAST)
         acc += p * (a_scale[None, :] * tl.load(scales + k0 // GROUP_K))
-    tl.store(Out + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(Out.dtype.element_ty),
-             mask=(offs_m < M)[None, :] & (offs_n < N)[:, None])
+    out_ptrs = Out + offs_m[None, :] * stride_om + offs_n[:, None]
+    out_mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
+    if splits == 1:
+        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        tile = pid_n * tl.num_programs(1) + pid_m
+        part = Partials + tile.to(tl.int64) * splits * (BLOCK_N * 16) + \
+            tl.arange(0, BLOCK_N)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [splits, BLOCK_N, 16] a tile
+        tl.store(part + split * (BLOCK_N * 16), acc)
+        if last_program(Tickets + tile, splits):
+            acc = tl.zeros([BLOCK_N, 16], tl.float32)
+            for s in range(0, splits):
+                acc += tl.load(part + s * (BLOCK_N * 16), cache_modifier=".cg")  # past L1: other SMs wrote them
+            tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=out_mask)
+
+
+def dot_splits(tiles: int, k_groups: int, device: torch.device) -> int:
+    """Slices of K for `_dot_kernel`'s `tiles` (rows of W by 16 rows of x): enough programs for
+    DOT_PROGRAMS_PER_SM on every SM (a program's loop is latency-bound: one K group staged, quantized and
+    multiplied in turn; V3's o_proj is 112 tiles of 128 groups), each slice DOT_MIN_SPLIT_GROUPS groups or
+    more, no slice empty."""
+    want = -(-DOT_PROGRAMS_PER_SM * num_sms(device) // tiles)
+    per = -(-k_groups // max(1, min(want, k_groups // DOT_MIN_SPLIT_GROUPS)))
+    return -(-k_groups // per)
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """int32 zeros, one a tile of a split `_dot_kernel`, zero again after each launch: one buffer a device,
+    shared by every launch (launches on a stream run in turn; under PDL each waits for the one before
+    before it takes a ticket), grown by the first call that needs more (a warm-up, before any capture)."""
+    tickets = _TICKETS.get(device)
+    if tickets is None or tickets.numel() < count:
+        tickets = _TICKETS[device] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+    return tickets
 
 
 def dot_rows(x: torch.Tensor, k: int, block: tuple[int, int] | None) -> int:
@@ -182,8 +231,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     weight multiply x's slice j (DeepSeek-V4's grouped wo_a, MLA's per-head absorptions).
     Under programmatic dependent launch a program may read the weight before the previous kernel in the
     stream has finished (`PREFETCH`): the weight must not be that kernel's output (model weights never are).
-    `dot` (FP8 weights, one group; None: DOT): the products on the tensor cores (`_dot_kernel`) where
-    `dot_rows` allows, `config` then unused."""
+    `dot` (FP8 weights, one group; None: DOT from DOT_MIN_ROWS rows): the products on the tensor cores
+    (`_dot_kernel`) where `dot_rows` allows, `config` then unused."""
     check_float("x", x)
     if x.dim() == 3:
         check(x.shape[1] == groups and x.stride(-1) == 1,
@@ -212,11 +261,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     out = torch.empty(num_rows, n, dtype=out_dtype or x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    rows = dot_rows(x, k, block) if fp8 and groups == 1 and (DOT if dot is None else dot) else 0
+    use_dot = (DOT and num_rows >= DOT_MIN_ROWS) if dot is None else dot
+    rows = dot_rows(x, k, block) if fp8 and groups == 1 and use_dot else 0
     if rows:
         on = pdl(x)
-        _dot_kernel[(triton.cdiv(n, rows), triton.cdiv(num_rows, 16))](
-            x, weight, weight_scale, out, num_rows, n, k, x.stride(0), weight.stride(0), weight_scale.stride(0),
+        grid_n, grid_m, k_groups = triton.cdiv(n, rows), triton.cdiv(num_rows, 16), k // block[1]
+        splits = dot_splits(grid_n * grid_m, k_groups, x.device)
+        tiles = grid_n * grid_m if splits > 1 else 0
+        partials = torch.empty(tiles * splits * rows * 16, dtype=torch.float32, device=x.device)
+        _dot_kernel[(grid_n, grid_m, splits)](
+            x, weight, weight_scale, out, partials, _tickets(x.device, tiles), num_rows, n, k,
+            -(-k_groups // splits) * block[1], x.stride(0), weight.stride(0), weight_scale.stride(0),
             out.stride(0), GROUP_N=block[0], GROUP_K=block[1], PRE_ROUND=interpreted(x),
             UPCAST=upcast_fp8_dot(x, block[1]), BLOCK_N=rows, STAGES=DOT_STAGES, PDL=on, launch_pdl=on,
             num_warps=DOT_WARPS)

@@ -1751,6 +1751,59 @@ def test_gemv_fp8_on_the_tensor_cores_is_the_fp8_linear_math(m, block):
     assert rel_err(out, reference_fp8_linear(x, wq, ws, block)) < tol
 
 
+def test_gemv_on_the_tensor_cores_split_over_k_adds_the_slices_in_order(monkeypatch):
+    """`gemv(..., dot=True)` with K cut into slices (`dot_splits`: few tiles of rows, a long K, as V3's
+    o_proj): each slice's partial sums stored, the last program of each tile adds them in slice order.
+    The unsplit sums to float32 rounding; the same bits on a second call (whichever program came last),
+    and every ticket back to zero for the next launch."""
+    from engine.kernels import gemv as gemv_module
+    from engine.kernels.gemv import dot_splits, gemv
+
+    g = torch.Generator().manual_seed(35)
+    n, k, block = 150, 512, (64, 32)  # 3 tiles of rows by 2 of x's 17 rows; 16 K groups
+    wq, ws = (t.to(DEV) for t in quantize_fp8_block(torch.randn(n, k, generator=g) * 0.1, block))
+    x = torch.randn(17, k, generator=g).to(DEV, torch.float32)
+    monkeypatch.setattr(gemv_module, "DOT_PROGRAMS_PER_SM", 0)  # never split
+    whole = gemv(x, wq, ws, block, dot=True)
+    monkeypatch.setattr(gemv_module, "DOT_MIN_SPLIT_GROUPS", 3)
+    monkeypatch.setattr(gemv_module, "DOT_PROGRAMS_PER_SM", 64)
+    splits = dot_splits(6, 16, x.device)
+    assert splits == 4  # at most 5 slices of 3 or more groups: 4 groups a slice, 4 slices, none empty
+    out = gemv(x, wq, ws, block, dot=True)
+    assert rel_err(out, whole) < F32_TOL and not torch.equal(out, whole)  # the slices did run
+    assert torch.equal(gemv(x, wq, ws, block, dot=True), out)
+    assert not gemv_module._TICKETS[x.device].any()
+    tol = F32_TOL if DEV == "cpu" else 1e-2
+    assert rel_err(out, reference_fp8_linear(x, wq, ws, block)) < tol
+
+
+@pytest.mark.parametrize("dot", [False, True])
+def test_an_fp8_linear_hands_a_few_rows_to_the_tensor_core_gemv(dot, monkeypatch):
+    """The seam between the layer and the kernel: on the fast path an FP8 `Linear` takes the GEMV for one row;
+    with `gemv.DOT` (one pass over the weight for every row) for up to `dot_max_tokens` rows, past them the
+    FP8 GEMM. Each way, the FP8 linear's math."""
+    from engine.config import QuantConfig
+    from engine.kernels import gemv as gemv_module
+    from engine.layers.linear import Linear
+
+    g = torch.Generator().manual_seed(36)
+    block = (64, 32)
+    layer = Linear(128, 96, quant=QuantConfig(weight_block_size=block))
+    wq, ws = quantize_fp8_block(torch.randn(96, 128, generator=g) * 0.1, block)
+    layer.weight.data.copy_(wq)
+    layer.weight_scale_inv.data.copy_(ws)
+    layer = layer.to(DEV)
+    layer.use_kernels = True
+    monkeypatch.setattr(gemv_module, "DOT", dot)
+    taken, real = [], gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, *a, **kw: taken.append(x.shape[0]) or real(x, *a, **kw))
+    for rows in (1, 4, 16, 17):
+        x = torch.randn(rows, 128, generator=g).to(DEV, torch.float32)
+        tol = F32_TOL if DEV == "cpu" else 1e-2
+        assert rel_err(layer(x), reference_fp8_linear(x, layer.weight, layer.weight_scale_inv, block)) < tol
+    assert taken == ([1, 4, 16] if dot else [1])
+
+
 @gpu
 def test_gemv_deepseek_shapes():
     from engine.kernels.gemv import gemv
@@ -1762,8 +1815,8 @@ def test_gemv_deepseek_shapes():
     wq, ws = quantize_fp8_block(torch.randn(2112, 7168, device=DEV, generator=g) * 0.02)
     x = torch.randn(1, 7168, device=DEV, generator=g, dtype=torch.bfloat16)
     assert rel_err(gemv(x, wq, ws, (128, 128)), reference_fp8_linear(x, wq, ws, (128, 128))) < 1e-2
-    # the tensor-core path (e4m3 wgmma), one row and four
-    for rows in (1, 4):
+    # the tensor-core path (e4m3 wgmma), one row, four and 17 (two tiles of x), K split into slices
+    for rows in (1, 4, 17):
         x = torch.randn(rows, 7168, device=DEV, generator=g, dtype=torch.bfloat16)
         out = gemv(x, wq, ws, (128, 128), dot=True)
         assert not torch.equal(out, gemv(x, wq, ws, (128, 128), dot=False))
