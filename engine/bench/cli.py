@@ -71,8 +71,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "what starting them early gives (under PDL)")
     p.add_argument("--expert-dot", action="store_true",
                    help="FP8 experts' GEMVs with their products on the tensor cores, to measure them")
-    p.add_argument("--projection-dot", action="store_true",
-                   help="FP8 projections' GEMVs with their products on the tensor cores, to measure them")
+    p.add_argument("--no-projection-dot", dest="projection_dot", action="store_false",
+                   help="FP8 projections of 2-16 rows by the FP8 GEMM, not the GEMV with its products on the tensor "
+                        "cores (one read of the weight for every row), to measure what that gives")
     p.add_argument("--no-pdl", dest="pdl", action="store_false",
                    help="kernels without programmatic dependent launch (Hopper+), to measure what it gives")
     p.add_argument("--seed", type=int, default=0)

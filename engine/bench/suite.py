@@ -56,7 +56,7 @@ class BenchOptions:
     # under PDL the shared experts' GEMV programs start while the router runs (kernels.moe_gemv.SHARED_EARLY)
     shared_early: bool = True
     expert_dot: bool = False  # FP8 experts' GEMVs with their products on the tensor cores (kernels.moe_gemv.DOT)
-    projection_dot: bool = False  # FP8 projections' GEMVs the same way (kernels.gemv.DOT)
+    projection_dot: bool = True  # FP8 projections of 2-16 rows the same way, every row in one pass (kernels.gemv.DOT)
     seed: int = 0
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False

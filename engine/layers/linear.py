@@ -28,8 +28,13 @@ class Linear(nn.Module):
     use_kernels = False  # the model runner switches the Triton fast path on per instance
     # on the fast path, inputs of at most this many rows (and no bias) run as GEMVs (kernels.gemv): at one
     # row they beat the GEMM libraries on an H200 for every DeepSeek projection measured but V3's q_b
-    # (15.3 vs 14.2 us); from two rows on the GEMM wins for most (benchmarks/gemv_configs.py, docs/perf.md)
+    # (15.3 vs 14.2 us); from two rows on the CUDA-core GEMV (a program a row) loses to the GEMM for most
+    # (benchmarks/gemv_configs.py, docs/perf.md)
     gemv_max_tokens = 1
+    # FP8 blocks the tensor-core GEMV takes (`kernels.gemv.DOT`, `dot_rows`) read the weight once for up to
+    # 16 rows (one program's columns), as fast as one row: for that many rows the GEMV (H100, V3's o_proj at
+    # 2 to 16 rows 49-51 us against the FP8 GEMM's 57-59; q_a + kv_a 9.3-9.6 against 25)
+    dot_max_tokens = 16
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, par: ParallelContext = SINGLE,
                  quant: QuantConfig | None = None):
@@ -59,8 +64,17 @@ class Linear(nn.Module):
     def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         _copy_checked(param.data, loaded)
 
+    def _gemv_rows(self, x: torch.Tensor) -> int:
+        """The most rows of x the fast path hands to `kernels.gemv`."""
+        if self.block is not None:
+            from engine.kernels import gemv
+
+            if gemv.DOT and gemv.dot_rows(x, self.in_features, self.block):
+                return max(self.gemv_max_tokens, self.dot_max_tokens)
+        return self.gemv_max_tokens
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.use_kernels and self.bias is None and x.dim() == 2 and x.shape[0] <= self.gemv_max_tokens
+        if (self.use_kernels and self.bias is None and x.dim() == 2 and x.shape[0] <= self._gemv_rows(x)
                 and x.stride(-1) == 1):
             from engine.kernels.gemv import gemv
 

@@ -548,16 +548,21 @@ def test_fresh_prompts_replay_the_prefill_graphs(tmp_path, dtype):
     assert_prefill_graphs_as_eager(path, fast, dtype, [100, 512, 300], [256, 512, 512], [256, 512], block_size=4)
 
 
+def production_tiles_model(seed: int):
+    """A small model of DeepSeek's head widths whose projections and experts fill 128 x 128 FP8 blocks."""
+    return build_hf_model(seed=seed, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256,
+                          q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                          v_head_dim=128, num_experts_per_tok=4, max_position_embeddings=2048,
+                          initializer_range=0.02)
+
+
 @gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_fp8_prefill_graphs_at_production_tiles(tmp_path, kv_cache_dtype):
     """The prefill graphs over the paths a small model does not reach: FP8 128 x 128 blocks (cuBLAS's
     block-scaled GEMM from 256 rows, the persistent TMA expert GEMMs), the TMA prefill attention (192-wide
     keys), the two-kernel expert alignment (more than 4,096 pairs), and the FP8 latent cache."""
-    hf = build_hf_model(seed=33, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256,
-                        q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                        v_head_dim=128, num_experts_per_tok=4, max_position_embeddings=2048, initializer_range=0.02)
-    path = save_fp8_checkpoint(hf, tmp_path / "ckpt", (128, 128))
+    path = save_fp8_checkpoint(production_tiles_model(33), tmp_path / "ckpt", (128, 128))
     args = dict(block_size=64, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=1280)
     fast = LLM(str(path), dtype="bfloat16", **args, prefill_graph_tokens=1280)
     assert fast.engine.runner.model.model.layers[1].mlp.experts.w13.dtype == torch.float8_e4m3fn
@@ -566,6 +571,27 @@ def test_fp8_prefill_graphs_at_production_tiles(tmp_path, kv_cache_dtype):
     # steps of 1280 rows (two prompts), then 321 (a chunk, a prompt, a decode row: the one-row GEMV path
     # over the queries' buffer), then the next turn's chunk
     assert_piecewise_as_eager(path, fast, "bfloat16", [600, 900, 100], **args)
+
+
+@gpu
+def test_fp8_projections_of_a_few_rows_on_the_tensor_cores_match_reference(tmp_path, monkeypatch):
+    """FP8 128 x 128 blocks, which the projections' tensor-core GEMV takes (`gemv.DOT`, the default): prefill
+    chunks and decode steps of 2 to 16 rows read each projection's weight once for all of their rows (K
+    split into slices for the small ones), against the same FP8 math in PyTorch (kernels off for the FP8
+    layers)."""
+    from engine.kernels import gemv as gemv_module
+
+    path = save_fp8_checkpoint(production_tiles_model(35), tmp_path / "ckpt", (128, 128))
+    rows, real = [], gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, *a, **kw: rows.append(x.shape[0]) or real(x, *a, **kw))
+    fast = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=16)
+    emulated = LLM(str(path), dtype="bfloat16", attention_backend="triton", enable_prefix_caching=False,
+                   max_num_batched_tokens=16)
+    for module in emulated.engine.runner.model.modules():
+        if getattr(module, "block", None) is not None:
+            module.use_kernels = False
+    assert_same_where_clear(emulated, fast, prompts(35, [11, 30, 5]), "bfloat16")
+    assert gemv_module.DOT and any(1 < r <= 16 for r in rows)
 
 
 @gpu
