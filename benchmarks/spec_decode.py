@@ -1,7 +1,7 @@
 """Speculative decoding with the MTP layer: what it buys a stream, and what verifying k drafts costs.
 
     python benchmarks/spec_decode.py [--model deepseek-tiny] [--k 1,2,3] [--streams 1,4,16]
-                                     [--presets v2-lite,v3-slice] [--out results.json]
+                                     [--presets v2-lite,v3-slice] [--no-projection-dot] [--out results.json]
 
 1. A real checkpoint with a trained MTP layer (deepseek-tiny by default): greedy chat answers, or
    sampled ones (`--temperature`, `--top-p`, seeded; ignore_eos, `--max-tokens` each) through `LLMEngine.step`, one batch of `streams` requests at a
@@ -27,6 +27,7 @@ from engine import SamplingParams
 from engine.bench.presets import preset_config
 from engine.bench.timing import time_fn
 from engine.config import EngineConfig, ModelConfig
+from engine.kernels import gemv
 from engine.llm_engine import LLMEngine
 from engine.layers import attention
 from engine.model_runner import DraftGraphs, GraphSampling, ModelRunner, SpecGraphs
@@ -54,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--always-draft", action="store_true",
                    help="draft at every batch size (by default a GPU measures where drafting pays at start)")
+    p.add_argument("--no-projection-dot", dest="projection_dot", action="store_false",
+                   help="FP8 projections of 2-16 rows by the FP8 GEMM, not the tensor-core GEMV (kernels.gemv.DOT)")
     p.add_argument("--out")
     return p.parse_args()
 
@@ -220,6 +223,7 @@ def fused_step(runner: ModelRunner, k: int, context: int, fold: bool) -> float:
 
 def main() -> None:
     args = parse_args()
+    gemv.DOT = args.projection_dot
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "real_model": real_model(args) if args.model else []}
     if args.presets:
