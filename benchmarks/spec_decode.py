@@ -1,7 +1,8 @@
 """Speculative decoding with the MTP layer: what it buys a stream, and what verifying k drafts costs.
 
     python benchmarks/spec_decode.py [--model deepseek-tiny] [--k 1,2,3] [--streams 1,4,16]
-                                     [--presets v2-lite,v3-slice] [--no-projection-dot] [--out results.json]
+                                     [--presets v2-lite,v3-slice] [--no-projection-dot] [--grouped-dot]
+                                     [--out results.json]
 
 1. A real checkpoint with a trained MTP layer (deepseek-tiny by default): greedy chat answers, or
    sampled ones (`--temperature`, `--top-p`, seeded; ignore_eos, `--max-tokens` each) through `LLMEngine.step`, one batch of `streams` requests at a
@@ -57,6 +58,8 @@ def parse_args() -> argparse.Namespace:
                    help="draft at every batch size (by default a GPU measures where drafting pays at start)")
     p.add_argument("--no-projection-dot", dest="projection_dot", action="store_false",
                    help="FP8 projections of 2-16 rows by the FP8 GEMM, not the tensor-core GEMV (kernels.gemv.DOT)")
+    p.add_argument("--grouped-dot", action="store_true",
+                   help="and V4's block-diagonal wo_a in one tensor-core GEMV launch (kernels.gemv.DOT_GROUPS)")
     p.add_argument("--out")
     return p.parse_args()
 
@@ -223,7 +226,7 @@ def fused_step(runner: ModelRunner, k: int, context: int, fold: bool) -> float:
 
 def main() -> None:
     args = parse_args()
-    gemv.DOT = args.projection_dot
+    gemv.DOT, gemv.DOT_GROUPS = args.projection_dot, args.grouped_dot
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "real_model": real_model(args) if args.model else []}
     if args.presets:

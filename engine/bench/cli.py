@@ -74,6 +74,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-projection-dot", dest="projection_dot", action="store_false",
                    help="FP8 projections of 2-16 rows by the FP8 GEMM, not the GEMV with its products on the tensor "
                         "cores (one read of the weight for every row), to measure what that gives")
+    p.add_argument("--grouped-dot", action="store_true",
+                   help="FP8 block-diagonal projections (DeepSeek-V4's wo_a) of 2-16 rows as one tensor-core GEMV "
+                        "launch, not a GEMM a group, to measure it")
     p.add_argument("--no-pdl", dest="pdl", action="store_false",
                    help="kernels without programmatic dependent launch (Hopper+), to measure what it gives")
     p.add_argument("--seed", type=int, default=0)
@@ -102,7 +105,8 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
                         block_size=args.block_size, eager=args.eager, prefill_graphs=args.prefill_graphs,
                         pdl=args.pdl, gluon=args.gluon, fold_chunks=args.fold_chunks,
                         merge_absorbs=args.merge_absorbs, shared_early=args.shared_early,
-                        expert_dot=args.expert_dot, projection_dot=args.projection_dot, seed=args.seed,
+                        expert_dot=args.expert_dot, projection_dot=args.projection_dot,
+                        grouped_dot=args.grouped_dot, seed=args.seed,
                         kv_cache_dtype=args.kv_cache_dtype,
                         out_dir=args.out, command=command,
                         tensor_parallel_size=args.tensor_parallel_size,

@@ -57,6 +57,7 @@ class BenchOptions:
     shared_early: bool = True
     expert_dot: bool = False  # FP8 experts' GEMVs with their products on the tensor cores (kernels.moe_gemv.DOT)
     projection_dot: bool = True  # FP8 projections of 2-16 rows the same way, every row in one pass (kernels.gemv.DOT)
+    grouped_dot: bool = False  # and the block-diagonal ones (V4's wo_a) in one launch (kernels.gemv.DOT_GROUPS)
     seed: int = 0
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -97,17 +98,18 @@ def run(opts: BenchOptions) -> dict:
     before, _util.PDL = _util.PDL, opts.pdl
     gluon_before = mla_prefill.GLUON, fused_moe.GLUON, mla_decode.GLUON
     attention_before = attention.MERGE_ABSORBS, attention.FOLD_CHUNKS
-    gemvs_before = moe_gemv.SHARED_EARLY, moe_gemv.DOT, gemv.DOT
+    gemvs_before = moe_gemv.SHARED_EARLY, moe_gemv.DOT, gemv.DOT, gemv.DOT_GROUPS
     mla_prefill.GLUON = fused_moe.GLUON = mla_decode.GLUON = opts.gluon
     attention.MERGE_ABSORBS, attention.FOLD_CHUNKS = opts.merge_absorbs, opts.fold_chunks
     moe_gemv.SHARED_EARLY, moe_gemv.DOT, gemv.DOT = opts.shared_early, opts.expert_dot, opts.projection_dot
+    gemv.DOT_GROUPS = opts.grouped_dot
     try:
         return _run(opts)
     finally:
         _util.PDL = before
         mla_prefill.GLUON, fused_moe.GLUON, mla_decode.GLUON = gluon_before
         attention.MERGE_ABSORBS, attention.FOLD_CHUNKS = attention_before
-        moe_gemv.SHARED_EARLY, moe_gemv.DOT, gemv.DOT = gemvs_before
+        moe_gemv.SHARED_EARLY, moe_gemv.DOT, gemv.DOT, gemv.DOT_GROUPS = gemvs_before
         gc.unfreeze()
 
 
@@ -227,6 +229,7 @@ def _run(opts: BenchOptions) -> dict:
         shared_early=opts.shared_early and runner.backend == "triton" and pdl_on,
         expert_dot=opts.expert_dot and fp8 and getattr(model_config, "expert_dtype", None) != "fp4",
         projection_dot=opts.projection_dot and fp8,
+        grouped_dot=opts.grouped_dot and opts.projection_dot and fp8 and getattr(model_config, "o_groups", 1) > 1,
         decode_context=opts.decode_context, decode_steps=opts.decode_steps, ceilings=ceilings.as_dict(),
         ttft_s=_summary(prefill, "seconds"), prefill_tok_s=_summary(prefill, "tok_s"),
         decode_tok_s=_summary(decode, "tok_s"), prefill=prefill, decode=decode,

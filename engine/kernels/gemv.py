@@ -41,6 +41,9 @@ DOT_BLOCK_N, DOT_STAGES, DOT_WARPS = 64, 4, 4  # DOT_WARPS: one warpgroup, wgmma
 # (benchmarks/gemv_configs.py): V3's o_proj 69.6 us unsplit, 49.3 in 3 slices (2 an SM), 60.6 in 5 (4 an SM:
 # 560 programs, a second wave past the 528 that fit in shared memory), 54.3 in 10
 DOT_PROGRAMS_PER_SM, DOT_MIN_SPLIT_GROUPS = 2, 4
+# the block-diagonal weights (groups > 1: DeepSeek-V4's wo_a) on the tensor cores too, when DOT is on: built and
+# checked in the interpreter, off until measured on a card (`bench --grouped-dot`)
+DOT_GROUPS = False
 # rows of x from which `gemv` takes the tensor cores when DOT is on: for one row the CUDA-core GEMV's tile
 # reads V3's large projections faster (H100, us: o_proj 44.0 against 49.3, dense down 49.9 against 54.6)
 DOT_MIN_ROWS = 2
@@ -126,14 +129,17 @@ def _gemv_kernel(X, W, WS, Out, N, K, rows_per_group, stride_xm, stride_xg, stri
 
 
 @triton.jit
-def _dot_kernel(X, W, WS, Out, Partials, Tickets, M, N, K, k_per_split, stride_xm, stride_wn, stride_wsn, stride_om,
-                GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PRE_ROUND: tl.constexpr, UPCAST: tl.constexpr,
-                BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+def _dot_kernel(X, W, WS, Out, Partials, Tickets, M, N, K, k_per_split, rows_per_group, stride_xm, stride_xg,
+                stride_wn, stride_wsn, stride_om, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                PRE_ROUND: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                PDL: tl.constexpr):
     """FP8 rows on the tensor cores: BLOCK_N rows of W by 16 rows of x a program, one K group a product
     ([BLOCK_N, GROUP_K] x [GROUP_K, 16]) times the two scales, summed in float32, over one of the
     program_id(2) slices of K (each k_per_split long, a multiple of GROUP_K; K a multiple of GROUP_K too).
     More than one slice: each stores its partial sums [BLOCK_N, 16] to Partials, and the tile's last
-    program adds them up in slice order (the same sums whichever program comes last) and stores Out."""
+    program adds them up in slice order (the same sums whichever program comes last) and stores Out.
+    Block-diagonal (groups of rows_per_group rows, BLOCK_N dividing it): rows of group j multiply x's K
+    values at j * stride_xg."""
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     splits = tl.num_programs(2)
     wait_for_inputs(PDL)
@@ -141,7 +147,8 @@ def _dot_kernel(X, W, WS, Out, Partials, Tickets, M, N, K, k_per_split, stride_x
     offs_m = pid_m * 16 + tl.arange(0, 16)
     offs_k = tl.arange(0, GROUP_K)
     w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    x_rows = X + ((pid_n * BLOCK_N) // rows_per_group) * stride_xg + offs_m[:, None].to(tl.int64) * stride_xm + \
+        offs_k[None, :]
     scales = WS + ((pid_n * BLOCK_N) // GROUP_N) * stride_wsn  # BLOCK_N divides GROUP_N: one scale a K group
     acc = tl.zeros([BLOCK_N, 16], tl.float32)
     k_start = split * k_per_split
@@ -231,8 +238,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     weight multiply x's slice j (DeepSeek-V4's grouped wo_a, MLA's per-head absorptions).
     Under programmatic dependent launch a program may read the weight before the previous kernel in the
     stream has finished (`PREFETCH`): the weight must not be that kernel's output (model weights never are).
-    `dot` (FP8 weights, one group; None: DOT from DOT_MIN_ROWS rows): the products on the tensor cores
-    (`_dot_kernel`) where `dot_rows` allows, `config` then unused."""
+    `dot` (FP8 weights; None: DOT from DOT_MIN_ROWS rows, DOT_GROUPS for groups > 1): the products on the
+    tensor cores (`_dot_kernel`) where `dot_rows` allows and a program's rows sit in one group, `config` then
+    unused."""
     check_float("x", x)
     if x.dim() == 3:
         check(x.shape[1] == groups and x.stride(-1) == 1,
@@ -261,9 +269,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     out = torch.empty(num_rows, n, dtype=out_dtype or x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    use_dot = (DOT and num_rows >= DOT_MIN_ROWS) if dot is None else dot
-    rows = dot_rows(x, k, block) if fp8 and groups == 1 and use_dot else 0
-    if rows:
+    use_dot = (DOT and num_rows >= DOT_MIN_ROWS and (groups == 1 or DOT_GROUPS)) if dot is None else dot
+    rows = dot_rows(x, k, block) if fp8 and use_dot else 0
+    if rows and (groups == 1 or rows_per_group % rows == 0):  # a program's rows in one group
         on = pdl(x)
         grid_n, grid_m, k_groups = triton.cdiv(n, rows), triton.cdiv(num_rows, 16), k // block[1]
         splits = dot_splits(grid_n * grid_m, k_groups, x.device)
@@ -271,8 +279,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
         partials = torch.empty(tiles * splits * rows * 16, dtype=torch.float32, device=x.device)
         _dot_kernel[(grid_n, grid_m, splits)](
             x, weight, weight_scale, out, partials, _tickets(x.device, tiles), num_rows, n, k,
-            -(-k_groups // splits) * block[1], x.stride(0), weight.stride(0), weight_scale.stride(0),
-            out.stride(0), GROUP_N=block[0], GROUP_K=block[1], PRE_ROUND=interpreted(x),
+            -(-k_groups // splits) * block[1], rows_per_group, x.stride(0), stride_xg, weight.stride(0),
+            weight_scale.stride(0), out.stride(0), GROUP_N=block[0], GROUP_K=block[1], PRE_ROUND=interpreted(x),
             UPCAST=upcast_fp8_dot(x, block[1]), BLOCK_N=rows, STAGES=DOT_STAGES, PDL=on, launch_pdl=on,
             num_warps=DOT_WARPS)
         return out

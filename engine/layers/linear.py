@@ -64,12 +64,14 @@ class Linear(nn.Module):
     def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         _copy_checked(param.data, loaded)
 
-    def _gemv_rows(self, x: torch.Tensor) -> int:
-        """The most rows of x the fast path hands to `kernels.gemv`."""
+    def _gemv_rows(self, x: torch.Tensor, groups: int = 1) -> int:
+        """The most rows of x the fast path hands to `kernels.gemv` (whose tensor-core programs take rows of
+        one group)."""
         if self.block is not None:
             from engine.kernels import gemv
 
-            if gemv.DOT and gemv.dot_rows(x, self.in_features, self.block):
+            rows = gemv.dot_rows(x, self.in_features, self.block)
+            if gemv.DOT and rows and (groups == 1 or gemv.DOT_GROUPS and (self.out_features // groups) % rows == 0):
                 return max(self.gemv_max_tokens, self.dot_max_tokens)
         return self.gemv_max_tokens
 
@@ -95,8 +97,8 @@ class Linear(nn.Module):
         """Block-diagonal over `groups` (DeepSeek-V4's wo_a): x [T, groups * in_features] whose slice j
         multiplies the weight's rows j * out / groups.. -> [T, out_features]."""
         num_tokens, rows = x.shape[0], self.out_features // groups
-        if self.use_kernels and x.shape[0] <= self.gemv_max_tokens and x.is_contiguous():
-            from engine.kernels.gemv import gemv
+        if self.use_kernels and x.shape[0] <= self._gemv_rows(x, groups) and x.is_contiguous():
+            from engine.kernels.gemv import gemv  # FP8 with DOT_GROUPS: every group in one tensor-core launch
 
             return gemv(x, self.weight, self.weight_scale_inv if self.block else None, self.block, groups=groups)
         xs = x.view(num_tokens, groups, self.in_features)

@@ -1804,6 +1804,35 @@ def test_an_fp8_linear_hands_a_few_rows_to_the_tensor_core_gemv(dot, monkeypatch
     assert taken == ([1, 4, 16] if dot else [1])
 
 
+@pytest.mark.parametrize("dot", [False, True])
+def test_a_grouped_fp8_linear_hands_a_few_rows_to_one_tensor_core_launch(dot, monkeypatch):
+    """DeepSeek-V4's wo_a (`Linear.forward_grouped`) at 2-16 rows: with `gemv.DOT_GROUPS` one launch for
+    every group, where without it each group is its own FP8 GEMM; the per-group FP8 math either way."""
+    from engine.config import QuantConfig
+    from engine.kernels import gemv as gemv_module
+    from engine.layers.linear import Linear
+
+    g = torch.Generator().manual_seed(37)
+    groups, rows, k, block = 3, 64, 96, (64, 32)
+    layer = Linear(k, groups * rows, quant=QuantConfig(weight_block_size=block))
+    wq, ws = quantize_fp8_block(torch.randn(groups * rows, k, generator=g) * 0.1, block)
+    layer.weight.data.copy_(wq)
+    layer.weight_scale_inv.data.copy_(ws)
+    layer = layer.to(DEV)
+    layer.use_kernels = True
+    monkeypatch.setattr(gemv_module, "DOT_GROUPS", dot)
+    taken, real = [], gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, *a, **kw: taken.append(x.shape[0]) or real(x, *a, **kw))
+    for num_rows in (1, 4, 17):
+        x = torch.randn(num_rows, groups * k, generator=g).to(DEV, torch.float32)
+        xs = x.view(num_rows, groups, k)
+        want = torch.cat([reference_fp8_linear(xs[:, j].contiguous(), layer.weight[j * rows: (j + 1) * rows],
+                                               layer.weight_scale_inv[j: j + 1], block) for j in range(groups)], 1)
+        tol = F32_TOL if DEV == "cpu" else 1e-2
+        assert rel_err(layer.forward_grouped(x, groups), want) < tol
+    assert taken == ([1, 4] if dot else [1])
+
+
 @gpu
 def test_gemv_deepseek_shapes():
     from engine.kernels.gemv import gemv
@@ -1823,26 +1852,32 @@ def test_gemv_deepseek_shapes():
         assert rel_err(out, reference_fp8_linear(x, wq, ws, (128, 128))) < 1e-2
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_gemv_groups_is_block_diagonal(fp8):
-    """DeepSeek-V4's wo_a: rows j * N / g.. of the weight multiply x's slice j (one launch for every group)."""
-    from engine.kernels.gemv import gemv
+@pytest.mark.parametrize("fp8,dot", [(False, False), (True, False), (True, True)])
+def test_gemv_groups_is_block_diagonal(fp8, dot):
+    """DeepSeek-V4's wo_a: rows j * N / g.. of the weight multiply x's slice j (one launch for every group);
+    FP8 on the tensor cores too (`dot`: a program's 64 rows in one group, every row of x in one pass)."""
+    from engine.kernels.gemv import dot_rows, gemv
 
     g = torch.Generator().manual_seed(33)
-    groups, rows, k, block = 4, 32, 48, (16, 16)
+    groups, rows, k, block = 3, 64, 96, (64, 32)
     w = torch.randn(groups * rows, k, generator=g) * 0.1
     x = torch.randn(2, groups * k, generator=g).to(DEV)
     xs = x.view(2, groups, k)
+    tol = F32_TOL
     if fp8:
         wq, ws = (t.to(DEV) for t in quantize_fp8_block(w, block))
         want = torch.cat([reference_fp8_linear(xs[:, j].contiguous(), wq[j * rows: (j + 1) * rows],
-                                               ws[j * 2: (j + 1) * 2], block) for j in range(groups)], 1)
-        out = gemv(x, wq, ws, block, groups=groups)
+                                               ws[j: j + 1], block) for j in range(groups)], 1)
+        out = gemv(x, wq, ws, block, groups=groups, dot=dot)
+        if dot:  # the path took these blocks: another order of the sums than the CUDA-core GEMV's
+            assert dot_rows(x, k, block) == rows
+            assert not torch.equal(out, gemv(x, wq, ws, block, groups=groups, dot=False))
+            tol = F32_TOL if DEV == "cpu" else 1e-2
     else:
         w = w.to(DEV)
         want = torch.einsum("tgk,gnk->tgn", xs, w.view(groups, rows, k)).flatten(1)
         out = gemv(x, w, groups=groups)
-    assert rel_err(out, want) < F32_TOL
+    assert rel_err(out, want) < tol
 
 
 def test_gemv_groups_of_a_strided_view():
