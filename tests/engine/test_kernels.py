@@ -1777,26 +1777,41 @@ def test_gemv_on_the_tensor_cores_split_over_k_adds_the_slices_in_order(monkeypa
     assert rel_err(out, reference_fp8_linear(x, wq, ws, block)) < tol
 
 
+def _fp8_linear_on_the_fast_path(in_features: int, out_features: int, block: tuple[int, int], g: torch.Generator):
+    """A `Linear` of random FP8 blocks on DEV, its kernels on."""
+    from engine.config import QuantConfig
+    from engine.layers.linear import Linear
+
+    layer = Linear(in_features, out_features, quant=QuantConfig(weight_block_size=block))
+    wq, ws = quantize_fp8_block(torch.randn(out_features, in_features, generator=g) * 0.1, block)
+    layer.weight.data.copy_(wq)
+    layer.weight_scale_inv.data.copy_(ws)
+    layer = layer.to(DEV)
+    layer.use_kernels = True
+    return layer
+
+
+def _rows_given_to_gemv(monkeypatch) -> list[int]:
+    """`kernels.gemv.gemv` counting the rows of x of each call (the layers import it at the call) -> the list."""
+    from engine.kernels import gemv as gemv_module
+
+    taken, real = [], gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, *a, **kw: taken.append(x.shape[0]) or real(x, *a, **kw))
+    return taken
+
+
 @pytest.mark.parametrize("dot", [False, True])
 def test_an_fp8_linear_hands_a_few_rows_to_the_tensor_core_gemv(dot, monkeypatch):
     """The seam between the layer and the kernel: on the fast path an FP8 `Linear` takes the GEMV for one row;
     with `gemv.DOT` (one pass over the weight for every row) for up to `dot_max_tokens` rows, past them the
     FP8 GEMM. Each way, the FP8 linear's math."""
-    from engine.config import QuantConfig
     from engine.kernels import gemv as gemv_module
-    from engine.layers.linear import Linear
 
     g = torch.Generator().manual_seed(36)
     block = (64, 32)
-    layer = Linear(128, 96, quant=QuantConfig(weight_block_size=block))
-    wq, ws = quantize_fp8_block(torch.randn(96, 128, generator=g) * 0.1, block)
-    layer.weight.data.copy_(wq)
-    layer.weight_scale_inv.data.copy_(ws)
-    layer = layer.to(DEV)
-    layer.use_kernels = True
+    layer = _fp8_linear_on_the_fast_path(128, 96, block, g)
     monkeypatch.setattr(gemv_module, "DOT", dot)
-    taken, real = [], gemv_module.gemv
-    monkeypatch.setattr(gemv_module, "gemv", lambda x, *a, **kw: taken.append(x.shape[0]) or real(x, *a, **kw))
+    taken = _rows_given_to_gemv(monkeypatch)
     for rows in (1, 4, 16, 17):
         x = torch.randn(rows, 128, generator=g).to(DEV, torch.float32)
         tol = F32_TOL if DEV == "cpu" else 1e-2
@@ -1808,21 +1823,13 @@ def test_an_fp8_linear_hands_a_few_rows_to_the_tensor_core_gemv(dot, monkeypatch
 def test_a_grouped_fp8_linear_hands_a_few_rows_to_one_tensor_core_launch(dot, monkeypatch):
     """DeepSeek-V4's wo_a (`Linear.forward_grouped`) at 2-16 rows: with `gemv.DOT_GROUPS` one launch for
     every group, where without it each group is its own FP8 GEMM; the per-group FP8 math either way."""
-    from engine.config import QuantConfig
     from engine.kernels import gemv as gemv_module
-    from engine.layers.linear import Linear
 
     g = torch.Generator().manual_seed(37)
     groups, rows, k, block = 3, 64, 96, (64, 32)
-    layer = Linear(k, groups * rows, quant=QuantConfig(weight_block_size=block))
-    wq, ws = quantize_fp8_block(torch.randn(groups * rows, k, generator=g) * 0.1, block)
-    layer.weight.data.copy_(wq)
-    layer.weight_scale_inv.data.copy_(ws)
-    layer = layer.to(DEV)
-    layer.use_kernels = True
+    layer = _fp8_linear_on_the_fast_path(k, groups * rows, block, g)
     monkeypatch.setattr(gemv_module, "DOT_GROUPS", dot)
-    taken, real = [], gemv_module.gemv
-    monkeypatch.setattr(gemv_module, "gemv", lambda x, *a, **kw: taken.append(x.shape[0]) or real(x, *a, **kw))
+    taken = _rows_given_to_gemv(monkeypatch)
     for num_rows in (1, 4, 17):
         x = torch.randn(num_rows, groups * k, generator=g).to(DEV, torch.float32)
         xs = x.view(num_rows, groups, k)
