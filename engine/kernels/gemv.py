@@ -207,6 +207,17 @@ def dot_rows(x: torch.Tensor, k: int, block: tuple[int, int] | None) -> int:
     return rows if rows >= (16 if upcast_fp8_dot(x, block[1]) else DOT_BLOCK_N) else 0
 
 
+def dot_program_rows(x: torch.Tensor, n: int, k: int, block: tuple[int, int] | None, groups: int = 1,
+                     dot: bool | None = None) -> int:
+    """The rows of W a `_dot_kernel` program takes for an [n, k] FP8 weight of `groups` block-diagonal
+    groups, 0 where the tensor-core path does not apply: `dot` off (None: DOT, and DOT_GROUPS for groups),
+    blocks `dot_rows` refuses, or a program's rows across two groups."""
+    if not ((DOT and (groups == 1 or DOT_GROUPS)) if dot is None else dot):
+        return 0
+    rows = dot_rows(x, k, block)
+    return rows if rows and (groups == 1 or (n // groups) % rows == 0) else 0
+
+
 def tile(n: int, k: int, x: torch.Tensor, block: tuple[int, int] | None = None, rows_per_group: int | None = None,
          config: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
     """(BLOCK_N, K groups per step, num_warps) for an [n, k] weight (FP8: `block`, its scale block) times
@@ -269,9 +280,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     out = torch.empty(num_rows, n, dtype=out_dtype or x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    use_dot = (DOT and num_rows >= DOT_MIN_ROWS and (groups == 1 or DOT_GROUPS)) if dot is None else dot
-    rows = dot_rows(x, k, block) if fp8 and use_dot else 0
-    if rows and (groups == 1 or rows_per_group % rows == 0):  # a program's rows in one group
+    rows = dot_program_rows(x, n, k, block, groups, dot) if fp8 and (dot or num_rows >= DOT_MIN_ROWS) else 0
+    if rows:
         on = pdl(x)
         grid_n, grid_m, k_groups = triton.cdiv(n, rows), triton.cdiv(num_rows, 16), k // block[1]
         splits = dot_splits(grid_n * grid_m, k_groups, x.device)

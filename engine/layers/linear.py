@@ -64,19 +64,19 @@ class Linear(nn.Module):
     def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         _copy_checked(param.data, loaded)
 
-    def _gemv_rows(self, x: torch.Tensor, groups: int = 1) -> int:
-        """The most rows of x the fast path hands to `kernels.gemv` (whose tensor-core programs take rows of
-        one group)."""
-        if self.block is not None:
-            from engine.kernels import gemv
+    def _takes_gemv(self, x: torch.Tensor, groups: int = 1) -> bool:
+        """Whether the fast path hands x's rows to `kernels.gemv`: up to gemv_max_tokens, or dot_max_tokens
+        where its tensor-core path takes this weight."""
+        if x.shape[0] <= self.gemv_max_tokens:
+            return True
+        if self.block is None or x.shape[0] > self.dot_max_tokens:
+            return False
+        from engine.kernels.gemv import dot_program_rows
 
-            rows = gemv.dot_rows(x, self.in_features, self.block)
-            if gemv.DOT and rows and (groups == 1 or gemv.DOT_GROUPS and (self.out_features // groups) % rows == 0):
-                return max(self.gemv_max_tokens, self.dot_max_tokens)
-        return self.gemv_max_tokens
+        return dot_program_rows(x, self.out_features, self.in_features, self.block, groups) > 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.use_kernels and self.bias is None and x.dim() == 2 and x.shape[0] <= self._gemv_rows(x)
+        if (self.use_kernels and self.bias is None and x.dim() == 2 and self._takes_gemv(x)
                 and x.stride(-1) == 1):
             from engine.kernels.gemv import gemv
 
@@ -97,7 +97,7 @@ class Linear(nn.Module):
         """Block-diagonal over `groups` (DeepSeek-V4's wo_a): x [T, groups * in_features] whose slice j
         multiplies the weight's rows j * out / groups.. -> [T, out_features]."""
         num_tokens, rows = x.shape[0], self.out_features // groups
-        if self.use_kernels and x.shape[0] <= self._gemv_rows(x, groups) and x.is_contiguous():
+        if self.use_kernels and self._takes_gemv(x, groups) and x.is_contiguous():
             from engine.kernels.gemv import gemv  # FP8 with DOT_GROUPS: every group in one tensor-core launch
 
             return gemv(x, self.weight, self.weight_scale_inv if self.block else None, self.block, groups=groups)
