@@ -328,8 +328,11 @@ def test_without_the_fold_in_order_or_the_rollback_the_graphed_tokens_go_wrong(m
     """Verifications through the graphs with the compressors' decode step starting every row from the state its
     block held before the step (a sequence's rows not folded one after another), or with the state left
     after the rejected drafts: the tokens leave HF's."""
-    from engine.models.deepseek_v4 import Compressor, DeepseekV4ForCausalLM
+    from engine.models.deepseek_v4 import Attention, Compressor, DeepseekV4ForCausalLM
 
+    # the PyTorch decode paths, the ones broken here: under Triton's interpreter (TRITON_INTERPRET=1, as a
+    # module run earlier in this process may have set) the steps would take the pool kernels instead
+    monkeypatch.setattr(Attention, "pool_kernels", False)
     if broken == "fold":
         decode = Compressor._decode
         monkeypatch.setattr(Compressor, "_decode", lambda self, *args, **kwargs: decode(
