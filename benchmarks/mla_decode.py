@@ -2,7 +2,7 @@
 
     python benchmarks/mla_decode.py [--heads 16] [--batches 1,8,64] [--contexts 1024,...,131072]
                                     [--sweep] [--variants a,b] [--check] [--kv-cache-dtype bf16|fp8|both]
-                                    [--absorb] [--queries-per-seq R] [--gluon] [--page 64]
+                                    [--queries-per-seq R] [--gluon] [--page 64]
                                     [--out results.json]
 
 For each (batch, context): B sequences of `context` tokens in a paged bf16 cache (64-token pages,
@@ -14,10 +14,6 @@ memory, not from the 60 MB L2, as in a model where every layer has its own cache
 --sweep also times tile choices (tile rows, pipeline depth, warps, least slice, the merge's columns) and slice counts
 around the default (FP8: how the e4m3 tile is read, `mla_decode._attend_tile`); --variants keeps the
 named ones; --check compares every variant with the float32 reference first.
-
---absorb times one token's attention with its output absorption (W_UV, [H * 128, 512]) instead: the
-merge, then the GEMV through W_UV (the engine's path), against the merge that applies W_UV itself
-(`mla_decode_attention(..., w_uv=, counter=)`), batch 1; both checked against each other first.
 
 --gluon times the Gluon split kernel (`engine.kernels.mla_decode_gluon`, Hopper, up to 32 heads a
 program; over FP8 rows with two loader warpgroups, its default, and with one, and the rows staged as
@@ -39,7 +35,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.kernels import mla_decode_gluon  # noqa: E402
-from engine.kernels.gemv import gemv  # noqa: E402
 from engine.kernels.mla_decode import (  # noqa: E402
     block_heads, default_num_splits, mla_decode_attention, num_sms, reference_mla_decode_attention,
 )
@@ -233,22 +228,6 @@ def compare_and_time(runs: dict, caches: list, case: dict, n_bytes: float) -> tu
     return rows, failures
 
 
-def measure_absorb(context: int, heads: int, kv: str = "bf16", v_head_dim: int = 128) -> tuple[list[dict], list[str]]:
-    """One token: the merge then the GEMV through W_UV, against the merge that applies W_UV."""
-    n_bytes = context * row_bytes(kv)
-    copies = max(1, min(128, -(-(512 << 20) // n_bytes)))
-    q, q_pe, caches, tables, lens = make_case(1, context, heads, copies, kv=kv)
-    g = torch.Generator(device="cuda").manual_seed(context)
-    w_uv = (torch.randn(heads * v_head_dim, KV_LORA, generator=g, device="cuda") * KV_LORA**-0.5).to(torch.bfloat16)
-    counter = torch.zeros(heads, dtype=torch.int32, device="cuda")
-    runs = {
-        "merge + gemv": lambda c: gemv(mla_decode_attention(q, q_pe, c, tables, lens, 0.1).view(1, -1), w_uv,
-                                       groups=heads),
-        "merge absorbs": lambda c: mla_decode_attention(q, q_pe, c, tables, lens, 0.1, w_uv=w_uv, counter=counter),
-    }
-    return compare_and_time(runs, caches, dict(batch=1, context=context, heads=heads, kv=kv), n_bytes)
-
-
 def measure_fold(batch: int, context: int, heads: int, queries: int, kv: str = "bf16") -> tuple[list[dict], list[str]]:
     """B sequences of R query tokens each: B x R separate rows against the rows folded into the heads."""
     n_bytes = batch * context * row_bytes(kv)
@@ -301,8 +280,6 @@ def main() -> int:
     p.add_argument("--baseline", type=Path, help="a module file whose mla_decode_attention is timed beside (before)")
     p.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8", "both"],
                    help="the latent cache timed (fp8: 644 bytes a token; effective bandwidth counts those bytes)")
-    p.add_argument("--absorb", action="store_true", help="one token's attention with its output absorption (W_UV): "
-                   "the merge and a GEMV against the merge that applies W_UV")
     p.add_argument("--queries-per-seq", type=int, default=1,
                    help="R > 1: sequences of R query tokens, as separate rows against folded into the heads")
     p.add_argument("--gluon", action="store_true", help="the Gluon split kernel beside the Triton one")
@@ -337,12 +314,11 @@ def main() -> int:
             for kv in kvs:
                 result["failures"] += check(variants(kv), heads, kv)
             print(f"check, {heads} heads: {len(result['failures'])} failures so far", flush=True)
-        if args.queries_per_seq > 1 or args.absorb:  # two ways to one output, compared and timed
-            for batch in args.batches if args.queries_per_seq > 1 else [1]:
+        if args.queries_per_seq > 1:  # two ways to one output, compared and timed
+            for batch in args.batches:
                 for ctx in args.contexts:
                     for kv in kvs:
-                        rows, failures = (measure_fold(batch, ctx, heads, args.queries_per_seq, kv)
-                                          if args.queries_per_seq > 1 else measure_absorb(ctx, heads, kv))
+                        rows, failures = measure_fold(batch, ctx, heads, args.queries_per_seq, kv)
                         result["rows"] += rows
                         result["failures"] += failures
                         for row in rows:
@@ -362,7 +338,7 @@ def main() -> int:
         args.out.write_text(json.dumps(result, indent=1))
     print(f"\n{result['gpu']}, {result['sms']} SMs: MLA decode, TB/s effective (cache bytes / time per call)")
     for row in result["rows"]:
-        if "tb_s" in row and (row["variant"] in ("default", "before", "merge + gemv", "merge absorbs")
+        if "tb_s" in row and (row["variant"] in ("default", "before")
                               or row["variant"].startswith("gluon") or " rows " in row["variant"]):
             print(f"  H={row['heads']:<3} B={row['batch']:<3} ctx={row['context']:<7} {row['kv']:4s} "
                   f"{row['variant']:11s} "

@@ -17,7 +17,6 @@ import torch
 from engine.config import DEFAULT_PREFILL_GRAPH_TOKENS, EngineConfig, ModelConfig
 from engine.copies import HostSpan, index_to_device, to_device
 from engine.kv_pool import KVPool, block_bytes, window_of
-from engine.layers import attention
 from engine.layers.attention import ABSORBED_MAX_QUERY, AttentionMetadata
 from engine.layers.fp8 import quantize_fp8_block, quantize_mxfp4
 from engine.loader import load_weights
@@ -428,8 +427,6 @@ class ModelRunner:
             # every slice count the decode attention may take
             attn = self.model.attention_layers()[0]
             cache, dev = attn.kv_cache, attn.kv_cache.device
-            # one token's absorptions run on a GPU only
-            merge_absorbs = attention.MERGE_ABSORBS and dev.type == "cuda" and attn.absorb is not None
             # and both tile choices: one long sequence's (deeply pipelined) and a full batch's (nothing
             # compiles under the interpreter)
             for batch in (1, 64) if dev.type == "cuda" else (1,):
@@ -439,9 +436,6 @@ class ModelRunner:
                 lens = torch.ones(batch, dtype=torch.int32, device=dev)
                 for splits in SPLIT_CHOICES:
                     mla_decode_attention(q, q_pe, cache, table, lens, attn.softmax_scale, num_splits=splits)
-                    if batch == 1 and merge_absorbs:  # and one token's merge with W_UV
-                        mla_decode_attention(q, q_pe, cache, table, lens, attn.softmax_scale, num_splits=splits,
-                                             w_uv=attn.absorb.w_uv, counter=attn.absorb.counter)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warmed_up = True

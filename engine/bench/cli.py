@@ -63,9 +63,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fold-chunks", dest="fold_chunks", action="store_false",
                    help="a step's equal short chunks (a next turn: --turns) as rows of the decode kernel each, not "
                         "folded into its heads (each sequence's cache read once for its tokens), to measure the fold")
-    p.add_argument("--merge-absorbs", action="store_true",
-                   help="one token's output absorption (W_UV) in the decode merge's launch, not a GEMV after it, "
-                        "to measure it in the engine")
     p.add_argument("--no-shared-early", dest="shared_early", action="store_false",
                    help="the shared experts' GEMV programs wait for the router like the routed ones, to measure "
                         "what starting them early gives (under PDL)")
@@ -104,7 +101,7 @@ def run_bench(args: argparse.Namespace, command: str) -> int:
                         device=args.device, dtype=args.dtype, weights=args.weights, backend=args.backend,
                         block_size=args.block_size, eager=args.eager, prefill_graphs=args.prefill_graphs,
                         pdl=args.pdl, gluon=args.gluon, fold_chunks=args.fold_chunks,
-                        merge_absorbs=args.merge_absorbs, shared_early=args.shared_early,
+                        shared_early=args.shared_early,
                         expert_dot=args.expert_dot, projection_dot=args.projection_dot,
                         grouped_dot=args.grouped_dot, seed=args.seed,
                         kv_cache_dtype=args.kv_cache_dtype,

@@ -51,7 +51,6 @@ class BenchOptions:
     # the Gluon kernels on Hopper (prefill's bf16 attention and FP8 expert GEMMs, decode attention's split
     # programs: mla_prefill / fused_moe / mla_decode.GLUON); False: the Triton kernels
     gluon: bool = True
-    merge_absorbs: bool = False  # one token's W_UV applied by the decode merge (layers.attention.MERGE_ABSORBS)
     fold_chunks: bool = True  # a step's equal short chunks folded into the decode kernel's heads (FOLD_CHUNKS)
     # under PDL the shared experts' GEMV programs start while the router runs (kernels.moe_gemv.SHARED_EARLY)
     shared_early: bool = True
@@ -97,10 +96,10 @@ def run(opts: BenchOptions) -> dict:
 
     before, _util.PDL = _util.PDL, opts.pdl
     gluon_before = mla_prefill.GLUON, fused_moe.GLUON, mla_decode.GLUON
-    attention_before = attention.MERGE_ABSORBS, attention.FOLD_CHUNKS
+    fold_before = attention.FOLD_CHUNKS
     gemvs_before = moe_gemv.SHARED_EARLY, moe_gemv.DOT, gemv.DOT, gemv.DOT_GROUPS
     mla_prefill.GLUON = fused_moe.GLUON = mla_decode.GLUON = opts.gluon
-    attention.MERGE_ABSORBS, attention.FOLD_CHUNKS = opts.merge_absorbs, opts.fold_chunks
+    attention.FOLD_CHUNKS = opts.fold_chunks
     moe_gemv.SHARED_EARLY, moe_gemv.DOT, gemv.DOT = opts.shared_early, opts.expert_dot, opts.projection_dot
     gemv.DOT_GROUPS = opts.grouped_dot
     try:
@@ -108,7 +107,7 @@ def run(opts: BenchOptions) -> dict:
     finally:
         _util.PDL = before
         mla_prefill.GLUON, fused_moe.GLUON, mla_decode.GLUON = gluon_before
-        attention.MERGE_ABSORBS, attention.FOLD_CHUNKS = attention_before
+        attention.FOLD_CHUNKS = fold_before
         moe_gemv.SHARED_EARLY, moe_gemv.DOT, gemv.DOT, gemv.DOT_GROUPS = gemvs_before
         gc.unfreeze()
 
@@ -223,7 +222,6 @@ def _run(opts: BenchOptions) -> dict:
         pdl=pdl_on, num_layers=model_config.num_hidden_layers,
         gluon_prefill=_gluon_ran(mla_prefill.GLUON or fused_moe.GLUON, device),
         gluon_decode=_gluon_ran(mla_decode.GLUON, device),
-        merge_absorbs=opts.merge_absorbs and device.type == "cuda",  # one token's absorptions run on a GPU only
         fold_chunks=opts.fold_chunks and runner.backend == "triton",  # the decode kernel's option
         # the GEMVs' options: the first under PDL only, the others for FP8 weights
         shared_early=opts.shared_early and runner.backend == "triton" and pdl_on,

@@ -11,10 +11,7 @@ slice count is chosen on the host from the batch and the SM count alone (enough 
 chip at batch 1), and each program sizes its slice from its sequence's length on the device: at least
 MIN_CHUNK tokens, so a short context runs in a few slices and the programs past its end exit at once.
 Each slice writes its normalized partial output and log-sum-exp; a second kernel merges the slices of
-each head. With one slice the first kernel writes the output itself (one launch). Given W_UV, the
-second kernel also applies it (`_merge_absorb_kernel`): each program merges BLOCK_K latent columns of a
-head and multiplies them by those columns of the head's W_UV, and the last of the head's programs sums
-their [v] parts, so one token's attention block ends without a GEMV launch of its own. A sequence's
+each head. With one slice the first kernel writes the output itself (one launch). A sequence's
 last R query tokens (a verification's k + 1 rows) can be folded into the heads (`queries_per_seq`):
 one program's products then take R x H rows, each masked to the rows its token sees, and the
 sequence's cache is read once for all R instead of once a row.
@@ -53,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._util import (check, check_float, check_last_contiguous, gluon_available, interpreted, last_program,
-                                  mma, pdl, pow2, prefetch_l2, wait_for_inputs)
+from engine.kernels._util import (check, check_float, check_last_contiguous, gluon_available, interpreted, mma, pdl,
+                                  pow2, prefetch_l2, wait_for_inputs)
 from engine.layers.fp8_latent import FP8LatentLayout, dequantized
 
 LOG2E = 1.4426950408889634
@@ -262,34 +259,6 @@ def _merge_kernel(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_ob,
     tl.store(Out + b * stride_ob + h * stride_oh + offs_c, res.to(Out.dtype.element_ty), mask=mask_c)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_absorb_kernel(MidO, MidLse, WUV, Part, Counter, Out, stride_mb, stride_mh, stride_ms, stride_wn, stride_ob,
-                         stride_oh, num_heads, num_splits, V: tl.constexpr, KV_LORA: tl.constexpr,
-                         BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, N_KB: tl.constexpr,
-                         BLOCK_P: tl.constexpr, PDL: tl.constexpr):
-    # one program per (sequence, head, BLOCK_K latent columns): the merge of those columns, times the same
-    # columns of the head's W_UV [V, KV_LORA] -> a part [V] of the head's output; the last of the head's
-    # N_KB programs to finish sums the parts (in column order: the result does not depend on timing)
-    b, h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_v = tl.arange(0, BLOCK_V)
-    mask_k, mask_v = offs_k < KV_LORA, offs_v < V
-    # the weights are constant: read before waiting, while the split kernel ends
-    w_uv = tl.load(WUV + (h * V + offs_v)[:, None] * stride_wn + offs_k[None, :], mask=mask_v[:, None] & mask_k[None, :],
-                   other=0.0).to(tl.float32)
-    wait_for_inputs(PDL)
-    # [BLOCK_K], kept in float32
-    latent = _merged(MidO, MidLse, b, h, offs_k, mask_k, stride_mb, stride_mh, stride_ms, num_heads, num_splits, BLOCK_S)
-    row = b * num_heads + h
-    tl.store(Part + (row * N_KB + kb) * BLOCK_V + offs_v, tl.sum(w_uv * latent[None, :], axis=1))
-    if last_program(Counter + row, N_KB):
-        offs_p = tl.arange(0, BLOCK_P)
-        parts = tl.load(Part + (row * N_KB + offs_p)[:, None] * BLOCK_V + offs_v[None, :], mask=(offs_p < N_KB)[:, None],
-                        other=0.0, cache_modifier=".cg")
-        tl.store(Out + b * stride_ob + h * stride_oh + offs_v, tl.sum(parts, axis=0).to(Out.dtype.element_ty),
-                 mask=mask_v)
-
-
 # tiles of its slice each split program asks of L2 before it waits for the kernel ahead (under PDL)
 L2_PREFETCH_TILES = 2
 MAX_SPLITS = 128
@@ -376,13 +345,10 @@ def _tiles(block_c: int, block_h: int, elem: int, deep: bool, fp8: bool = False)
 def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
                          num_splits: int | None = None, out: torch.Tensor | None = None,
-                         tiles: dict | None = None, w_uv: torch.Tensor | None = None,
-                         counter: torch.Tensor | None = None, queries_per_seq: int = 1) -> torch.Tensor:
+                         tiles: dict | None = None, queries_per_seq: int = 1) -> torch.Tensor:
     """q_latent: [B, H, kv_lora], q_pe: [B, H, rope], kv_cache: [num_blocks, page, kv_lora + rope], or an
     FP8 latent cache [num_blocks, page, token_bytes] uint8 (`engine.layers.fp8_latent`, its k_pe in q_latent's dtype),
-    block_tables: [B, max_blocks] int32, context_lens: [B] int32 -> latent output [B, H, kv_lora]; given
-    w_uv [H * v, kv_lora] (head h's rows h * v..), the output absorbed through it, [B, H, v], in the merge's
-    launch, with counter: int32 zeros, B * H of them at least, the caller's own (left zero for the next).
+    block_tables: [B, max_blocks] int32, context_lens: [B] int32 -> latent output [B, H, kv_lora].
 
     Never reads context_lens on the host, so a CUDA graph can replay it with new lengths. num_splits:
     slices per sequence (default from the batch and the SM count); tiles: override of `_tiles`
@@ -423,7 +389,6 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
           f"{batch} rows do not split into sequences of {queries_per_seq} query tokens")
     fold = queries_per_seq > 1
     if fold:
-        check(w_uv is None, "the merge that applies W_UV takes one query token a sequence")
         check(all(t.stride(0) == num_heads * t.stride(1) for t in (q_latent, q_pe))
               and (out is None or out.is_contiguous()),
               "folded query tokens need q_latent's and q_pe's rows head after head (and out contiguous)")
@@ -448,23 +413,15 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         num_splits = (mla_decode_gluon.default_num_splits(batch, num_heads, sms) if gluon
                       else default_num_splits(batch, num_heads, sms, block_h))
     check(num_splits >= 1, "num_splits must be >= 1")
-    if w_uv is not None:
-        check(w_uv.dim() == 2 and w_uv.shape[1] == kv_lora and w_uv.shape[0] % num_heads == 0
-              and w_uv.stride(-1) == 1, f"w_uv must be [H * v, {kv_lora}] contiguous in its rows")
-        check(counter is not None and counter.dtype == torch.int32 and counter.numel() >= batch * num_heads
-              and counter.is_contiguous() and counter.device == q_latent.device,
-              f"the absorbing merge needs int32 counters on {q_latent.device}, {batch * num_heads} at least, "
-              "contiguous")
-    out_cols = kv_lora if w_uv is None else w_uv.shape[0] // num_heads
     if out is None:
-        out = torch.empty(batch, num_heads, out_cols, dtype=q_latent.dtype, device=q_latent.device)
-    check(out.shape == (batch, num_heads, out_cols) and out.stride(-1) == 1,
-          f"out must be [{batch}, {num_heads}, {out_cols}] contiguous in its last dimension")
+        out = torch.empty(batch, num_heads, kv_lora, dtype=q_latent.dtype, device=q_latent.device)
+    check(out.shape == (batch, num_heads, kv_lora) and out.stride(-1) == 1,
+          f"out must be [{batch}, {num_heads}, {kv_lora}] contiguous in its last dimension")
     result = out.view(rows, heads_per_row, -1) if fold else out  # the rows as given
     if batch == 0:
         return result
     block_c = pow2(kv_lora)
-    direct = num_splits == 1 and w_uv is None  # W_UV is applied by the merge's launch, even of one slice
+    direct = num_splits == 1
     shape = (0,) * 4 if direct else (batch, num_heads, num_splits, kv_lora)
     # the slices' partial outputs (normalized: convex combinations of latent rows) in float32, or with
     # half_partials in float16, half the bytes written and read back at long contexts
@@ -496,17 +453,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
                             RELOAD=fp8 and cfg.get("reload", False) and not dequant, ACC_T=cfg.get("acc_t", False),
                             DEQUANT=dequant, PDL=on, L2_TILES=l2_tiles, LINES_C=lines(cache), LINES_R=lines(cache_r),
                             QROWS=queries_per_seq, launch_pdl=on, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if w_uv is not None:
-        v = out_cols
-        block_k = 32  # 16 programs a head at kv_lora 512: a [v, 32] slab of W_UV each
-        n_kb = triton.cdiv(kv_lora, block_k)
-        part = torch.empty(batch * num_heads * n_kb * pow2(v, 1), dtype=torch.float32, device=q_latent.device)
-        _merge_absorb_kernel[(batch, num_heads, n_kb)](
-            mid_o, mid_lse, w_uv, part, counter, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), w_uv.stride(0),
-            out.stride(0), out.stride(1), num_heads, num_splits, V=v, KV_LORA=kv_lora, BLOCK_K=block_k,
-            BLOCK_S=pow2(num_splits, 2), BLOCK_V=pow2(v, 1), N_KB=n_kb, BLOCK_P=pow2(n_kb, 1), PDL=on, launch_pdl=on,
-            num_warps=4)
-    elif not direct:
+    if not direct:
         # columns per merge program: 32 where the sequences' heads are few (measured on an H200 at 16
         # heads: 0.5-1.2 us faster than 16 at batch 1, 1.5-2 us than 64 at batch 8; one stream of
         # V2-Lite 1 % faster); else ~2K partial values a program (at batch 64, 32 columns lost 1.2-1.5x

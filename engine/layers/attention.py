@@ -176,21 +176,17 @@ class AbsorbWeights(NamedTuple):
     """kv_b_proj's two halves laid out for per-head GEMVs (`kernels.gemv` with one group a head): W_UK^T
     [H * kv_lora, nope] (head h's rows h * kv_lora..) and W_UV [H * v, kv_lora]. At one token the cuBLAS
     batched GEMMs spend ~3 us each on 2 MB (DeepSeek-V2-Lite) and break the chain of kernels that start
-    early (`kernels._util.PDL`); these copies cost 2 x H x kv_lora x 128 values a layer. counter: the
-    layer's int32 zeros, one a head, with which the decode merge that applies W_UV finds the last of a
-    head's programs (`mla_decode_attention(..., w_uv=, counter=)`)."""
+    early (`kernels._util.PDL`); these copies cost 2 x H x kv_lora x 128 values a layer."""
 
     w_uk_t: torch.Tensor
     w_uv: torch.Tensor
-    counter: torch.Tensor
 
     @classmethod
     def of(cls, w_kv_b: torch.Tensor, nope: int, v_head_dim: int) -> "AbsorbWeights":
         kv_lora = w_kv_b.shape[1]
         w = w_kv_b.view(-1, nope + v_head_dim, kv_lora)
         return cls(w[:, :nope].transpose(1, 2).reshape(-1, nope).contiguous(),
-                   w[:, nope:].reshape(-1, kv_lora).contiguous(),
-                   torch.zeros(w.shape[0], dtype=torch.int32, device=w_kv_b.device))
+                   w[:, nope:].reshape(-1, kv_lora).contiguous())
 
 
 # Prefill chunks of at most this many tokens take the weight-absorbed path: expanding a long cached
@@ -201,10 +197,6 @@ ABSORBED_MAX_QUERY = 16
 # ... and at most this many query tokens in the step: each is a row of the decode kernel with its own
 # float32 partial results (H x slices x kv_lora), which a step of many short fresh prompts would inflate
 ABSORBED_MAX_TOKENS = 256
-# one token's output absorption (W_UV) in the decode merge's launch instead of a GEMV after it: one
-# launch fewer a layer; measured no faster in the engine (one stream on an H100: 422.5 / 365.8 tokens/s at
-# 1k / 32k against 424.7 / 367.8), so off (`bench --merge-absorbs`)
-MERGE_ABSORBS = False
 # a step's absorbed chunks, where all have the same length R > 1 (a conversation's next turn, say), folded
 # into the decode kernel's heads (`mla_decode_attention(queries_per_seq=R)`): each sequence's cache read
 # once for its R tokens instead of once a token (a next turn of 9 tokens over 32k on an H100: 590 -> 611
@@ -276,12 +268,8 @@ def _absorbed_attention(q_nope, q_pe, kv_cache, block_tables, context_lens, w_kv
 
         if q_latent is None:
             q_latent = gemv(q_nope, absorb.w_uk_t, groups=num_heads).view(1, num_heads, kv_lora_rank)
-        # W_UV applied by the merge's launch, or by a GEMV after it
-        merge_absorbs = dict(w_uv=absorb.w_uv, counter=absorb.counter) if MERGE_ABSORBS else {}
         out = mla_decode_attention(q_latent, q_pe.to(q_latent.dtype), kv_cache, block_tables.int(),
-                                   context_lens.int(), softmax_scale, **merge_absorbs)
-        if merge_absorbs:
-            return out
+                                   context_lens.int(), softmax_scale)
         return gemv(out.view(1, -1), absorb.w_uv, groups=num_heads).view(1, num_heads, v_head_dim)
     w = w_kv_b.view(num_heads, nope + v_head_dim, kv_lora_rank)
     if queries_per_seq > 1:  # folded rows are views of [B, H, kv_lora] with a row's heads together

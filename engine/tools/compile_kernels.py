@@ -210,9 +210,6 @@ def launch_all() -> None:
                 if tokens == 64 and h <= 16:  # a verification's 4 query tokens a sequence, folded into the heads
                     mla_decode_attention(_empty(64, h, lora), _empty(64, h, rope), cache, torch.zeros(64, 16, dtype=i32),
                                          lens, 0.1, queries_per_seq=4)
-                if tokens == 1:  # one token's merge that applies W_UV too
-                    mla_decode_attention(_empty(1, h, lora), _empty(1, h, rope), cache, torch.zeros(1, 16, dtype=i32),
-                                         lens[:1], 0.1, w_uv=_empty(h * vdim, lora), counter=torch.zeros(h, dtype=i32))
                 if tokens == 1 and h <= 16:  # one stream's partial outputs in float16 (a benchmark variant)
                     mla_decode_attention(_empty(1, h, lora), _empty(1, h, rope), cache,
                                          torch.zeros(1, 16, dtype=i32), lens[:1], 0.1, tiles=dict(half_partials=True))

@@ -57,25 +57,25 @@ def test_bench_takes_the_fp8_latent_cache_and_counts_its_bytes(tmp_path):
     for dtype in ("auto", "fp8"):
         rc = main(["bench", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prompt-lens", "32",
                    "--concurrency", "1", "--decode-context", "64", "--decode-steps", "2", "--repeats", "1",
-                   "--kv-cache-dtype", dtype, "--no-pdl", "--no-gluon", "--merge-absorbs", "--no-fold-chunks",
+                   "--kv-cache-dtype", dtype, "--no-pdl", "--no-gluon", "--no-fold-chunks",
                    "--no-shared-early", "--expert-dot", "--no-projection-dot", "--grouped-dot",
                    "--out", str(tmp_path / dtype)])
         assert rc == 0
         result = json.loads((tmp_path / dtype / "tiny.json").read_text())
         assert result["kv_cache_dtype"] == dtype and result["decode_tok_s"]["1"] > 0
         # neither runs on a CPU: the results say what ran
-        assert result["gluon_prefill"] is False and result["gluon_decode"] is False and result["merge_absorbs"] is False
+        assert result["gluon_prefill"] is False and result["gluon_decode"] is False
         assert result["fold_chunks"] is False and result["shared_early"] is False
         assert result["expert_dot"] is False and result["projection_dot"] is False and result["grouped_dot"] is False
         decode_bytes[dtype] = result["decode"]["1"]["bytes"]
     from engine.kernels import _util, fused_moe, gemv, mla_decode, mla_prefill, moe_gemv
     from engine.layers import attention
 
-    # a run's --no-pdl does not outlive it, nor its --no-gluon, --merge-absorbs, --no-fold-chunks,
-    # --no-shared-early, --expert-dot, --no-projection-dot or --grouped-dot
+    # a run's --no-pdl does not outlive it, nor its --no-gluon, --no-fold-chunks, --no-shared-early,
+    # --expert-dot, --no-projection-dot or --grouped-dot
     assert _util.PDL
     assert mla_prefill.GLUON and fused_moe.GLUON and mla_decode.GLUON
-    assert not attention.MERGE_ABSORBS and attention.FOLD_CHUNKS
+    assert attention.FOLD_CHUNKS
     assert moe_gemv.SHARED_EARLY and not moe_gemv.DOT and gemv.DOT and not gemv.DOT_GROUPS
     cfg = ModelConfig.from_hf(preset_config("tiny"))
     # the same weights; per token and layer the cache's own bytes: float32 rows against e4m3 sections

@@ -707,31 +707,6 @@ def test_folded_chunks_keep_a_next_turns_tokens(tmp_path, monkeypatch):
 
 
 @gpu
-def test_merge_absorbing_w_uv_keeps_one_streams_tokens(tmp_path, monkeypatch):
-    """`attention.MERGE_ABSORBS`: one stream's decode steps (CUDA graphs) with W_UV applied by the decode
-    merge's launch give the GEMV path's tokens and log-probs within bf16 noise, at a context spanning
-    many slices, and leave every layer's counters zero."""
-    from engine.kernels import mla_decode
-    from engine.layers import attention
-
-    hf = build_hf_model(seed=41, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                        max_position_embeddings=4096, initializer_range=0.02)
-    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
-    prompt = prompts(41, [2000])[0]
-    want = LLM(str(path), dtype="bfloat16").generate([prompt], params)[0]
-    monkeypatch.setattr(attention, "MERGE_ABSORBS", True)
-    absorbing, attend = [], mla_decode.mla_decode_attention
-    monkeypatch.setattr(mla_decode, "mla_decode_attention",
-                        lambda *a, **k: (absorbing.append(1) if "w_uv" in k else None, attend(*a, **k))[1])
-    llm = LLM(str(path), dtype="bfloat16")
-    got = llm.generate([prompt], params)[0]
-    assert_same_tokens_within_bf16_noise(want, got)
-    layers = llm.engine.runner.model.attention_layers()
-    assert absorbing and all(not layer.absorb.counter.any() for layer in layers)
-
-
-@gpu
 def test_mixed_steps_replay_the_piecewise_graphs(tmp_path, dtype):
     path = save_hf_checkpoint(build_hf_model(seed=36), tmp_path / "ckpt")
     args = dict(block_size=4, max_num_batched_tokens=512)

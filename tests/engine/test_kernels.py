@@ -258,31 +258,6 @@ def test_mla_decode_half_partials(dtype):
         assert not torch.equal(out, full)
 
 
-@pytest.mark.parametrize("num_splits,kv_lora,v", [(1, 64, 16), (5, 80, 24), (8, 96, 7)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_decode_applies_w_uv_in_the_merge(num_splits, kv_lora, v, dtype):
-    """Given W_UV, the merge's launch absorbs the output too ([B, H, v]): the reference's latent output
-    times each head's W_UV, for any slice count (one slice included), latent widths that do not fill a
-    power of two of column blocks, an empty context (zeros); the counters are left zero, so a second
-    launch (a graph's replay) gives the same output bit for bit."""
-    heads = 3
-    args = _decode_case([0, 7, 50, 141], heads=heads, kv_lora=kv_lora, rope=8, page=4, dtype=dtype, seed=22)
-    g = torch.Generator().manual_seed(23)
-    w_uv = (torch.randn(heads * v, kv_lora, generator=g) * kv_lora ** -0.5).to(DEV, dtype)
-    counter = torch.zeros(4 * heads, dtype=torch.int32, device=DEV)
-    tiles = dict(block_n=16, min_chunk=16)
-    out = mla_decode_attention(*args, 0.4, num_splits=num_splits, tiles=tiles, w_uv=w_uv, counter=counter)
-    latent = reference_mla_decode_attention(*args, 0.4).float()
-    ref = torch.einsum("bhc,hvc->bhv", latent, w_uv.float().view(heads, v, kv_lora))
-    assert out.shape == (4, heads, v) and out.dtype == dtype
-    assert rel_err(out, ref) < (F32_TOL if dtype == torch.float32 else 2e-2)
-    assert not out[0].any() and not counter.any()
-    again = mla_decode_attention(*args, 0.4, num_splits=num_splits, tiles=tiles, w_uv=w_uv, counter=counter)
-    assert torch.equal(again, out)
-    with pytest.raises(ValueError, match="counters"):
-        mla_decode_attention(*args, 0.4, num_splits=num_splits, w_uv=w_uv, counter=counter[:5])
-
-
 @pytest.mark.parametrize("num_splits,rows,heads", [(1, 4, 3), (3, 4, 3), (8, 2, 5), (5, 16, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mla_decode_folds_a_sequences_query_tokens_into_the_heads(num_splits, rows, heads, dtype):

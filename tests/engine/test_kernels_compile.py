@@ -9,7 +9,7 @@ from pathlib import Path
 
 KERNELS = {"_rms_norm_kernel", "_latent_write_kernel", "_write_absorb_kernel", "_gather_kernel", "_route_kernel",
            "_router_kernel", "_moe_gemm_kernel", "_swiglu_kernel",
-           "_up_kernel", "_down_kernel", "_split_kernel", "_merge_kernel", "_merge_absorb_kernel",
+           "_up_kernel", "_down_kernel", "_split_kernel", "_merge_kernel",
            "_prefill_kernel", "_draw_split_kernel",
            "_group_quant_kernel", "_block_gemm_kernel", "_gemv_kernel", "_sum_kernel", "_align_kernel",
            "_chunk_count_kernel", "_chunk_place_kernel",
@@ -21,7 +21,7 @@ KERNELS = {"_rms_norm_kernel", "_latent_write_kernel", "_write_absorb_kernel", "
            "_noise_keys_kernel", "_nucleus_split_kernel", "_draw_finish_kernel", "_ws_prefill_kernel",
            "_ws_moe_gemm_kernel", "_tma_decode_kernel", "_fp8_decode_kernel", "_dot_kernel"}
 PDL_KERNELS = {"_rms_norm_kernel", "_gemv_kernel", "_latent_write_kernel", "_write_absorb_kernel", "_split_kernel",
-               "_merge_kernel", "_merge_absorb_kernel", "_route_kernel", "_router_kernel", "_up_kernel", "_down_kernel",
+               "_merge_kernel", "_route_kernel", "_router_kernel", "_up_kernel", "_down_kernel",
                "_sum_kernel", "_greedy_kernel", "_tma_decode_kernel", "_fp8_decode_kernel", "_dot_kernel"}
 
 
