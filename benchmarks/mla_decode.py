@@ -66,9 +66,6 @@ TILE_SWEEP = {
     "no acc_t": dict(acc_t=False),
     "acc_t s3": dict(acc_t=True, num_stages=3),
     "acc_t w8": dict(acc_t=True, num_warps=8),
-    # the slices' partial outputs in float16: half the bytes of the partials at long contexts (4 MB at
-    # 16 heads x 128 slices in float32)
-    "half partials": dict(half_partials=True),
     # the warp-specialised Gluon split kernel (Hopper, up to 32 heads a program)
     "gluon": dict(gluon=True),
 }
@@ -101,7 +98,6 @@ FP8_SWEEP = {
     "decode once acc_t": dict(dequant=True, reload=False, acc_t=True),
     "decode once acc_t w4": dict(dequant=True, reload=False, acc_t=True, num_warps=4),
     "decode once acc_t n32 w4": dict(dequant=True, reload=False, acc_t=True, block_n=32, min_chunk=32, num_warps=4),
-    "half partials": dict(half_partials=True),
     "gluon": dict(gluon=True),
     # the Gluon kernel's FP8 rows by one loader warpgroup (a tile's four chunks two at a time) instead of
     # its default two (all four in flight at once)

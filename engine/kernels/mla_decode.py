@@ -354,8 +354,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     slices per sequence (default from the batch and the SM count); tiles: override of `_tiles`
     (block_n, num_stages, num_warps, min_chunk, block_h, reload; acc_t: the transposed accumulator of
     `_attend_tile`; dequant: an FP8 tile decoded once; l2_tiles: tiles asked of L2 before the wait;
-    merge_cm, merge_warps: the merge's columns a program and warps; half_partials: the slices' partial
-    outputs stored in float16; gluon: True or False, the Gluon split kernel where it applies or the Triton
+    merge_cm, merge_warps: the merge's columns a program and warps; gluon: True or False, the Gluon split kernel where it applies or the Triton
     one, whatever `GLUON` says; tiles without it run the Triton kernel; gluon_loaders: its FP8 loader
     warpgroups, 1 or 2; gluon_codes: its FP8 rows staged as their codes, or decoded), for benchmarks and
     tests.
@@ -423,10 +422,9 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
     block_c = pow2(kv_lora)
     direct = num_splits == 1
     shape = (0,) * 4 if direct else (batch, num_heads, num_splits, kv_lora)
-    # the slices' partial outputs (normalized: convex combinations of latent rows) in float32, or with
-    # half_partials in float16, half the bytes written and read back at long contexts
-    mid_o = torch.empty(shape, dtype=torch.float16 if cfg.get("half_partials") else torch.float32,
-                        device=q_latent.device)
+    # the slices' partial outputs (normalized: convex combinations of latent rows) in float32 (float16,
+    # half the bytes, measured no faster: its bytes are not where a one-stream call's time goes)
+    mid_o = torch.empty(shape, dtype=torch.float32, device=q_latent.device)
     mid_lse = torch.empty(shape[:3], dtype=torch.float32, device=q_latent.device)
     grid = (triton.cdiv(num_heads, block_h), num_splits, batch)
     dequant = fp8 and cfg.get("dequant", False)  # a decoded tile has one use: no second load

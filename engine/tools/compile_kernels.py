@@ -210,9 +210,6 @@ def launch_all() -> None:
                 if tokens == 64 and h <= 16:  # a verification's 4 query tokens a sequence, folded into the heads
                     mla_decode_attention(_empty(64, h, lora), _empty(64, h, rope), cache, torch.zeros(64, 16, dtype=i32),
                                          lens, 0.1, queries_per_seq=4)
-                if tokens == 1 and h <= 16:  # one stream's partial outputs in float16 (a benchmark variant)
-                    mla_decode_attention(_empty(1, h, lora), _empty(1, h, rope), cache,
-                                         torch.zeros(1, 16, dtype=i32), lens[:1], 0.1, tiles=dict(half_partials=True))
             cu = torch.tensor([0, tokens], dtype=i32)
             mla_prefill_attention(q[..., :nope], q[..., nope:], _empty(tokens, heads, nope), _empty(tokens, rope),
                                   _empty(tokens, heads, vdim), cu, cu, tokens, 0.1)

@@ -243,21 +243,6 @@ def test_mla_decode_split_slices(num_splits, min_chunk, page):
     assert rel_err(out, reference_mla_decode_attention(*args, 0.4)) < F32_TOL
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_decode_half_partials(dtype):
-    """The slices' partial outputs stored in float16 (`half_partials`): within float16's rounding of the
-    float32 partials, and the same function as the reference."""
-    args = _decode_case([0, 7, 50, 141], heads=3, kv_lora=32, rope=8, page=4, dtype=dtype, seed=21)
-    tiles = dict(block_n=16, min_chunk=16)
-    out = torch.full_like(args[0], float("nan"))
-    mla_decode_attention(*args, 0.4, num_splits=5, out=out, tiles=dict(tiles, half_partials=True))
-    full = mla_decode_attention(*args, 0.4, num_splits=5, tiles=tiles)
-    assert rel_err(out, reference_mla_decode_attention(*args, 0.4)) < (2e-3 if dtype == torch.float32 else 2e-2)
-    assert rel_err(out, full) < (2e-3 if dtype == torch.float32 else 1e-2)
-    if dtype == torch.float32:  # the partials really were rounded
-        assert not torch.equal(out, full)
-
-
 @pytest.mark.parametrize("num_splits,rows,heads", [(1, 4, 3), (3, 4, 3), (8, 2, 5), (5, 16, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mla_decode_folds_a_sequences_query_tokens_into_the_heads(num_splits, rows, heads, dtype):
