@@ -1,19 +1,14 @@
-"""MLA prefill attention in Gluon, FlashAttention-3's schedules, beside the engine's Triton kernel.
+"""MLA prefill attention in Gluon, FlashAttention-3's schedule, beside the engine's Triton kernel.
 
 Triton's `tl.dot` waits on each product at its result's first use, so the softmax of a tile cannot run
 while the tensor cores work on another product. Gluon issues `warpgroup_mma` asynchronously and waits
-where told. Two kernels, both with `engine.kernels.mla_prefill.mla_prefill_attention`'s contract (varlen,
-a cached prefix; bf16; DeepSeek's head widths: nope 128, rope 64, v 128):
-
-- `fa3_prefill` (here): the intra-warpgroup overlap alone. Tile j's scores (Q K_j^T) and tile j-1's values
-  product (P_{j-1} V_{j-1}) are issued back to back and tile j's softmax runs while P V is in flight.
-  128-row blocks over eight warps; the same warps wait for and issue the K/V ring's TMA loads. On an H200
-  it ran 5-10 % below the Triton kernel (`benchmarks/results/mla_prefill_gluon.json`, docs/perf.md): not
-  kept.
-- `ws_prefill` (`engine.kernels.mla_prefill_gluon`): FlashAttention-3's whole schedule, a producer warp
-  feeding two consumer warpgroups. Timed here in four schedules; 64-key tiles in three stages, without
-  ping-pong, ran 1.14-1.25x the Triton kernel on an H200 and is the engine's choice where
-  `mla_prefill.GLUON` is on.
+where told. `ws_prefill` (`engine.kernels.mla_prefill_gluon`, `mla_prefill_attention`'s contract: varlen,
+a cached prefix; bf16; DeepSeek's head widths: nope 128, rope 64, v 128) is FlashAttention-3's whole
+schedule, a producer warp feeding two consumer warpgroups. Timed here in two tile schedules; 64-key tiles
+in three stages ran 1.14-1.25x the Triton kernel on an H200 and is the engine's choice where
+`mla_prefill.GLUON` is on. (Two schedules measured slower there and since removed: the intra-warpgroup
+overlap alone in eight warps, and the consumers' issues alternating, ping-pong; their rows are in
+`benchmarks/results/mla_prefill_gluon.json`.)
 
     python benchmarks/mla_prefill_gluon.py [--out FILE] [--only TEXT]  # Hopper: check against the float32
                                                                         # reference, time beside the Triton kernel
@@ -25,122 +20,9 @@ import sys
 
 import torch
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-from engine.kernels._gluon import descriptor, signature_of, tma_load
-from engine.kernels.mla_prefill import LOG2E
-from engine.kernels.mla_prefill_gluon import (_first_softmax, _issue_scores, _load_kv, _next_softmax, _store_rows, _view2d,
-                                              _ws_prefill_kernel, program_block, ws_prefill)
-
-
-@gluon.jit
-def _fa3_prefill_kernel(qn_desc, qp_desc, kn_desc, kp_desc, v_desc, O, CuQ, CuK, stride_ot, stride_oh, num_m_blocks,
-                        scale_log2, HEAD_QN: gl.constexpr, HEAD_QP: gl.constexpr, HEAD_KN: gl.constexpr,
-                        HEAD_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        num_warps: gl.constexpr):
-    mb, h, q_start, q_len, k_start, k_len = program_block(CuQ, CuK, num_m_blocks)
-    prefix = k_len - q_len
-    m0 = mb * BLOCK_M
-    if m0 < q_len:
-        _attend_block(qn_desc, qp_desc, kn_desc, kp_desc, v_desc, O, stride_ot, stride_oh, q_start, q_len, k_start,
-                      k_len, prefix, m0, h, scale_log2, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_M, BLOCK_N, STAGES,
-                      num_warps)
-
-
-@gluon.jit
-def _attend_block(qn_desc, qp_desc, kn_desc, kp_desc, v_desc, O, stride_ot, stride_oh, q_start, q_len, k_start, k_len,
-                  prefix, m0, h, scale_log2, HEAD_QN: gl.constexpr, HEAD_QP: gl.constexpr, HEAD_KN: gl.constexpr,
-                  HEAD_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  num_warps: gl.constexpr):
-    VDIM: gl.constexpr = v_desc.block_type.shape[1]
-    dtype: gl.constexpr = kn_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, VDIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-
-    qn_s = gl.allocate_shared_memory(dtype, qn_desc.block_type.shape, qn_desc.layout)
-    qp_s = gl.allocate_shared_memory(dtype, qp_desc.block_type.shape, qp_desc.layout)
-    kn_s = gl.allocate_shared_memory(dtype, [STAGES] + kn_desc.block_type.shape, kn_desc.layout)
-    kp_s = gl.allocate_shared_memory(dtype, [STAGES] + kp_desc.block_type.shape, kp_desc.layout)
-    v_s = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    mbarrier.init(q_bar, count=1)
-
-    mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qp_desc.block_type.nbytes)
-    tma_load(qn_desc, [q_start + m0, h * HEAD_QN], q_bar, qn_s)
-    tma_load(qp_desc, [q_start + m0, h * HEAD_QP], q_bar, qp_s)
-
-    end = gl.minimum(k_len, prefix + m0 + BLOCK_M)  # keys up to the block's last position
-    n_tiles = gl.cdiv(end, BLOCK_N)
-    first_diag = prefix + m0  # a tile ending past this position needs the causal mask
-    for i in gl.static_range(STAGES):
-        if i < n_tiles:
-            _load_kv(kn_desc, kp_desc, v_desc, kn_s, kp_s, v_s, bars, i, k_start + i * BLOCK_N, h, HEAD_KN, HEAD_V)
-
-    rows = prefix + m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))  # key positions of the rows
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    o = gl.zeros([BLOCK_M, VDIM], gl.float32, layout=o_layout)
-    mbarrier.wait(q_bar, phase=0)
-
-    mbarrier.wait(bars.index(0), phase=0)
-    p_op, m_i, l_i = _first_softmax(_issue_scores(qn_s, qp_s, kn_s, kp_s, 0, s0), m_i, l_i, rows, cols, first_diag,
-                                    k_len, scale_log2, dtype, BLOCK_N, p_layout)
-
-    for j in range(1, n_tiles):
-        stage = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(bars.index(stage), phase=(j // STAGES) & 1)
-        # tile j's scores, then tile j-1's values product, both in flight
-        s = _issue_scores(qn_s, qp_s, kn_s, kp_s, stage, s0)
-        o = warpgroup_mma(p_op, v_s.index(prev), o, is_async=True)
-        o, p_op, m_i, l_i = _next_softmax(s, o, p_op, m_i, l_i, j * BLOCK_N, rows, cols, first_diag, k_len,
-                                          scale_log2, dtype, BLOCK_N, o_layout, p_layout)
-        nxt = j - 1 + STAGES  # the stage tile j-1 used is free: fill it with tile j-1+STAGES
-        if nxt < n_tiles:
-            _load_kv(kn_desc, kp_desc, v_desc, kn_s, kp_s, v_s, bars, prev, k_start + nxt * BLOCK_N, h, HEAD_KN,
-                     HEAD_V)
-
-    last = (n_tiles - 1) % STAGES
-    o = warpgroup_mma(p_op, v_s.index(last), o, is_async=True)
-    o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
-    mbarrier.invalidate(q_bar)
-    _store_rows(o, l_i, O, q_start, m0, q_len, h, stride_ot, stride_oh, BLOCK_M, VDIM, o_layout)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# FlashAttention-3's whole schedule: a producer warp, two consumer warpgroups taking turns
-# ---------------------------------------------------------------------------------------------------------
-def fa3_prefill(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
-                block_m=128, block_n=64, stages=2, num_warps=8):
-    """`engine.kernels.mla_prefill.mla_prefill_attention`'s contract: q_nope [Tq, H, 128], q_pe [Tq, H, 64]
-    (views of q [Tq, H, 192]), k_nope [Tk, H, 128] and v [Tk, H, 128] (views of the expanded kv), k_pe [Tk, 64],
-    cu_seqlens [B + 1] int32 -> [Tq, H, 128]; sequence b's queries are the last of its keys."""
-    tq, heads, nope = q_nope.shape
-    vdim, rope = v.shape[2], q_pe.shape[2]
-    out = torch.empty(tq, heads, vdim, dtype=q_nope.dtype, device=q_nope.device)
-
-    descs = (descriptor(_view2d(q_nope), [block_m, nope]), descriptor(_view2d(q_pe), [block_m, rope]),
-             descriptor(_view2d(k_nope), [block_n, nope]), descriptor(k_pe, [block_n, rope]),
-             descriptor(_view2d(v), [block_n, vdim]))
-    num_m_blocks = triton.cdiv(max_seqlen_q, block_m)
-    grid = (num_m_blocks, heads, cu_seqlens_q.shape[0] - 1)
-    _fa3_prefill_kernel[grid](*descs, out, cu_seqlens_q, cu_seqlens_k, out.stride(0), out.stride(1), num_m_blocks,
-                              softmax_scale * LOG2E, q_nope.stride(1), q_pe.stride(1), k_nope.stride(1), v.stride(1),
-                              BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=num_warps)
-    return out
+from engine.kernels._gluon import descriptor, signature_of
+from engine.kernels.mla_prefill_gluon import _ws_prefill_kernel, ws_prefill
 
 
 def _case(q_len, k_len, heads, device):
@@ -171,11 +53,8 @@ def compile_only():
         src = GluonASTSource(kernel, sig, constexprs=constexprs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
-    builds = [("fa3 s2 n64", _fa3_prefill_kernel, 128, 64, dict(BLOCK_M=128, STAGES=2, num_warps=8), 8)]
-    for block_n, stages in [(128, 2), (64, 3)]:
-        for pingpong in (True, False):
-            builds.append((f"ws s{stages} n{block_n}{' pingpong' if pingpong else ''}", _ws_prefill_kernel, 64,
-                           block_n, dict(STAGES=stages, PINGPONG=pingpong, CONSUMER_REGS=240, PRODUCER_REGS=24), 4))
+    builds = [(f"ws s{stages} n{block_n}", _ws_prefill_kernel, 64, block_n,
+               dict(STAGES=stages, CONSUMER_REGS=240, PRODUCER_REGS=24), 4) for block_n, stages in [(128, 2), (64, 3)]]
     for name, kernel, q_rows, block_n, constexprs, num_warps in builds:
         report_compiled(name, compile_kernel(kernel, q_rows, block_n, constexprs, num_warps))
 
@@ -192,19 +71,14 @@ def report_compiled(name, compiled):
             f.write(ptx)
 
 
-VARIANTS = {  # name -> (function, keyword arguments)
-    "fa3 overlap, 3 stages, 64-key tiles": ("fa3", dict(stages=3, block_n=64)),
-    "fa3 overlap, 2 stages, 128-key tiles": ("fa3", dict(stages=2, block_n=128)),
-    "warp-specialised, ping-pong, 2 stages, 128-key tiles": ("ws", dict(stages=2, block_n=128, pingpong=True)),
-    "warp-specialised, 2 stages, 128-key tiles": ("ws", dict(stages=2, block_n=128, pingpong=False)),
-    "warp-specialised, ping-pong, 3 stages, 64-key tiles": ("ws", dict(stages=3, block_n=64, pingpong=True)),
-    "warp-specialised, 3 stages, 64-key tiles": ("ws", dict(stages=3, block_n=64, pingpong=False)),
+VARIANTS = {  # name -> ws_prefill's keyword arguments
+    "warp-specialised, 2 stages, 128-key tiles": dict(stages=2, block_n=128),
+    "warp-specialised, 3 stages, 64-key tiles": dict(stages=3, block_n=64),
 }
 
 
 def _run(name, *args):
-    fn, kwargs = VARIANTS[name]
-    return (fa3_prefill if fn == "fa3" else ws_prefill)(*args, **kwargs)
+    return ws_prefill(*args, **VARIANTS[name])
 
 
 def main():

@@ -113,14 +113,14 @@ def _store_rows(o, l_i, O, q_start, r0, q_len, h, stride_ot, stride_oh, ROWS: gl
 
 
 # ---------------------------------------------------------------------------------------------------------
-# FlashAttention-3's whole schedule: a producer warp, two consumer warpgroups taking turns
+# FlashAttention-3's whole schedule: a producer warp, two consumer warpgroups
 # ---------------------------------------------------------------------------------------------------------
 @gluon.jit
 def _ws_producer(ops, HEAD_QN: gl.constexpr, HEAD_QP: gl.constexpr, HEAD_KN: gl.constexpr, HEAD_V: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One warp: the block's queries once, then every key tile into the ring, a stage refilled when both
     consumers have released it (`empty`, two arrivals)."""
-    (qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty, q_bar, turn, O, stride_ot,
+    (qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty, q_bar, O, stride_ot,
      stride_oh, q_start, q_len, k_start, k_len, m0, h, scale_log2) = ops
     mbarrier.expect(q_bar, 2 * (qn_desc.block_type.nbytes + qp_desc.block_type.nbytes))
     for w in gl.static_range(2):
@@ -136,12 +136,12 @@ def _ws_producer(ops, HEAD_QN: gl.constexpr, HEAD_QP: gl.constexpr, HEAD_KN: gl.
 
 
 @gluon.jit
-def _ws_consume(ops, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, W: gl.constexpr):
-    """Warpgroup W's 64 rows (block rows [64 W, 64 W + 64)). Per key tile j: wait for the tile, (ping-pong:
-    wait for this warpgroup's turn), issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, hand the turn over, wait
-    for S_j only and run its softmax while P V runs, then wait for P V and release tile j-1's stage. With
-    PINGPONG the two warpgroups' issues alternate, so one's softmax runs under the other's products."""
-    (qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty, q_bar, turn, O, stride_ot,
+def _ws_consume(ops, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, W: gl.constexpr):
+    """Warpgroup W's 64 rows (block rows [64 W, 64 W + 64)). Per key tile j: wait for the tile, issue
+    S_j = Q K_j^T and O += P_{j-1} V_{j-1}, wait for S_j only and run its softmax while P V runs, then wait
+    for P V and release tile j-1's stage. (The two warpgroups' issues made to alternate, FlashAttention-3's
+    ping-pong, measured slower on an H200.)"""
+    (qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty, q_bar, O, stride_ot,
      stride_oh, q_start, q_len, k_start, k_len, m0, h, scale_log2) = ops
     VDIM: gl.constexpr = v_desc.block_type.shape[1]
     dtype: gl.constexpr = kn_s.dtype
@@ -165,24 +165,15 @@ def _ws_consume(ops, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.c
     mbarrier.wait(q_bar, phase=0)
 
     mbarrier.wait(full.index(0), phase=0)
-    if PINGPONG:
-        if W == 1:  # warpgroup 0 issues first
-            mbarrier.wait(turn.index(1), phase=0)
     s = _issue_scores(qn, qp, kn_s, kp_s, 0, s0)
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - W), count=1)
     p_op, m_i, l_i = _first_softmax(s, m_i, l_i, rows, cols, first_diag, k_len, scale_log2, dtype, BLOCK_N, p_layout)
 
     for j in range(1, n_tiles):
         stage = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(full.index(stage), phase=(j // STAGES) & 1)
-        if PINGPONG:
-            mbarrier.wait(turn.index(W), phase=(j - 1 + W) & 1)
         s = _issue_scores(qn, qp, kn_s, kp_s, stage, s0)
         o = warpgroup_mma(p_op, v_s.index(prev), o, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - W), count=1)
         o, p_op, m_i, l_i = _next_softmax(s, o, p_op, m_i, l_i, j * BLOCK_N, rows, cols, first_diag, k_len,
                                           scale_log2, dtype, BLOCK_N, o_layout, p_layout)
         mbarrier.arrive(empty.index(prev), count=1)  # tile j-1's product has landed
@@ -196,21 +187,21 @@ def _ws_consume(ops, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.c
 
 @gluon.jit
 def _ws_consumer0(ops, HEAD_QN: gl.constexpr, HEAD_QP: gl.constexpr, HEAD_KN: gl.constexpr, HEAD_V: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    _ws_consume(ops, BLOCK_N, STAGES, PINGPONG, 0)
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    _ws_consume(ops, BLOCK_N, STAGES, 0)
 
 
 @gluon.jit
 def _ws_consumer1(ops, HEAD_QN: gl.constexpr, HEAD_QP: gl.constexpr, HEAD_KN: gl.constexpr, HEAD_V: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    _ws_consume(ops, BLOCK_N, STAGES, PINGPONG, 1)
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    _ws_consume(ops, BLOCK_N, STAGES, 1)
 
 
 @gluon.jit
 def _ws_prefill_kernel(qn_desc, qp_desc, kn_desc, kp_desc, v_desc, O, CuQ, CuK, stride_ot, stride_oh, num_m_blocks,
                        scale_log2, HEAD_QN: gl.constexpr, HEAD_QP: gl.constexpr, HEAD_KN: gl.constexpr,
-                       HEAD_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                       HEAD_V: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr):
     """Four warps (consumer 0, the default partition) + four (consumer 1) + one (the producer)."""
     mb, h, q_start, q_len, k_start, k_len = program_block(CuQ, CuK, num_m_blocks)
     m0 = mb * (2 * WG_ROWS)
@@ -223,33 +214,30 @@ def _ws_prefill_kernel(qn_desc, qp_desc, kn_desc, kp_desc, v_desc, O, CuQ, CuK, 
         v_s = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
         mbarrier.init(q_bar, count=1)
         fence_async_shared()  # the barriers' initialisation visible to the TMA unit
-        ops = (qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty, q_bar, turn, O,
+        ops = (qn_desc, qp_desc, kn_desc, kp_desc, v_desc, qn_s, qp_s, kn_s, kp_s, v_s, full, empty, q_bar, O,
                stride_ot, stride_oh, q_start, q_len, k_start, k_len, m0, h, scale_log2)
         # the constexprs written out in each call: a tuple of them assigned to a name would make them runtime
         # values
         if WS_LIST_FORM:
             gl.warp_specialize([
-                (_ws_consumer0, (ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG)),
-                (_ws_consumer1, (ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG)),
-                (_ws_producer, (ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG)),
+                (_ws_consumer0, (ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES)),
+                (_ws_consumer1, (ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES)),
+                (_ws_producer, (ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
-            gl.warp_specialize((ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG), _ws_consumer0,
-                               (ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES, PINGPONG),
+            gl.warp_specialize((ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES), _ws_consumer0,
+                               (ops, HEAD_QN, HEAD_QP, HEAD_KN, HEAD_V, BLOCK_N, STAGES),
                                [_ws_consumer1, _ws_producer], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def ws_prefill(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
-               block_n=BLOCK_N, stages=STAGES, pingpong=False, consumer_regs=CONSUMER_REGS,
+               block_n=BLOCK_N, stages=STAGES, consumer_regs=CONSUMER_REGS,
                producer_regs=PRODUCER_REGS):
     """`mla_prefill_attention`'s contract where `applies` holds: q_nope [Tq, H, 128], q_pe [Tq, H, 64]
     (views of q [Tq, H, 192]), k_nope [Tk, H, 128] and v [Tk, H, 128] (views of the expanded kv), k_pe
@@ -267,7 +255,7 @@ def ws_prefill(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_se
     grid = (num_m_blocks, heads, cu_seqlens_q.shape[0] - 1)
     _ws_prefill_kernel[grid](*descs, out, cu_seqlens_q, cu_seqlens_k, out.stride(0), out.stride(1), num_m_blocks,
                              softmax_scale * LOG2E, q_nope.stride(1), q_pe.stride(1), k_nope.stride(1), v.stride(1),
-                             BLOCK_N=block_n, STAGES=stages, PINGPONG=pingpong, CONSUMER_REGS=consumer_regs,
+                             BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=consumer_regs,
                              PRODUCER_REGS=producer_regs, num_warps=4)
     return out
 

@@ -329,7 +329,7 @@ def compile_gluon() -> list[dict]:
                scale_log2="fp32")
     # the head strides of the engine's views: q [T, H, 192], the expanded latents [T, H, 256]
     constexprs = dict(HEAD_QN=192, HEAD_QP=192, HEAD_KN=256, HEAD_V=256, BLOCK_N=g.BLOCK_N, STAGES=g.STAGES,
-                      PINGPONG=False, CONSUMER_REGS=g.CONSUMER_REGS, PRODUCER_REGS=g.PRODUCER_REGS)
+                      CONSUMER_REGS=g.CONSUMER_REGS, PRODUCER_REGS=g.PRODUCER_REGS)
     sig.update(dict.fromkeys(constexprs, "constexpr"))
     builds = [(kernel, sig, constexprs)]
     # the FP8 experts' GEMMs (`fused_moe_gluon`): w13 gated, w2 weighted
