@@ -92,32 +92,15 @@ def guide_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids):
     return LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
 
 
-_executor = None
+def fill_bitmask(guides: list, bitmask: "torch.Tensor") -> None:
+    """bitmask[j] = what guides[j] allows next (host, int32 [rows, words]), row by row: llguidance's own
+    threads were no faster up to 32 rows on 2 cores and slower on a 16-core H200 host, where the hand-offs
+    cost more than the masks (docs/perf.md, "Structured outputs: what the masks cost")."""
+    for j, g in enumerate(guides):
+        g.fill(bitmask, j)
 
 
-def _fill_in_parallel(guides: list, bitmask: "torch.Tensor") -> None:
-    """Every row's mask at once on llguidance's threads (the matchers release the GIL)."""
-    global _executor
-    from llguidance import LLExecutor
-
-    if _executor is None:
-        _executor = LLExecutor()
-    _executor.unsafe_compute_mask_ptr([(g.matcher, j) for j, g in enumerate(guides)], bitmask.data_ptr(),
-                                      bitmask.shape[1] * 4, bitmask.shape[0])
-
-
-def fill_bitmask(guides: list, bitmask: "torch.Tensor", parallel: bool = False) -> None:
-    """bitmask[j] = what guides[j] allows next (host, int32 [rows, words]). parallel: on llguidance's
-    threads; row by row was as fast up to 32 rows on a 2-core machine (benchmarks/structured_output.py),
-    so that is the default."""
-    if parallel and len(guides) > 1 and all(isinstance(g, Guide) for g in guides):
-        _fill_in_parallel(guides, bitmask)
-    else:
-        for j, g in enumerate(guides):
-            g.fill(bitmask, j)
-
-
-def apply_guides(logits: "torch.Tensor", guides: list, parallel: bool = False) -> None:
+def apply_guides(logits: "torch.Tensor", guides: list) -> None:
     """Mask, in place, what each row's guide forbids; logits [R, V] on any device, guides [R] (None: no
     constraint). One [R', V / 32] int32 bitmask crosses to the device per step."""
     import torch
@@ -130,7 +113,7 @@ def apply_guides(logits: "torch.Tensor", guides: list, parallel: bool = False) -
     vocab = logits.shape[1]
     words = -(-vocab // 32)
     bitmask = torch.full((len(rows), words), -1, dtype=torch.int32, pin_memory=logits.is_cuda)
-    fill_bitmask([guides[i] for i in rows], bitmask, parallel)
+    fill_bitmask([guides[i] for i in rows], bitmask)
     mask = bitmask.to(logits.device, non_blocking=True)
     bits = (mask[:, :, None] >> torch.arange(32, dtype=torch.int32, device=logits.device)) & 1
     allowed = bits.view(len(rows), words * 32)[:, :vocab].bool()
