@@ -1,5 +1,5 @@
 """The FP8 routed experts' grouped GEMMs in Gluon, warp-specialised as DeepGEMM builds them
-(`engine.kernels.fused_moe_gluon`), beside the engine's Triton kernels, in four schedules.
+(`engine.kernels.fused_moe_gluon`), beside the engine's Triton kernels, in three schedules.
 
 The engine's `_moe_gemm_tma_kernel` promotes each 128-K block's product into its float32 accumulator
 (times the activations' and the weight block's scales), so every K step waits for its `wgmma` before the
@@ -18,7 +18,8 @@ each pair's row at its id. Same contract and math as `fused_experts_tma`.
     python benchmarks/moe_gemm_gluon.py --compile [--ptx DIR]                    # no GPU: compile for sm_90
 
 On an H200 (2026-12-05): the same outputs as the engine's kernels, n64 / n128 tiles in five stages 1.17x
-them at 32k tokens; four stages, 64-wide w2 tiles and issuing a step ahead were slower.
+them at 32k tokens; four stages, 64-wide w2 tiles and issuing a step ahead were slower (the last since removed
+from the kernel).
 """
 
 import json
@@ -38,19 +39,18 @@ def compile_only():
 
     from mla_prefill_gluon import report_compiled  # this folder's
 
-    for gated, block_n, stages, ahead in [(True, 64, 5, False), (False, 128, 5, False), (True, 64, 4, False),
-                                          (False, 128, 4, False), (True, 64, 5, True), (False, 128, 5, True)]:
+    for gated, block_n, stages in [(True, 64, 5), (False, 128, 5), (True, 64, 4), (False, 128, 4)]:
         sig = dict(a_desc=signature_of(descriptor(torch.empty(256, 512, dtype=torch.float8_e4m3fn), [64, 128])),
                    b_desc=signature_of(descriptor(torch.empty(256, 512, dtype=torch.float8_e4m3fn), [block_n, 128])),
                    AS="*fp32", BS="*fp32", C="*bf16", Weights="*fp32", SortedIds="*i32", BlockExpert="*i32",
                    NumPadded="*i32", N="i32", K="i32", num_pairs="i32", top_k="i32", stride_asm="i32",
                    stride_ask="i32", stride_bse="i32", stride_bsn="i32", stride_cm="i32")
         constexprs = dict(GATED=gated, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, STAGES=stages, NUM_PROGRAMS=132,
-                          CONSUMER_REGS=232, PRODUCER_REGS=40, AHEAD=ahead)
+                          CONSUMER_REGS=232, PRODUCER_REGS=40)
         sig.update({c: "constexpr" for c in constexprs})
         sig = {name: sig[name] for name in _ws_moe_gemm_kernel.arg_names}
         src = GluonASTSource(_ws_moe_gemm_kernel, sig, constexprs=constexprs)
-        report_compiled(f"{'w13' if gated else 'w2'} n{block_n} s{stages}{' ahead' if ahead else ''}",
+        report_compiled(f"{'w13' if gated else 'w2'} n{block_n} s{stages}",
                         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)))
 
 
@@ -70,8 +70,7 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(1)
     w13, s13, w2, s2 = v3_experts(g)
     rows, failed = [], False
-    variants = {"gluon n64/n128 s5": dict(), "gluon n64/n128 s4": dict(stages=4), "gluon n64/n64 s5": dict(bn2=64),
-                "gluon n64/n128 s5 ahead": dict(ahead=True)}
+    variants = {"gluon n64/n128 s5": dict(), "gluon n64/n128 s4": dict(stages=4), "gluon n64/n64 s5": dict(bn2=64)}
     for t in tokens:
         x = torch.randn(t, hidden, generator=g, device="cuda").to(torch.bfloat16)
         ids = torch.rand(t, experts, generator=g, device="cuda").topk(top_k, dim=-1).indices.int()

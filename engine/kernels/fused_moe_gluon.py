@@ -37,7 +37,7 @@ CONSUMER_REGS, PRODUCER_REGS = 232, 40
 
 @gluon.jit
 def _producer(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, AHEAD: gl.constexpr):
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
     """One warp: every work item's K steps into the ring (A as two 64-row tiles, B, and for w13 the up
     tile), a stage refilled once both consumers released it."""
     (a_desc, b_desc, a_s, b_s, u_s, full, empty, AS, BS, C, Weights, SortedIds, BlockExpert, NumPadded,
@@ -67,31 +67,8 @@ def _producer(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl
 
 
 @gluon.jit
-def _issue(a_s, b_s, u_s, stage, W: gl.constexpr, zero, GATED: gl.constexpr):
-    """Warpgroup W's products of the K step in `stage`, in flight -> (gate or only, up; the same twice
-    where not gated)."""
-    a = a_s.index(2 * stage + W)
-    p = warpgroup_mma(a, b_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
-    if GATED:
-        pu = warpgroup_mma(a, u_s.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
-    else:
-        pu = p
-    return p, pu
-
-
-@gluon.jit
-def _promote(acc, acc_up, p, pu, AS, pos, stride_asm, stride_ask, bs_ptr, up_bs_ptr, kb, GATED: gl.constexpr):
-    """Step kb's finished products into the float32 accumulators, times the rows' and the tile's scales."""
-    a_sc = gl.load(AS + pos * stride_asm + kb * stride_ask)
-    acc += p * (a_sc * gl.load(bs_ptr + kb))[:, None]
-    if GATED:
-        acc_up += pu * (a_sc * gl.load(up_bs_ptr + kb))[:, None]
-    return acc, acc_up
-
-
-@gluon.jit
 def _consume(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-             STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, AHEAD: gl.constexpr, W: gl.constexpr):
+             STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, W: gl.constexpr):
     """Warpgroup W's 64 rows of each work item: per K step wait for the stage, issue the product(s), load
     the step's scales while they run, wait, release the stage, promote into the float32 accumulator(s);
     then the epilogue."""
@@ -114,33 +91,7 @@ def _consume(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.
         up_bs_ptr = BS + expert * stride_bse + ((N + pid_n * BLOCK_N) // GROUP_N) * stride_bsn
         acc = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=layout)
         acc_up = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=layout)
-        if AHEAD:  # step kb + 1's products issued before step kb's are waited for and promoted
-            stage = it % STAGES
-            mbarrier.wait(full.index(stage), phase=(it // STAGES) & 1)
-            p, pu = _issue(a_s, b_s, u_s, stage, W, zero, GATED)
-            for kb in range(k_steps - 1):
-                nxt = (it + 1) % STAGES
-                mbarrier.wait(full.index(nxt), phase=((it + 1) // STAGES) & 1)
-                pn, pun = _issue(a_s, b_s, u_s, nxt, W, zero, GATED)
-                if GATED:  # the two products of step kb done; step kb + 1's two may run
-                    p, pu = warpgroup_mma_wait(num_outstanding=2, deps=(p, pu))
-                else:
-                    p = warpgroup_mma_wait(num_outstanding=1, deps=(p, ))
-                mbarrier.arrive(empty.index(stage), count=1)
-                acc, acc_up = _promote(acc, acc_up, p, pu, AS, pos, stride_asm, stride_ask, bs_ptr, up_bs_ptr, kb,
-                                       GATED)
-                p, pu = pn, pun
-                stage = nxt
-                it += 1
-            if GATED:
-                p, pu = warpgroup_mma_wait(num_outstanding=0, deps=(p, pu))
-            else:
-                p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
-            mbarrier.arrive(empty.index(stage), count=1)
-            acc, acc_up = _promote(acc, acc_up, p, pu, AS, pos, stride_asm, stride_ask, bs_ptr, up_bs_ptr,
-                                   k_steps - 1, GATED)
-            it += 1
-        for kb in range(0 if AHEAD else k_steps):
+        for kb in range(k_steps):
             stage = it % STAGES
             mbarrier.wait(full.index(stage), phase=(it // STAGES) & 1)
             a = a_s.index(2 * stage + W)
@@ -173,22 +124,21 @@ def _consume(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.
 
 @gluon.jit
 def _consumer0(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-               STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, AHEAD: gl.constexpr):
-    _consume(ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, AHEAD, 0)
+               STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+    _consume(ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, 0)
 
 
 @gluon.jit
 def _consumer1(ops, N, K, GATED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-               STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, AHEAD: gl.constexpr):
-    _consume(ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, AHEAD, 1)
+               STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+    _consume(ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, 1)
 
 
 @gluon.jit
 def _ws_moe_gemm_kernel(a_desc, b_desc, AS, BS, C, Weights, SortedIds, BlockExpert, NumPadded, N, K, num_pairs,
                         top_k, stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm, GATED: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        AHEAD: gl.constexpr):
+                        NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Persistent: NUM_PROGRAMS programs stride over the (128-row block, column block) work items. Four
     warps (consumer 0, the default partition) + four (consumer 1) + one (the producer)."""
     dtype: gl.constexpr = a_desc.dtype
@@ -206,18 +156,18 @@ def _ws_moe_gemm_kernel(a_desc, b_desc, AS, BS, C, Weights, SortedIds, BlockExpe
     # the constexprs written out in each call: a tuple of them assigned to a name would make them runtime values
     if WS_LIST_FORM:
         gl.warp_specialize([
-            (_consumer0, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, AHEAD)),
-            (_consumer1, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, AHEAD)),
-            (_producer, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, AHEAD)),
+            (_consumer0, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS)),
+            (_consumer1, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS)),
+            (_producer, (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize((ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, AHEAD), _consumer0,
-                           (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, AHEAD),
+        gl.warp_specialize((ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS), _consumer0,
+                           (ops, N, K, GATED, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS),
                            [_consumer1, _producer], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def _launch(a, a_s, w, w_s, out, weights, align, num_pairs, top_k, gated, block_n, stages, num_sms,
-            consumer_regs=CONSUMER_REGS, producer_regs=PRODUCER_REGS, ahead=False):
+            consumer_regs=CONSUMER_REGS, producer_regs=PRODUCER_REGS):
     sorted_ids, block_expert, num_padded = align
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
@@ -229,14 +179,14 @@ def _launch(a, a_s, w, w_s, out, weights, align, num_pairs, top_k, gated, block_
                                       n, k, num_pairs, top_k, a_s.stride(0), a_s.stride(1), w_s.stride(0),
                                       w_s.stride(1), out.stride(0), GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k,
                                       GROUP_M=8, STAGES=stages, NUM_PROGRAMS=programs, CONSUMER_REGS=consumer_regs,
-                                      PRODUCER_REGS=producer_regs, AHEAD=ahead, num_warps=4)
+                                      PRODUCER_REGS=producer_regs, num_warps=4)
 
 
 def ws_fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, bn13=BLOCK_N13, bn2=BLOCK_N2,
-                     stages=STAGES, ahead=False):
+                     stages=STAGES):
     """`fused_experts_tma(..., sort_a=True)`'s steps with the warp-specialised GEMMs: FP8 experts with
-    128 x 128 blocks, x [T, H] bf16 -> [T, H]. ahead: each consumer issues the next K step's products
-    before it waits for this step's and promotes them."""
+    128 x 128 blocks, x [T, H] bf16 -> [T, H]. (Each consumer issuing the next K step's products before
+    it waits for this step's measured slower on an H200.)"""
     from engine.kernels.fp8_gemm import per_token_group_quant
     from engine.kernels.fused_moe import sort_rows
     from engine.kernels.moe_routing import align_by_expert
@@ -248,12 +198,10 @@ def ws_fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, bn
     align = align_by_expert(topk_ids, num_experts, 2 * int(WG_ROWS))
     a, a_s = sort_rows(*per_token_group_quant(x, 128, k_major_scales=True), align[0], num_pairs, top_k)
     inter_out = torch.empty(align[0].shape[0], inter, dtype=x.dtype, device=x.device)
-    _launch(a, a_s, w13, w13_scale, inter_out, topk_weights, align, num_pairs, top_k, True, bn13, stages, sms,
-            ahead=ahead)
+    _launch(a, a_s, w13, w13_scale, inter_out, topk_weights, align, num_pairs, top_k, True, bn13, stages, sms)
     a, a_s = per_token_group_quant(inter_out, 128, k_major_scales=True)
     pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _launch(a, a_s, w2, w2_scale, pair_out, topk_weights, align, num_pairs, top_k, False, bn2, stages, sms,
-            ahead=ahead)
+    _launch(a, a_s, w2, w2_scale, pair_out, topk_weights, align, num_pairs, top_k, False, bn2, stages, sms)
     return pair_out.view(num_tokens, top_k, hidden).sum(dim=1)
 
 

@@ -341,7 +341,7 @@ def compile_gluon() -> list[dict]:
                    NumPadded="*i32", N="i32", K="i32", num_pairs="i32", top_k="i32", stride_asm="i32",
                    stride_ask="i32", stride_bse="i32", stride_bsn="i32", stride_cm="i32")
         constexprs = dict(GATED=gated, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, STAGES=m.STAGES, NUM_PROGRAMS=132,
-                          CONSUMER_REGS=m.CONSUMER_REGS, PRODUCER_REGS=m.PRODUCER_REGS, AHEAD=False)
+                          CONSUMER_REGS=m.CONSUMER_REGS, PRODUCER_REGS=m.PRODUCER_REGS)
         sig.update(dict.fromkeys(constexprs, "constexpr"))
         builds.append((kernel, sig, constexprs))
     # the decode attention's split kernels (`mla_decode_gluon`): bf16 rows by TMA, FP8 rows decoded, at 16
