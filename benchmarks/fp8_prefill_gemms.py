@@ -157,8 +157,8 @@ def reference_experts(x, w13, s13, w2, s2, weights, ids):
 
 
 def moe_breakdown(x, w13, s13, w2, s2, w, ids, cfg, ceiling) -> list[dict]:
-    """Each launch of the TMA path alone: quantize x, align, w13 (gathering x's rows, or reading them sorted
-    first), quantize the intermediate, w2, top-k sum."""
+    """Each launch of the TMA path alone: quantize x, align, w13 (gathering x's rows), quantize the
+    intermediate, w2, top-k sum; and the copy of x's rows in sorted order the Gluon GEMMs read instead."""
     from engine.kernels.moe_routing import align_by_expert
 
     t, top_k = ids.shape
@@ -166,7 +166,6 @@ def moe_breakdown(x, w13, s13, w2, s2, w, ids, cfg, ceiling) -> list[dict]:
     bm, bn13, bn2, warps, stages, per_sm = cfg
     align = align_by_expert(ids, EXPERTS, bm)
     a, a_s = per_token_group_quant(x, 128, k_major_scales=True)
-    a_sorted = fused_moe.sort_rows(a, a_s, align[0], pairs, top_k)
     inter = torch.zeros(align[0].shape[0], INTER, dtype=x.dtype, device=x.device)
     a2, a2_s = per_token_group_quant(inter, 128, k_major_scales=True)
     pair_out = torch.empty(pairs, HIDDEN, dtype=x.dtype, device=x.device)
@@ -177,8 +176,6 @@ def moe_breakdown(x, w13, s13, w2, s2, w, ids, cfg, ceiling) -> list[dict]:
         "w13": (lambda: fused_moe._launch_tma(a, a_s, w13, s13, inter, w, align, pairs, top_k, True, BLOCK, bm, bn13,
                                               warps, stages, per_sm), 2 * gemm),
         "sort x rows": (lambda: fused_moe.sort_rows(a, a_s, align[0], pairs, top_k), 0.0),
-        "w13, x sorted": (lambda: fused_moe._launch_tma(*a_sorted, w13, s13, inter, w, align, pairs, top_k, True, BLOCK,
-                                                        bm, bn13, warps, stages, per_sm, a_sorted=True), 2 * gemm),
         "quant inter": (lambda: per_token_group_quant(inter, 128, k_major_scales=True), 0.0),
         "w2": (lambda: fused_moe._launch_tma(a2, a2_s, w2, s2, pair_out, w, align, pairs, top_k, False, BLOCK, bm, bn2,
                                              warps, stages, per_sm), gemm),
@@ -220,9 +217,6 @@ def moe_rows(tokens_list, sweep: bool, ceiling: float, log) -> list[dict]:
             variants["tma"] = lambda: fused_moe.fused_experts_tma(x, w13, w2, w, ids, s13, s2, BLOCK, cfg)
             variants["tma_noflat"] = lambda: fused_moe.fused_experts_tma(x, w13, w2, w, ids, s13, s2, BLOCK, cfg,
                                                                          flatten=False)
-            # w13 reading x's rows by TMA from a copy in sorted order instead of gathering them by pointer
-            variants["tma, x sorted first"] = lambda: fused_moe.fused_experts_tma(x, w13, w2, w, ids, s13, s2, BLOCK,
-                                                                                  cfg, sort_a=True)
             variants["tma(64,64,128,4,3,3)"] = lambda: fused_moe.fused_experts_tma(x, w13, w2, w, ids, s13, s2, BLOCK,
                                                                                    (64, 64, 128, 4, 3, 3))
         if cfg is not None and t == 8192:

@@ -9,7 +9,7 @@ B tiles by TMA, and two consumer warpgroups take 64 rows each of a 128-row block
 product and promotes it, the other's product runs on the tensor cores.
 
 Both GEMMs read A by TMA: w2 its sorted intermediate, w13 x's rows copied into the pairs' sorted order
-first (`engine.kernels.fused_moe.sort_rows`, as `fused_experts_tma(..., sort_a=True)`). B is [E * rows, K]
+first (`engine.kernels.fused_moe.sort_rows`). B is [E * rows, K]
 with DeepSeek's 128 x 128 scales; a tile never crosses an expert. w13 (gated) reads the gate and the up
 tiles and writes SiLU(gate) * up at the pair's sorted row; w2 multiplies by the routing weight and writes
 each pair's row at its id. Same contract and math as `fused_experts_tma`.
@@ -76,12 +76,8 @@ def main():
         ids = torch.rand(t, experts, generator=g, device="cuda").topk(top_k, dim=-1).indices.int()
         w = torch.rand(t, top_k, generator=g, device="cuda")
         flops = 6.0 * t * top_k * hidden * inter
-        cfg = fused_moe.tma_config(t * top_k / experts, block, inter, hidden, x)
         ref = fused_moe.fused_experts(x, w13, w2, w, ids, s13, s2, block)
         fns = {"triton (engine)": lambda: fused_moe.fused_experts(x, w13, w2, w, ids, s13, s2, block)}
-        if cfg is not None:
-            fns["triton, x sorted first"] = lambda: fused_moe.fused_experts_tma(x, w13, w2, w, ids, s13, s2, block,
-                                                                                cfg, sort_a=True)
         for name, kw in variants.items():
             fns[name] = lambda kw=kw: ws_fused_experts(x, w13, w2, w, ids, s13, s2, **kw)
         line = f"T={t}:"

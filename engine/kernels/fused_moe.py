@@ -193,13 +193,11 @@ def _moe_gemm_tma_kernel(A, a_desc, AS, b_desc, BS, C, Weights, SortedIds, Block
                          top_k, limit, stride_am, stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm,
                          NUM_PROGRAMS: tl.constexpr, GATED: tl.constexpr, GROUP_N: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         UPCAST: tl.constexpr, FLATTEN: tl.constexpr, SCALED: tl.constexpr = True,
-                         A_SORTED: tl.constexpr = False):
+                         UPCAST: tl.constexpr, FLATTEN: tl.constexpr, SCALED: tl.constexpr = True):
     """Grouped GEMM, persistent over (row block, column block) work items of the expert-sorted pairs.
 
-    GATED (w13): A rows are gathered by token (pointer loads: the copy engine cannot gather on sm_90),
-    or with A_SORTED read by TMA from a copy of them already in the pairs' sorted order (`sort_rows`);
-    gate and up tiles of the expert arrive by TMA, SiLU(gate) * up is written at the pair's sorted
+    GATED (w13): A rows are gathered by token (pointer loads: the copy engine cannot gather on sm_90; a
+    copy of them in the pairs' sorted order read by TMA measured slower on an H200); gate and up tiles of the expert arrive by TMA, SiLU(gate) * up is written at the pair's sorted
     position. Else (w2): A is that sorted intermediate, read by TMA; the routing weight multiplies and
     each pair's row is scattered back to its id. B is [E * rows, K]: a tile never crosses an expert
     (BLOCK_N divides N and the weight block, so each K step has one weight scale per tile).
@@ -215,14 +213,14 @@ def _moe_gemm_tma_kernel(A, a_desc, AS, b_desc, BS, C, Weights, SortedIds, Block
         pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         ids = tl.load(SortedIds + pos)
         mask_m = ids < num_pairs
-        rows = tl.where(mask_m, ids // top_k, 0).to(tl.int64) if GATED and not A_SORTED else pos.to(tl.int64)
+        rows = tl.where(mask_m, ids // top_k, 0).to(tl.int64) if GATED else pos.to(tl.int64)
         b_row = (expert * (2 * N if GATED else N) + pid_n * BLOCK_N).to(tl.int32)
         bs_ptr = BS + expert * stride_bse + (pid_n * BLOCK_N // GROUP_N) * stride_bsn
         up_bs_ptr = BS + expert * stride_bse + ((N + pid_n * BLOCK_N) // GROUP_N) * stride_bsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for kb in range(k_steps):
-            if GATED and not A_SORTED:
+            if GATED:
                 a = tl.load(A + rows[:, None] * stride_am + kb * BLOCK_K + offs_k[None, :],
                             mask=mask_m[:, None] & (offs_k < K - kb * BLOCK_K)[None, :], other=0.0)
             else:
@@ -340,9 +338,9 @@ def tma_config(pairs_per_expert: float, block: tuple[int, int] | None, inter: in
 
 
 def _launch_tma(a, a_s, w, w_s, out, weights, align, num_pairs, top_k, gated, block, bm, bn, warps, stages, per_sm,
-                limit: float = float("inf"), flatten: bool = True, a_sorted: bool = False):
+                limit: float = float("inf"), flatten: bool = True):
     """One grouped GEMM through `_moe_gemm_tma_kernel`: FP8 weights with their scales (w_s) and block, or
-    bf16 / fp16 (64-wide K steps, no scales). a_sorted (w13): a holds the pairs' rows in sorted order."""
+    bf16 / fp16 (64-wide K steps, no scales)."""
     sorted_ids, block_expert, num_padded = align
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
@@ -351,22 +349,21 @@ def _launch_tma(a, a_s, w, w_s, out, weights, align, num_pairs, top_k, gated, bl
     if not scaled:
         a_s, w_s = a, w  # no scales: pointers the kernel never reads
     b_desc = TensorDescriptor.from_tensor(w.view(-1, k), [bn, bk])
-    # w13 gathers its token rows by pointer unless they were sorted first
-    a_desc = a if gated and not a_sorted else TensorDescriptor.from_tensor(a, [bm, bk])
+    a_desc = a if gated else TensorDescriptor.from_tensor(a, [bm, bk])  # w13 gathers its token rows by pointer
     programs = min(per_sm * num_sms(a.device), sorted_ids.shape[0] // bm * (n // bn))
     _moe_gemm_tma_kernel[(programs,)](a, a_desc, a_s, b_desc, w_s, out, weights, sorted_ids, block_expert, num_padded,
                                       n, k, num_pairs, top_k, limit, a.stride(0), a_s.stride(0), a_s.stride(1),
                                       w_s.stride(0), w_s.stride(1), out.stride(0), NUM_PROGRAMS=programs, GATED=gated,
                                       GROUP_N=block[0] if scaled else bn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                       GROUP_M=8, UPCAST=upcast_fp8_dot(a, bk) if scaled else interpreted(a),
-                                      FLATTEN=flatten, SCALED=scaled, A_SORTED=gated and a_sorted,
+                                      FLATTEN=flatten, SCALED=scaled,
                                       num_warps=warps, num_stages=stages)
 
 
 def sort_rows(a: torch.Tensor, a_s: torch.Tensor | None, sorted_ids: torch.Tensor, num_pairs: int, top_k: int
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The w13 input's token rows copied into the pairs' expert-sorted order, so the GEMM reads them by
-    TMA: a [T, K] (FP8 or half) -> [P, K], row i the token of sorted pair i (padding slots: token 0's
+    """The w13 input's token rows copied into the pairs' expert-sorted order, so the Gluon GEMM
+    (`fused_moe_gluon`) reads them by TMA: a [T, K] (FP8 or half) -> [P, K], row i the token of sorted pair i (padding slots: token 0's
     row, whose outputs nothing reads); its group scales a_s [T, K / g] with the tokens contiguous (as
     `per_token_group_quant(..., k_major_scales=True)` writes them) -> [P, K / g], the same layout."""
     rows = torch.where(sorted_ids < num_pairs, sorted_ids // top_k, 0)
@@ -378,12 +375,11 @@ def sort_rows(a: torch.Tensor, a_s: torch.Tensor | None, sorted_ids: torch.Tenso
 
 
 def fused_experts_tma(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, cfg,
-                      swiglu_limit: float | None = None, flatten: bool = True, sort_a: bool = False) -> torch.Tensor:
+                      swiglu_limit: float | None = None, flatten: bool = True) -> torch.Tensor:
     """`fused_experts` through the persistent TMA kernels (cfg from `tma_config`). FP8 experts: x is
     quantized once (K-major scales), w13 writes SiLU(gate) * up in expert-sorted order, that intermediate
     is quantized and read by TMA in w2. bf16 / fp16 experts (no scales, block None): the same without
-    the quantizations. sort_a: x's rows are copied into the pairs' sorted order first (`sort_rows`) and
-    w13 reads them by TMA instead of gathering them by pointer (the same products)."""
+    the quantizations."""
     num_tokens, hidden = x.shape
     num_experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
     num_pairs = num_tokens * top_k
@@ -391,11 +387,9 @@ def fused_experts_tma(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, b
     fp8 = w13.dtype == FP8
     align = align_by_expert(topk_ids, num_experts, bm)
     a, a_s = per_token_group_quant(x, block[1], k_major_scales=True) if fp8 else (x, None)
-    if sort_a:
-        a, a_s = sort_rows(a, a_s, align[0], num_pairs, top_k)
     inter_out = torch.empty(align[0].shape[0], inter, dtype=x.dtype, device=x.device)
     _launch_tma(a, a_s, w13, w13_scale, inter_out, topk_weights, align, num_pairs, top_k, True, block, bm, bn13,
-                warps, stages, per_sm, float("inf") if swiglu_limit is None else float(swiglu_limit), flatten, sort_a)
+                warps, stages, per_sm, float("inf") if swiglu_limit is None else float(swiglu_limit), flatten)
     a, a_s = per_token_group_quant(inter_out, block[1], k_major_scales=True) if fp8 else (inter_out, None)
     pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _launch_tma(a, a_s, w2, w2_scale, pair_out, topk_weights, align, num_pairs, top_k, False, block, bm, bn2, warps,

@@ -1,6 +1,6 @@
 """The FP8 routed experts' grouped GEMMs in Gluon on Hopper, warp-specialised as DeepGEMM builds them: the
 engine's prefill expert GEMMs on sm_90 where `fused_moe.GLUON` is on (FP8 experts with 128 x 128 blocks,
-bf16 activations), `fused_moe.fused_experts_tma(..., sort_a=True)`'s contract and its math.
+bf16 activations), `fused_moe.fused_experts_tma`'s contract and its math.
 
 The Triton TMA kernel (`fused_moe._moe_gemm_tma_kernel`) promotes each 128-K block's product into its
 float32 accumulator (times the activations' and the weight block's scales), so every K step waits for its
@@ -184,7 +184,7 @@ def _launch(a, a_s, w, w_s, out, weights, align, num_pairs, top_k, gated, block_
 
 def ws_fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, bn13=BLOCK_N13, bn2=BLOCK_N2,
                      stages=STAGES):
-    """`fused_experts_tma(..., sort_a=True)`'s steps with the warp-specialised GEMMs: FP8 experts with
+    """`fused_experts_tma`'s steps (x's rows sorted first) with the warp-specialised GEMMs: FP8 experts with
     128 x 128 blocks, x [T, H] bf16 -> [T, H]. (Each consumer issuing the next K step's products before
     it waits for this step's measured slower on an H200.)"""
     from engine.kernels.fp8_gemm import per_token_group_quant

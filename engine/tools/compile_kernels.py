@@ -118,13 +118,13 @@ def launch_all() -> None:
     attention at V4 Flash's."""
     from engine.kernels.activation import silu_and_mul
     from engine.kernels.fp8_gemm import FP8, fp8_block_gemm_tma, fp8_linear, per_token_group_quant
-    from engine.kernels.fused_moe import HALF_TMA_CONFIG, TMA_CONFIGS, _launch_tma, fused_experts, fused_experts_tma
+    from engine.kernels.fused_moe import HALF_TMA_CONFIG, TMA_CONFIGS, fused_experts, fused_experts_tma
     from engine.kernels.gemv import gemv
     from engine.kernels.latent_cache import gather_latent, write_latent_, write_latent_absorbed_
     from engine.kernels.mla_decode import mla_decode_attention
     from engine.kernels.mla_prefill import mla_prefill_attention
     from engine.kernels.moe_gemv import SharedExperts, moe_gemv
-    from engine.kernels.moe_routing import align_by_expert, route, route_tokens
+    from engine.kernels.moe_routing import route, route_tokens
     from engine.kernels.rms_norm import rms_norm
     from engine.kernels.sampling import greedy, noise_keys, sample
     from engine.layers.fp8_latent import FP8LatentLayout
@@ -185,14 +185,6 @@ def launch_all() -> None:
                                    torch.bfloat16)
                 for cfg in TMA_CONFIGS:
                     fused_experts_tma(x, w13, w2, weights, ids, *scales, block, cfg[1:])
-                    # w13 reading x's rows sorted first, by TMA (benchmarks/fp8_prefill_gemms.py times both);
-                    # launched directly: sorting by this run's unset ids would index out of range
-                    bm, bn13, _, warps, stages, per_sm = cfg[1:]
-                    align = align_by_expert(ids, experts, bm)
-                    pairs = align[0].shape[0]
-                    _launch_tma(_empty(pairs, hidden, dtype=FP8), _empty(hidden // 128, pairs, dtype=f32).t(), w13,
-                                scales[0], _empty(pairs, inter), weights, align, tokens * top_k, top_k, True, block,
-                                bm, bn13, warps, stages, per_sm, a_sorted=True)
             if not fp8 and tokens == 4096:  # bf16 experts' TMA kernels (chosen on the card by shape)
                 fused_experts_tma(x, w13, w2, weights, ids, None, None, None, HALF_TMA_CONFIG[1:])
             if tokens == 1:  # projections of one token
