@@ -1,10 +1,10 @@
 """DeepSeek-V4 Flash's quantized weights on their kernels, against their bytes floors: the MXFP4 routed
-experts as GEMVs (1, 2 and 8 tokens' top-6) for each decode of the codes (`moe_gemv.FP4_DECODES`, x in
-order or as float32 planes) and several tiles, each checked against the float32 math of the dequantized
-experts; where prefill batches should leave the GEMV (8, 32, 64 and 128 tokens: the GEMV, the MXFP4
-grouped GEMM that decodes its tiles, and every expert dequantized to bf16 then the bf16 grouped GEMM); the MXFP4
-grouped GEMM at a prefill's rows against bf16 on the same experts dequantized; and the grouped wo_a GEMV
-(FP8 and bf16) against the bf16 batched product it replaces.
+experts as GEMVs (1, 2 and 8 tokens' top-6) for each decode of the codes (`moe_gemv.FP4_DECODES`) and
+several tiles, each checked against the float32 math of the dequantized experts; where prefill batches
+should leave the GEMV (8, 32, 64 and 128 tokens: the GEMV, the MXFP4 grouped GEMM that decodes its tiles,
+and every expert dequantized to bf16 then the bf16 grouped GEMM); the MXFP4 grouped GEMM at a prefill's
+rows against bf16 on the same experts dequantized; and the grouped wo_a GEMV (FP8 and bf16) against the
+bf16 batched product it replaces.
 
     python benchmarks/v4_quant_kernels.py [--out DIR] [--sections gemv,threshold,prefill,wo_a,dot_scaled]
 
@@ -28,21 +28,17 @@ from engine.bench.timing import time_replayed
 from engine.kernels.fp8_gemm import FP8
 from engine.kernels.fused_moe import fused_experts, reference_fused_experts
 from engine.kernels.gemv import gemv
-from engine.kernels.moe_gemv import moe_gemv
+from engine.kernels.moe_gemv import FP4_CONFIG, FP4_DECODE, moe_gemv
 from engine.kernels.mxfp4 import dequantize, dequantize_experts
 
 HIDDEN, INTER, EXPERTS, TOP_K = 4096, 2048, 256, 6
-BYTES_CONFIGS = [(8, 8, 4), (16, 4, 4)]  # the byte decode's tiles (FP4_CONFIG and the next best, docs/perf.md)
 # the word decodes' tiles: BLOCK_N * groups = 32 * num_warps (one 16-byte chunk of a row per thread; more
 # and the scales' loads take a layout of their own, moved through shared memory each step)
 WORD_CONFIGS = [(8, 16, 4), (16, 8, 4), (32, 4, 4), (8, 8, 2), (16, 4, 2), (16, 16, 8)]
-# (decode, x as float32 planes, how many of WORD_CONFIGS are swept)
-VARIANTS = [("asm", False, 6), ("words", False, 6), ("bytes", False, 2), ("asm", True, 6), ("words", True, 3)]
+# (decode, how many of WORD_CONFIGS are swept); one code at a time and x as float32 planes, measured slower
+# on an H200 (88.9 and 60.9 us at one token against asm's 58.5, docs/perf.md), are removed from moe_gemv
+VARIANTS = [("asm", 6), ("words", 6)]
 CALLS = 20  # calls per replayed graph, each on its own experts
-
-
-def _name(decode: str, planar_x: bool) -> str:
-    return decode + ("+planar-x" if planar_x else "")
 
 
 class Experts:
@@ -91,35 +87,35 @@ def _rel(out: torch.Tensor, want: torch.Tensor) -> float:
 def gemv_section(ex: Experts, bw: float, emit) -> dict:
     """Every decode against the float32 reference at 1, 2 and 8 tokens; tiles swept at 1 token; the best
     two tiles of each at 2 and 8 tokens. Returns the best (variant, config) by the 1-token time."""
-    def run(decode, planar_x, cfg):
+    def run(decode, cfg):
         return lambda x, ids, w: moe_gemv(x, ex.w13, ex.w2, w, ids, ex.s13, ex.s2, config=cfg, swiglu_limit=10.0,
-                                          fp4_decode=decode, planar_x=planar_x)
+                                          fp4_decode=decode)
 
     checks = {t: ex.draws(t, 1)[0] for t in (1, 2, 8)}
     wants = {t: ex.reference(*d) for t, d in checks.items()}
-    for decode, planar_x, _ in VARIANTS:
-        cfg = BYTES_CONFIGS[0] if decode == "bytes" else WORD_CONFIGS[0]
+    for decode, _ in VARIANTS:
+        cfg = WORD_CONFIGS[0]
         for t, d in checks.items():
-            emit(dict(what="check moe_gemv mxfp4", variant=_name(decode, planar_x), tokens=t, config=cfg,
-                      rel_err_vs_f32=_rel(run(decode, planar_x, cfg)(*d), wants[t])))
+            emit(dict(what="check moe_gemv mxfp4", variant=decode, tokens=t, config=cfg,
+                      rel_err_vs_f32=_rel(run(decode, cfg)(*d), wants[t])))
     draws = {t: ex.draws(t) for t in (1, 2, 8)}
     floors = {t: ex.floor_s(d, bw) for t, d in draws.items()}
     timed = {}
-    for decode, planar_x, swept in VARIANTS:
-        for cfg in (BYTES_CONFIGS if decode == "bytes" else WORD_CONFIGS)[:swept]:
-            s = time_replayed(_cycling(run(decode, planar_x, cfg), draws[1]), ex.dev, calls=CALLS)
-            timed[(decode, planar_x, cfg)] = s
-            emit(dict(what="moe_gemv mxfp4", variant=_name(decode, planar_x), tokens=1, config=cfg, seconds=s,
+    for decode, swept in VARIANTS:
+        for cfg in WORD_CONFIGS[:swept]:
+            s = time_replayed(_cycling(run(decode, cfg), draws[1]), ex.dev, calls=CALLS)
+            timed[(decode, cfg)] = s
+            emit(dict(what="moe_gemv mxfp4", variant=decode, tokens=1, config=cfg, seconds=s,
                       floor_s=floors[1], ratio=s / floors[1]))
-    for decode, planar_x, _ in VARIANTS:
-        best = sorted((s, cfg) for (d, p, cfg), s in timed.items() if (d, p) == (decode, planar_x))[:2]
+    for decode, _ in VARIANTS:
+        best = sorted((s, cfg) for (d, cfg), s in timed.items() if d == decode)[:2]
         for t in (2, 8):
             for _, cfg in best:
-                s = time_replayed(_cycling(run(decode, planar_x, cfg), draws[t]), ex.dev, calls=CALLS)
-                emit(dict(what="moe_gemv mxfp4", variant=_name(decode, planar_x), tokens=t, config=cfg, seconds=s,
+                s = time_replayed(_cycling(run(decode, cfg), draws[t]), ex.dev, calls=CALLS)
+                emit(dict(what="moe_gemv mxfp4", variant=decode, tokens=t, config=cfg, seconds=s,
                           floor_s=floors[t], ratio=s / floors[t]))
-    (decode, planar_x, cfg), _ = min(timed.items(), key=lambda kv: kv[1])
-    return dict(decode=decode, planar_x=planar_x, config=cfg)
+    (decode, cfg), _ = min(timed.items(), key=lambda kv: kv[1])
+    return dict(decode=decode, config=cfg)
 
 
 def _grouped_ways(ex: Experts, dot_scaled: bool = False) -> dict:
@@ -142,9 +138,9 @@ def threshold_section(ex: Experts, best: dict, emit) -> None:
     (best decode and tile), the grouped GEMM decoding MXFP4 tiles, and every expert dequantized to bf16
     (one launch) then the bf16 grouped GEMM; each against the float32 reference."""
     ways = {
-        "moe_gemv " + _name(best["decode"], best["planar_x"]): lambda x, ids, w: moe_gemv(
+        "moe_gemv " + best["decode"]: lambda x, ids, w: moe_gemv(
             x, ex.w13, ex.w2, w, ids, ex.s13, ex.s2, config=best["config"], swiglu_limit=10.0,
-            fp4_decode=best["decode"], planar_x=best["planar_x"]),
+            fp4_decode=best["decode"]),
         **_grouped_ways(ex),
     }
     for tokens in (8, 32, 64, 128):
@@ -242,11 +238,11 @@ def main() -> None:
         (a.out / "v4_quant_kernels.json").write_text(json.dumps(result, indent=1))
 
     ex = Experts(dev, g) if {"gemv", "threshold", "prefill", "dot_scaled"} & set(sections) else None
-    best = dict(decode="bytes", planar_x=False, config=BYTES_CONFIGS[0])
+    best = dict(decode=FP4_DECODE, config=FP4_CONFIG[FP4_DECODE])  # the engine's, unless the gemv section runs
     if "gemv" in sections:
         best = gemv_section(ex, bw, emit)
         result["best_gemv"] = best
-        print(f"fastest at one token: moe_gemv.FP4_DECODE = {best['decode']!r}, FP4_PLANAR_X = {best['planar_x']}, "
+        print(f"fastest at one token: moe_gemv.FP4_DECODE = {best['decode']!r}, "
               f"FP4_CONFIG[{best['decode']!r}] = {best['config']}", flush=True)
     if "threshold" in sections:
         threshold_section(ex, best, emit)

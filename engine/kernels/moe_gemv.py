@@ -15,13 +15,12 @@ keep enough loads in flight to stream the weights at memory bandwidth.
 FP8 experts multiply the same FP8 math as the grouped kernel: activations quantized per group of
 block_k, weight blocks scaled (the scale applied to the group's activations, shared by a program's rows).
 MXFP4 experts (DeepSeek-V4's: e2m1 codes two a byte, an E8M0 scale per 32 values of a row) have kernels
-of their own (`_up_fp4_kernel`, `_down_fp4_kernel`): a program's rows each have their own scales, and
-the codes are decoded in registers (`mxfp4.fp4_gemv_rows`); activations stay in their dtype, the math
-of the dequantized weight. Their shared experts (FP8 in V4) run apart. The word decodes
-(`_up_fp4_words_kernel`, `_down_fp4_words_kernel`, `mxfp4.fp4_gemv_words`) read the codes 8 to a 32-bit
-word and decode two values per few integer operations; a program's two row blocks (gate and up rows; two
-halves of the down rows) share each activation load, and act goes between the kernels as float32 planes
-(value n at plane n % 8, word n // 8), so the down kernel's activation loads are contiguous.
+of their own (`_up_fp4_words_kernel`, `_down_fp4_words_kernel`): a program's rows each have their own
+scales, and the codes, read 8 to a 32-bit word, are decoded in registers two values per few integer
+operations (`mxfp4.fp4_gemv_words`); activations stay in their dtype, the math of the dequantized weight.
+Their shared experts (FP8 in V4) run apart. A program's two row blocks (gate and up rows; two halves of
+the down rows) share each activation load, and act goes between the kernels as float32 planes (value n
+at plane n % 8, word n // 8), so the down kernel's activation loads are contiguous.
 
 Bytes: the chosen experts' and the shared experts' weights (an expert picked by two tokens is read
 twice; MXFP4: 17 bytes per 32 values, codes and scale); FLOPs: as the GEMMs.
@@ -36,7 +35,7 @@ import triton.language as tl
 from engine.kernels._util import check, check_float, interpreted, mma, pdl, upcast_fp8_dot, wait_for_inputs
 from engine.kernels.fp8_gemm import FP8
 from engine.kernels.gemv import DOT_STAGES, DOT_WARPS, dot_rows, e4m3_groups, fp8_groups, gemv_rows
-from engine.kernels.mxfp4 import as_bytes, as_words, check_mxfp4, fp4_gemv_rows, fp4_gemv_words, is_mxfp4
+from engine.kernels.mxfp4 import as_bytes, as_words, check_mxfp4, fp4_gemv_words, is_mxfp4
 
 
 # (BLOCK_N, K groups per step, num_warps), chosen on an H200 with benchmarks/moe_gemv_configs.py
@@ -57,23 +56,21 @@ SHARED_EARLY = True
 # conversion and an FMA in float32: 2.45 TB/s on an H100 where the bf16 experts read 2.72). Off until
 # measured: `dot=` of `moe_gemv`, `benchmarks/moe_gemv_configs.py` times both
 DOT = False
-# MXFP4: (BLOCK_N, groups of 32 values per step, num_warps) by decode: "bytes" one code at a time
-# (`mxfp4.fp4_gemv_rows`), "words" two at a time from 32-bit words (`mxfp4.fp4_gemv_words`), "asm" the
-# same in inline PTX (GPU only)
-FP4_DECODES = ("bytes", "words", "asm")
+# MXFP4: the decodes of the codes, two values at a time from 32-bit words (`mxfp4.fp4_gemv_words`): "words"
+# in Triton, "asm" the same in inline PTX (GPU only; "words" under the interpreter)
+FP4_DECODES = ("words", "asm")
 # measured on an H200 (benchmarks/v4_quant_kernels.py --sections gemv, V4 Flash's experts, top-6, each call
-# on other experts): one token 88.9 us with bytes (8, 8, 4), 61.0 with words (16, 8, 4), 58.5 with asm
-# (16, 8, 4) against a 19.4 us floor; eight tokens 540 / 383 / 382 us; x as float32 planes lost at one
-# token (64.8 us). FP4_PLANAR_X: the word decodes' up kernel reads x as float32 planes (one copy launch
-# more, contiguous loads)
+# on other experts): one token 61.0 us with words (16, 8, 4), 58.5 with asm (16, 8, 4) against a 19.4 us
+# floor; eight tokens 383 / 382 us. Not kept, since removed: one code at a time (88.9 us at one token, 540
+# at eight) and x read by the up kernel as float32 planes after a copy launch (60.9 us with asm)
 FP4_DECODE = "asm"
-FP4_PLANAR_X = False
-# the word decodes: BLOCK_N * groups = 32 * num_warps, one 16-byte chunk of a row per thread (wider, the
-# scales' loads take a layout of their own, moved through shared memory every step)
-FP4_CONFIG = {"bytes": (8, 8, 4), "words": (16, 8, 4), "asm": (16, 8, 4)}
+# (BLOCK_N, groups of 32 values per step, num_warps) by decode: BLOCK_N * groups = 32 * num_warps, one
+# 16-byte chunk of a row per thread (wider, the scales' loads take a layout of their own, moved through
+# shared memory every step)
+FP4_CONFIG = {"words": (16, 8, 4), "asm": (16, 8, 4)}
 FP4_INTERPRETED_CONFIG = (64, 2, 4)  # few, wide programs; two groups a step (a K remainder in the tests)
-INTERPRETED_CONFIG = (16, 1, 4)
-TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # the interpreter pays per program: few, wide ones
+INTERPRETED_CONFIG = (16, 1, 4)  # the interpreter pays per program: few, wide ones
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 class SharedExperts(NamedTuple):
@@ -229,51 +226,6 @@ def _down_kernel(Act, W, WS, SW, SWS, Out, Weights, Ids, N, K, top_k, slots, str
 
 
 @triton.jit
-def _fp4_rows(W, WS, expert, row0, N, stride_we, stride_wn, stride_se, stride_sn, pid_n, GROUPS: tl.constexpr,
-              BLOCK_N: tl.constexpr):
-    """Pointers of a program's BLOCK_N packed rows (from row0 of the expert) for `fp4_gemv_rows`."""
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_g = tl.arange(0, GROUPS)
-    offs_b = offs_g[:, None] * 16 + tl.arange(0, 16)[None, :]
-    rows = (row0 + offs_n).to(tl.int64)
-    w_ptrs = W + expert * stride_we + rows[:, None, None] * stride_wn + offs_b[None, :, :]
-    s_ptrs = WS + expert * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
-    return offs_n, offs_n < N, w_ptrs, s_ptrs
-
-
-@triton.jit
-def _up_fp4_kernel(X, W, WS, Act, Ids, N, K, top_k, limit, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
-                   stride_am, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (token, k) pair and BLOCK_N outputs: SiLU(min(gate, l)) * clamp(up, -l, l) of its
-    expert's packed w13 (gate rows [0, N), up rows [N, 2N))."""
-    pair, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(Ids + pair).to(tl.int64)
-    x = X + (pair // top_k) * stride_xm
-    offs_n, mask_n, w_ptrs, s_ptrs = _fp4_rows(W, WS, expert, 0, N, stride_we, stride_wn, stride_se, stride_sn,
-                                               pid_n, GROUPS, BLOCK_N)
-    gate = fp4_gemv_rows(w_ptrs, s_ptrs, x, mask_n, K, GROUPS, BLOCK_N)
-    up = fp4_gemv_rows(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, x, mask_n, K, GROUPS, BLOCK_N)
-    gate = tl.minimum(gate, limit)
-    up = tl.maximum(tl.minimum(up, limit), -limit)
-    tl.store(Act + pair * stride_am + offs_n, (gate / (1.0 + tl.exp(-gate)) * up).to(Act.dtype.element_ty),
-             mask=mask_n)
-
-
-@triton.jit
-def _down_fp4_kernel(Act, W, WS, Out, Weights, Ids, N, K, stride_am, stride_we, stride_wn, stride_se, stride_sn,
-                     stride_om, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per pair and BLOCK_N outputs: weight * (act W_down of its expert)."""
-    pair, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(Ids + pair).to(tl.int64)
-    offs_n, mask_n, w_ptrs, s_ptrs = _fp4_rows(W, WS, expert, 0, N, stride_we, stride_wn, stride_se, stride_sn,
-                                               pid_n, GROUPS, BLOCK_N)
-    y = fp4_gemv_rows(w_ptrs, s_ptrs, Act + pair * stride_am, mask_n, K, GROUPS, BLOCK_N)
-    # rounded to the activation dtype before the weight, as the reference path's expert outputs are
-    y = y.to(Out.dtype.element_ty).to(tl.float32)
-    tl.store(Out + pair * stride_om + offs_n, (y * tl.load(Weights + pair)).to(Out.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
 def _fp4_words(W, WS, expert, row0, N, stride_we, stride_wn, stride_se, stride_sn, GROUPS: tl.constexpr,
                BLOCK_N: tl.constexpr):
     """Pointers of BLOCK_N rows from row0 of the expert, as 32-bit words (W int32, strides in words), for
@@ -289,25 +241,28 @@ def _fp4_words(W, WS, expert, row0, N, stride_we, stride_wn, stride_se, stride_s
 
 @triton.jit
 def _x_words(X, X_PLANE: tl.constexpr, GROUPS: tl.constexpr):
-    """[GROUPS, 4] pointers at the activations of a step's words (plane 0 if planar, else value 8w)."""
+    """[GROUPS, 4] pointers at the activations of a step's words: word w of plane 0 where X_PLANE > 0 (act
+    between the kernels, as float32 planes), else value 8w (x in order)."""
     offs_w = tl.arange(0, GROUPS)[:, None] * 4 + tl.arange(0, 4)[None, :]
     return X + (offs_w if X_PLANE else 8 * offs_w)
 
 
 @triton.jit
 def _up_fp4_words_kernel(X, W, WS, Act, Ids, N, K, top_k, limit, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
-                         stride_am, ACT_PLANE: tl.constexpr, ACT_DTYPE: tl.constexpr, X_PLANE: tl.constexpr,
-                         GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
-    """`_up_fp4_kernel` over 32-bit words of codes (`mxfp4.fp4_gemv_words`, gate and up rows sharing the
-    activations); x in order, or float32 planes (X_PLANE); writes act as float32 planes ACT_PLANE apart
-    (value n at plane n % 8, word n // 8) for the down kernel, its values rounded to ACT_DTYPE (x's) first."""
+                         stride_am, ACT_PLANE: tl.constexpr, ACT_DTYPE: tl.constexpr, GROUPS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+    """One program per (token, k) pair and BLOCK_N outputs: SiLU(min(gate, l)) * clamp(up, -l, l) of its
+    expert's packed w13 (gate rows [0, N), up rows [N, 2N)), read as 32-bit words of codes
+    (`mxfp4.fp4_gemv_words`, gate and up rows sharing the activations); x in order; writes act as float32
+    planes ACT_PLANE apart (value n at plane n % 8, word n // 8) for the down kernel, its values rounded
+    to ACT_DTYPE (x's) first."""
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(Ids + pair).to(tl.int64)
     offs_n, mask_n, gate_ptrs, gate_scales = _fp4_words(W, WS, expert, pid_n * BLOCK_N, N, stride_we, stride_wn,
                                                         stride_se, stride_sn, GROUPS, BLOCK_N)
-    x = _x_words(X + (pair // top_k) * stride_xm, X_PLANE, GROUPS)
+    x = _x_words(X + (pair // top_k) * stride_xm, 0, GROUPS)
     gate, up = fp4_gemv_words(gate_ptrs, gate_scales, mask_n, gate_ptrs + N * stride_wn, gate_scales + N * stride_sn,
-                              mask_n, x, K, X_PLANE, GROUPS, BLOCK_N, EVEN, ASM)
+                              mask_n, x, K, 0, GROUPS, BLOCK_N, EVEN, ASM)
     gate = tl.minimum(gate, limit)
     up = tl.maximum(tl.minimum(up, limit), -limit)
     out = (gate / (1.0 + tl.exp(-gate)) * up).to(ACT_DTYPE).to(tl.float32)
@@ -318,8 +273,8 @@ def _up_fp4_words_kernel(X, W, WS, Act, Ids, N, K, top_k, limit, stride_xm, stri
 def _down_fp4_words_kernel(Act, W, WS, Out, Weights, Ids, N, K, stride_am, stride_we, stride_wn, stride_se, stride_sn,
                            stride_om, ACT_PLANE: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
                            EVEN: tl.constexpr, ASM: tl.constexpr):
-    """`_down_fp4_kernel` over 32-bit words for 2 * BLOCK_N outputs a program (two blocks sharing act's
-    loads), act read as the up kernel's float32 planes."""
+    """One program per pair and 2 * BLOCK_N outputs (two blocks sharing act's loads): weight * (act W_down
+    of its expert), the codes read as 32-bit words, act as the up kernel's float32 planes."""
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(Ids + pair).to(tl.int64)
     offs_a, mask_a, wa, sa = _fp4_words(W, WS, expert, pid_n * 2 * BLOCK_N, N, stride_we, stride_wn, stride_se,
@@ -353,7 +308,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
              block: tuple[int, int] | None = None, shared: SharedExperts | None = None,
              config: tuple[int, int, int] | None = None, swiglu_limit: float | None = None,
-             fp4_decode: str | None = None, planar_x: bool | None = None, sum_slots: bool = True,
+             fp4_decode: str | None = None, sum_slots: bool = True,
              dot: bool | None = None) -> torch.Tensor:
     """`fused_moe.fused_experts`'s contract, plus the shared experts' output when `shared` is given;
     meant for T * top_k up to a few dozen pairs. `config`: (BLOCK_N, K groups per step, num_warps); a
@@ -361,12 +316,10 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     SiLU(min(gate, l)) * clamp(up, -l, l) (DeepSeek-V4). MXFP4 experts: w13 / w2 the packed codes
     [E, 2I, H / 2] / [E, H, I / 2] (int8 or uint8), w13_scale / w2_scale their E8M0 scales [E, 2I, H / 32]
     / [E, H, I / 32], no block, no shared experts; config (BLOCK_N, groups of 32 per step, num_warps);
-    `fp4_decode` one of FP4_DECODES (None: FP4_DECODE; "asm" runs as "words" under the interpreter),
-    `planar_x` (words and asm;
-    None: FP4_PLANAR_X) lays x out as float32 planes first (contiguous activation reads in the up kernel,
-    one launch more). sum_slots=False (bf16 and FP8 experts; MXFP4 ones always sum): the token's slots
-    come back unsummed, [T, top_k (+ shared pieces), H] in x's dtype, for a consumer that sums them as
-    it reads them (`rms_norm`); each slot is already weighted.
+    `fp4_decode` one of FP4_DECODES (None: FP4_DECODE; "asm" runs as "words" under the interpreter).
+    sum_slots=False (bf16 and FP8 experts; MXFP4 ones always sum): the token's slots come back unsummed,
+    [T, top_k (+ shared pieces), H] in x's dtype, for a consumer that sums them as it reads them
+    (`rms_norm`); each slot is already weighted.
     Under programmatic dependent launch the shared experts' programs read x before the kernel ahead has
     finished (`SHARED_EARLY`): x must not be that kernel's output (in a MoE layer the router runs between
     the norm that makes x and the experts). `dot` (FP8 experts whose hidden and width are whole K groups; None:
@@ -376,7 +329,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     if is_mxfp4(w13):
         check(shared is None, "MXFP4 experts take no shared experts (V4 keeps them FP8, run apart)")
         return _moe_gemv_fp4(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, config, swiglu_limit,
-                             fp4_decode or FP4_DECODE, FP4_PLANAR_X if planar_x is None else planar_x)
+                             fp4_decode or FP4_DECODE)
     num_tokens, hidden = x.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     check(w13.shape == (num_experts, 2 * inter, hidden) and w2.shape == (num_experts, hidden, inter)
@@ -451,8 +404,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
 
 def _moe_gemv_fp4(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
-                  config: tuple[int, int, int] | None, swiglu_limit: float | None, decode: str,
-                  planar_x: bool) -> torch.Tensor:
+                  config: tuple[int, int, int] | None, swiglu_limit: float | None, decode: str) -> torch.Tensor:
     num_tokens, hidden = x.shape
     num_experts, two_inter = w13.shape[0], w13.shape[1]
     inter = two_inter // 2
@@ -468,43 +420,25 @@ def _moe_gemv_fp4(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     num_pairs = num_tokens * top_k
     block_n, groups, warps = config or (FP4_INTERPRETED_CONFIG if interpreted(x) else FP4_CONFIG[decode])
     ids = topk_ids.int()
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     partial = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
-    if decode == "bytes":
-        w13, w2, s13, s2 = (as_bytes(t) for t in (w13, w2, w13_scale, w2_scale))
-        _up_fp4_kernel[(num_pairs, triton.cdiv(inter, block_n))](
-            x, w13, s13, act, ids, inter, hidden, top_k, limit, x.stride(0), w13.stride(0), w13.stride(1),
-            s13.stride(0), s13.stride(1), act.stride(0), GROUPS=groups, BLOCK_N=block_n, num_warps=warps)
-        _down_fp4_kernel[(num_pairs, triton.cdiv(hidden, block_n))](
-            act, w2, s2, partial, topk_weights, ids, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
-            s2.stride(0), s2.stride(1), partial.stride(0), GROUPS=groups, BLOCK_N=block_n, num_warps=warps)
-    else:
-        w13, w2, s13, s2 = as_words(w13), as_words(w2), as_bytes(w13_scale), as_bytes(w2_scale)
-        # act between the kernels as float32 planes (value n at plane n % 8, word n // 8), each padded to
-        # 16 elements so that a plane's loads are aligned
-        act_plane = triton.cdiv(inter // 8, 16) * 16
-        act = torch.empty(num_pairs, 8 * act_plane, dtype=torch.float32, device=x.device)
-        x_plane = triton.cdiv(hidden // 8, 16) * 16
-        if planar_x:  # [T, 8, H / 8] float32: plane k holds x[:, 8j + k]
-            x_in = torch.zeros(num_tokens, 8, x_plane, dtype=torch.float32, device=x.device)
-            x_in[:, :, :hidden // 8] = x.view(num_tokens, hidden // 8, 8).transpose(1, 2)
-            x_in = x_in.view(num_tokens, 8 * x_plane)
-        else:
-            x_in = x
-        asm = decode == "asm" and not interpreted(x)  # the interpreter runs no PTX: the same decode in Triton
-        steps = groups * 32  # K of a step: masks go where a shape leaves a remainder
-        even13 = hidden % steps == 0 and inter % block_n == 0
-        even2 = inter % steps == 0 and hidden % (2 * block_n) == 0
-        _up_fp4_words_kernel[(num_pairs, triton.cdiv(inter, block_n))](
-            x_in, w13, s13, act, ids, inter, hidden, top_k, limit, x_in.stride(0), w13.stride(0), w13.stride(1),
-            s13.stride(0), s13.stride(1), act.stride(0), ACT_PLANE=act_plane, ACT_DTYPE=TL_DTYPES[x.dtype],
-            X_PLANE=x_plane if planar_x else 0, GROUPS=groups, BLOCK_N=block_n, EVEN=even13, ASM=asm,
-            num_warps=warps)
-        _down_fp4_words_kernel[(num_pairs, triton.cdiv(hidden, 2 * block_n))](
-            act, w2, s2, partial, topk_weights, ids, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
-            s2.stride(0), s2.stride(1), partial.stride(0), ACT_PLANE=act_plane, GROUPS=groups, BLOCK_N=block_n,
-            EVEN=even2, ASM=asm, num_warps=warps)
+    w13, w2, s13, s2 = as_words(w13), as_words(w2), as_bytes(w13_scale), as_bytes(w2_scale)
+    # act between the kernels as float32 planes (value n at plane n % 8, word n // 8), each padded to
+    # 16 elements so that a plane's loads are aligned
+    act_plane = triton.cdiv(inter // 8, 16) * 16
+    act = torch.empty(num_pairs, 8 * act_plane, dtype=torch.float32, device=x.device)
+    asm = decode == "asm" and not interpreted(x)  # the interpreter runs no PTX: the same decode in Triton
+    steps = groups * 32  # K of a step: masks go where a shape leaves a remainder
+    even13 = hidden % steps == 0 and inter % block_n == 0
+    even2 = inter % steps == 0 and hidden % (2 * block_n) == 0
+    _up_fp4_words_kernel[(num_pairs, triton.cdiv(inter, block_n))](
+        x, w13, s13, act, ids, inter, hidden, top_k, limit, x.stride(0), w13.stride(0), w13.stride(1),
+        s13.stride(0), s13.stride(1), act.stride(0), ACT_PLANE=act_plane, ACT_DTYPE=TL_DTYPES[x.dtype],
+        GROUPS=groups, BLOCK_N=block_n, EVEN=even13, ASM=asm, num_warps=warps)
+    _down_fp4_words_kernel[(num_pairs, triton.cdiv(hidden, 2 * block_n))](
+        act, w2, s2, partial, topk_weights, ids, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
+        s2.stride(0), s2.stride(1), partial.stride(0), ACT_PLANE=act_plane, GROUPS=groups, BLOCK_N=block_n,
+        EVEN=even2, ASM=asm, num_warps=warps)
     out = torch.empty_like(x)
     sum_block = 256
     _sum_kernel[(num_tokens, triton.cdiv(hidden, sum_block))](partial, out, hidden, top_k, partial.stride(0),

@@ -10,14 +10,16 @@ bit 15) make the float16 code_value * 2^-14, exactly (code 1, 0.5, lands on the 
 2^14 goes into the scale, built as float32 bits ((b + 14) << 23). Every value and scale is exact, so
 the products are the dequantized weight's.
 
-That decode costs several instructions per value (mask, shift, or, convert), one byte at a time; the
-GEMV of a token's experts is bound by them, not by its bytes. `fp4_gemv_words` reads the codes as 32-bit
-words of 8 and decodes two values at once: a word shifted so that nibbles k and k + 4 sit at the top of
-its two 16-bit halves gives, with one mask of the signs and one of the magnitudes moved down three bits,
-two float16 lanes (value * 2^-14 each, as above) in four integer operations; each lane widens to float32
-in one instruction. Its activations are read as 8 planes (plane k holds values 8j + k), contiguous in j
-when the caller lays them out so. The same decode in inline PTX (`e2m1_words_asm`, `lop3` and `cvt`) runs
-on the GPU only: the interpreter cannot run PTX, and takes the Triton form.
+That decode costs several instructions per value (mask, shift, or, convert), one code at a time: the
+GEMV of a token's experts decoding so was bound by them, not by its bytes (88.9 us a token against 58.5
+for the word decode in PTX on an H200, docs/perf.md; since removed). `fp4_gemv_words` reads the codes as
+32-bit words of 8 and decodes two values at once: a word shifted so that nibbles k and k + 4 sit at the
+top of its two 16-bit halves gives, with one mask of the signs and one of the magnitudes moved down three
+bits, two float16 lanes (value * 2^-14 each, as above) in four integer operations; each lane widens to
+float32 in one instruction. Its activations are read in order or as 8 planes (plane k holds values
+8j + k), contiguous in j when the caller lays them out so. The same decode in inline PTX
+(`e2m1_words_asm`, `lop3` and `cvt`) runs on the GPU only: the interpreter cannot run PTX, and takes the
+Triton form.
 """
 
 import torch
@@ -158,25 +160,6 @@ def fp4_gemv_words(wa_ptrs, sa_ptrs, mask_a, wb_ptrs, sb_ptrs, mask_b, x_ptrs, K
 
 
 @triton.jit
-def fp4_gemv_rows(w_ptrs, s_ptrs, x_ptr, mask_n, K, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """sum_k w[n, k] x[k] over K for a program's BLOCK_N packed rows -> [BLOCK_N] float32.
-    w_ptrs [BLOCK_N, GROUPS, 16]: each row's byte g * 16 + j (values 2j, 2j + 1 of group g); s_ptrs
-    [BLOCK_N, GROUPS]: each row's scale byte g; x_ptr: x[0]. K is a multiple of 32. Products accumulate
-    elementwise and are reduced once at the end, as `gemv.gemv_rows` does."""
-    offs_g = tl.arange(0, GROUPS)
-    offs_b = offs_g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [GROUPS, 16] bytes of a step
-    acc = tl.zeros([BLOCK_N, GROUPS, 16], tl.float32)
-    for k0 in range(0, K, GROUPS * 32):
-        mask_g = offs_g * 32 < K - k0
-        codes = tl.load(w_ptrs + k0 // 2, mask=mask_n[:, None, None] & mask_g[None, :, None], other=0)
-        scale = e8m0(tl.load(s_ptrs + k0 // 32, mask=mask_n[:, None] & mask_g[None, :], other=0))
-        even = tl.load(x_ptr + k0 + 2 * offs_b, mask=mask_g[:, None], other=0.0).to(tl.float32)
-        odd = tl.load(x_ptr + k0 + 2 * offs_b + 1, mask=mask_g[:, None], other=0.0).to(tl.float32)
-        acc += (e2m1(codes & 15) * even[None, :, :] + e2m1(codes >> 4) * odd[None, :, :]) * scale[:, :, None]
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
-
-
-@triton.jit
 def _dequant_kernel(C, S, Out, num_bytes, BLOCK: tl.constexpr):
     """One program per BLOCK bytes of the flat codes (rows are whole groups: byte i's scale is i // 16):
     both codes of each byte, scaled, into the output's values 2i and 2i + 1, joined in registers so the
@@ -206,10 +189,10 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 
 
 @triton.jit
-def _gemv_kernel(X, W, WS, Out, N, K, stride_xm, stride_wn, stride_sn, stride_om, WORDS: tl.constexpr,
-                 GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+def _gemv_kernel(X, W, WS, Out, N, K, stride_xm, stride_wn, stride_sn, stride_om, GROUPS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
     """One program per (row of x, 2 * BLOCK_N outputs): Out[m, n] = sum_k x[m, k] w[n, k], the codes
-    decoded as words (`fp4_gemv_words`, activations in order) or bytes (`fp4_gemv_rows`)."""
+    decoded as words (`fp4_gemv_words`, activations in order)."""
     m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_g = tl.arange(0, GROUPS)
     x = X + m * stride_xm
@@ -217,36 +200,30 @@ def _gemv_kernel(X, W, WS, Out, N, K, stride_xm, stride_wn, stride_sn, stride_om
         offs_n = (2 * pid_n + half) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = offs_n.to(tl.int64)
         s_ptrs = WS + rows[:, None] * stride_sn + offs_g[None, :]
-        if WORDS:
-            offs_w = offs_g[:, None] * 4 + tl.arange(0, 4)[None, :]
-            w_ptrs = W + rows[:, None, None] * stride_wn + offs_w[None, :, :]
-            # the second block is masked off: a program's rows here are one block at a time
-            y, _ = fp4_gemv_words(w_ptrs, s_ptrs, offs_n < N, w_ptrs, s_ptrs, offs_n < 0, x + 8 * offs_w, K, 0,
-                                  GROUPS, BLOCK_N, False, ASM)
-        else:
-            offs_b = offs_g[:, None] * 16 + tl.arange(0, 16)[None, :]
-            w_ptrs = W + rows[:, None, None] * stride_wn + offs_b[None, :, :]
-            y = fp4_gemv_rows(w_ptrs, s_ptrs, x, offs_n < N, K, GROUPS, BLOCK_N)
+        offs_w = offs_g[:, None] * 4 + tl.arange(0, 4)[None, :]
+        w_ptrs = W + rows[:, None, None] * stride_wn + offs_w[None, :, :]
+        # the second block is masked off: a program's rows here are one block at a time
+        y, _ = fp4_gemv_words(w_ptrs, s_ptrs, offs_n < N, w_ptrs, s_ptrs, offs_n < 0, x + 8 * offs_w, K, 0,
+                              GROUPS, BLOCK_N, False, ASM)
         tl.store(Out + m * stride_om + offs_n, y.to(Out.dtype.element_ty), mask=offs_n < N)
 
 
 def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, decode: str = "words",
          config: tuple[int, int, int] = (8, 16, 4)) -> torch.Tensor:
     """x [M, K] @ w.T for one MXFP4 matrix w (codes [N, K / 2], E8M0 scale [N, K / 32]) -> [M, N] in x's
-    dtype: the experts' row kernels on a single matrix, for their tests.
-    decode "words", "asm" (the same in inline PTX; "words" under the interpreter, which runs no PTX) or
-    "bytes" (scales up to 2^113: b <= 240); config (BLOCK_N, groups of 32 per step, num_warps)."""
+    dtype: the experts' word loop on a single matrix, for their tests.
+    decode "words" or "asm" (the same in inline PTX; "words" under the interpreter, which runs no PTX);
+    config (BLOCK_N, groups of 32 per step, num_warps)."""
     n, half = codes.shape
     check(x.dim() == 2 and x.shape[1] == 2 * half and x.stride(-1) == 1, f"x must be [M, {2 * half}], contiguous rows")
     check_mxfp4("w", codes[None], scale[None] if scale is not None else None, n, 2 * half)
-    check(decode in ("words", "asm", "bytes"), f"decode must be words, asm or bytes, got {decode!r}")
+    check(decode in ("words", "asm"), f"decode must be words or asm, got {decode!r}")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     block_n, groups, warps = config
-    words = decode != "bytes"
-    w = as_words(codes) if words else as_bytes(codes)
+    w = as_words(codes)
     _gemv_kernel[(x.shape[0], triton.cdiv(n, 2 * block_n))](
         x, w, as_bytes(scale), out, n, 2 * half, x.stride(0), w.stride(0), scale.stride(0), out.stride(0),
-        WORDS=words, GROUPS=groups, BLOCK_N=block_n, EVEN=False, ASM=decode == "asm" and not interpreted(x),
+        GROUPS=groups, BLOCK_N=block_n, EVEN=False, ASM=decode == "asm" and not interpreted(x),
         num_warps=warps)
     return out
 

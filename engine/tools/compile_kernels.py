@@ -232,10 +232,9 @@ def launch_v4_weights() -> None:
     for tokens in (1, 8, 64, 4096):
         x, weights = _empty(tokens, hidden), _empty(tokens, top_k, dtype=f32)
         ids = (torch.arange(tokens * top_k, dtype=torch.int32) % 16).view(tokens, top_k)
-        if tokens <= 8:  # every decode of the codes (the inline PTX's included), x in order and as planes
-            for decode, planar_x in (("bytes", False), ("words", False), ("words", True), ("asm", False),
-                                     ("asm", True)):
-                moe_gemv(x, w13, w2, weights, ids, s13, s2, swiglu_limit=10.0, fp4_decode=decode, planar_x=planar_x)
+        if tokens <= 8:  # every decode of the codes (the inline PTX's included)
+            for decode in ("words", "asm"):
+                moe_gemv(x, w13, w2, weights, ids, s13, s2, swiglu_limit=10.0, fp4_decode=decode)
         fused_experts(x, w13, w2, weights, ids, s13, s2, swiglu_limit=10.0)
         if tokens >= 64:  # the codes and scales through tl.dot_scaled (a benchmark variant)
             fused_experts(x, w13, w2, weights, ids, s13, s2, swiglu_limit=10.0, fp4_dot_scaled=True)

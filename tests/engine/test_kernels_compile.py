@@ -15,8 +15,7 @@ KERNELS = {"_rms_norm_kernel", "_latent_write_kernel", "_write_absorb_kernel", "
            "_chunk_count_kernel", "_chunk_place_kernel",
            "_block_gemm_tma_kernel", "_moe_gemm_tma_kernel",
            "_dual_pool_kernel", "_sink_merge_kernel", "_indexer_kernel", "_compress_decode_kernel",
-           "_norm_rope_kernel", "_hc_mix_kernel", "_up_fp4_kernel", "_down_fp4_kernel", "_up_fp4_words_kernel",
-           "_down_fp4_words_kernel",
+           "_norm_rope_kernel", "_hc_mix_kernel", "_up_fp4_words_kernel", "_down_fp4_words_kernel",
            "_dequant_kernel", "_greedy_kernel", "_decode_rows_kernel", "_accept_kernel", "_advance_kernel",
            "_noise_keys_kernel", "_nucleus_split_kernel", "_draw_finish_kernel", "_ws_prefill_kernel",
            "_ws_moe_gemm_kernel", "_tma_decode_kernel", "_fp8_decode_kernel", "_dot_kernel"}
