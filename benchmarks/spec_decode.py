@@ -1,7 +1,7 @@
 """Speculative decoding with the MTP layer: what it buys a stream, and what verifying k drafts costs.
 
     python benchmarks/spec_decode.py [--model deepseek-tiny] [--k 1,2,3] [--streams 1,4,16]
-                                     [--presets v2-lite,v3-slice] [--no-projection-dot] [--grouped-dot]
+                                     [--presets v2-lite,v3-slice] [--no-projection-dot] [--no-grouped-dot]
                                      [--out results.json]
 
 1. A real checkpoint with a trained MTP layer (deepseek-tiny by default): greedy chat answers, or
@@ -58,8 +58,9 @@ def parse_args() -> argparse.Namespace:
                    help="draft at every batch size (by default a GPU measures where drafting pays at start)")
     p.add_argument("--no-projection-dot", dest="projection_dot", action="store_false",
                    help="FP8 projections of 2-16 rows by the FP8 GEMM, not the tensor-core GEMV (kernels.gemv.DOT)")
-    p.add_argument("--grouped-dot", action="store_true",
-                   help="and V4's block-diagonal wo_a in one tensor-core GEMV launch (kernels.gemv.DOT_GROUPS)")
+    p.add_argument("--no-grouped-dot", dest="grouped_dot", action="store_false",
+                   help="V4's block-diagonal wo_a by an FP8 GEMM a group, not one tensor-core GEMV launch "
+                        "(kernels.gemv.DOT_GROUPS)")
     p.add_argument("--out")
     return p.parse_args()
 

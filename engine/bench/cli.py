@@ -71,9 +71,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-projection-dot", dest="projection_dot", action="store_false",
                    help="FP8 projections of 2-16 rows by the FP8 GEMM, not the GEMV with its products on the tensor "
                         "cores (one read of the weight for every row), to measure what that gives")
-    p.add_argument("--grouped-dot", action="store_true",
-                   help="FP8 block-diagonal projections (DeepSeek-V4's wo_a) of 2-16 rows as one tensor-core GEMV "
-                        "launch, not a GEMM a group, to measure it")
+    p.add_argument("--no-grouped-dot", dest="grouped_dot", action="store_false",
+                   help="FP8 block-diagonal projections (DeepSeek-V4's wo_a) of 2-16 rows by an FP8 GEMM a group, not "
+                        "one tensor-core GEMV launch for all, to measure what that gives")
     p.add_argument("--no-pdl", dest="pdl", action="store_false",
                    help="kernels without programmatic dependent launch (Hopper+), to measure what it gives")
     p.add_argument("--seed", type=int, default=0)

@@ -56,7 +56,7 @@ class BenchOptions:
     shared_early: bool = True
     expert_dot: bool = False  # FP8 experts' GEMVs with their products on the tensor cores (kernels.moe_gemv.DOT)
     projection_dot: bool = True  # FP8 projections of 2-16 rows the same way, every row in one pass (kernels.gemv.DOT)
-    grouped_dot: bool = False  # and the block-diagonal ones (V4's wo_a) in one launch (kernels.gemv.DOT_GROUPS)
+    grouped_dot: bool = True  # and the block-diagonal ones (V4's wo_a) in one launch (kernels.gemv.DOT_GROUPS)
     seed: int = 0
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False

@@ -58,7 +58,7 @@ def test_bench_takes_the_fp8_latent_cache_and_counts_its_bytes(tmp_path):
         rc = main(["bench", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prompt-lens", "32",
                    "--concurrency", "1", "--decode-context", "64", "--decode-steps", "2", "--repeats", "1",
                    "--kv-cache-dtype", dtype, "--no-pdl", "--no-gluon", "--no-fold-chunks",
-                   "--no-shared-early", "--expert-dot", "--no-projection-dot", "--grouped-dot",
+                   "--no-shared-early", "--expert-dot", "--no-projection-dot", "--no-grouped-dot",
                    "--out", str(tmp_path / dtype)])
         assert rc == 0
         result = json.loads((tmp_path / dtype / "tiny.json").read_text())
@@ -72,11 +72,11 @@ def test_bench_takes_the_fp8_latent_cache_and_counts_its_bytes(tmp_path):
     from engine.layers import attention
 
     # a run's --no-pdl does not outlive it, nor its --no-gluon, --no-fold-chunks, --no-shared-early,
-    # --expert-dot, --no-projection-dot or --grouped-dot
+    # --expert-dot, --no-projection-dot or --no-grouped-dot
     assert _util.PDL
     assert mla_prefill.GLUON and fused_moe.GLUON and mla_decode.GLUON
     assert attention.FOLD_CHUNKS
-    assert moe_gemv.SHARED_EARLY and not moe_gemv.DOT and gemv.DOT and not gemv.DOT_GROUPS
+    assert moe_gemv.SHARED_EARLY and not moe_gemv.DOT and gemv.DOT and gemv.DOT_GROUPS
     cfg = ModelConfig.from_hf(preset_config("tiny"))
     # the same weights; per token and layer the cache's own bytes: float32 rows against e4m3 sections
     token_bytes = FP8LatentLayout(cfg.kv_lora_rank, cfg.qk_rope_head_dim, torch.float32).token_bytes
