@@ -2,6 +2,7 @@
 
 import datetime
 import gc
+import importlib
 import json
 import logging
 import subprocess
@@ -89,26 +90,30 @@ def _summary(phases: dict, field_name: str) -> dict:
     return {k: v.get(field_name) for k, v in phases.items()}
 
 
+# each switch of BenchOptions -> the module flags it sets for one run (restored after it)
+SWITCHES = {
+    "pdl": ("engine.kernels._util.PDL",),
+    "gluon": ("engine.kernels.mla_prefill.GLUON", "engine.kernels.fused_moe.GLUON", "engine.kernels.mla_decode.GLUON"),
+    "fold_chunks": ("engine.layers.attention.FOLD_CHUNKS",),
+    "shared_early": ("engine.kernels.moe_gemv.SHARED_EARLY",),
+    "expert_dot": ("engine.kernels.moe_gemv.DOT",),
+    "projection_dot": ("engine.kernels.gemv.DOT",),
+    "grouped_dot": ("engine.kernels.gemv.DOT_GROUPS",),
+}
+
+
 def run(opts: BenchOptions) -> dict:
     """-> the results dict (also written to opts.out_dir as <preset>.json and .png)."""
-    from engine.kernels import _util, fused_moe, gemv, mla_decode, mla_prefill, moe_gemv
-    from engine.layers import attention
-
-    before, _util.PDL = _util.PDL, opts.pdl
-    gluon_before = mla_prefill.GLUON, fused_moe.GLUON, mla_decode.GLUON
-    fold_before = attention.FOLD_CHUNKS
-    gemvs_before = moe_gemv.SHARED_EARLY, moe_gemv.DOT, gemv.DOT, gemv.DOT_GROUPS
-    mla_prefill.GLUON = fused_moe.GLUON = mla_decode.GLUON = opts.gluon
-    attention.FOLD_CHUNKS = opts.fold_chunks
-    moe_gemv.SHARED_EARLY, moe_gemv.DOT, gemv.DOT = opts.shared_early, opts.expert_dot, opts.projection_dot
-    gemv.DOT_GROUPS = opts.grouped_dot
+    flags = [(importlib.import_module(module), name, getattr(opts, option))
+             for option, paths in SWITCHES.items() for module, name in (path.rsplit(".", 1) for path in paths)]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in flags]
+    for module, name, value in flags:
+        setattr(module, name, value)
     try:
         return _run(opts)
     finally:
-        _util.PDL = before
-        mla_prefill.GLUON, fused_moe.GLUON, mla_decode.GLUON = gluon_before
-        attention.FOLD_CHUNKS = fold_before
-        moe_gemv.SHARED_EARLY, moe_gemv.DOT, gemv.DOT, gemv.DOT_GROUPS = gemvs_before
+        for module, name, value in saved:
+            setattr(module, name, value)
         gc.unfreeze()
 
 
