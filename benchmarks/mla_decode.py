@@ -22,7 +22,9 @@ keeps the named ones); --page the cache's page size (64 by default; the engine's
 
 --queries-per-seq R times each batch's sequences with R query tokens each (a verification's k + 1 rows,
 row r seeing R - 1 - r tokens fewer than the last): as B x R separate rows, against the R rows folded
-into the heads (`queries_per_seq=R`, the cache read once a sequence); checked against each other first.
+into the heads (`queries_per_seq=R`, the cache read once a sequence) by the Gluon kernel where R x H fit
+one of its programs (`mla_decode_gluon.FOLDS` forced on) and by the Triton kernel; checked against the
+rows apart first.
 """
 
 import argparse
@@ -209,12 +211,15 @@ def measure(batch: int, context: int, heads: int, variants: dict, split_sweep: l
 
 
 def compare_and_time(runs: dict, caches: list, case: dict, n_bytes: float) -> tuple[list[dict], list[str]]:
-    """Two ways to the same output: checked against each other on the first cache copy (rel. error <
+    """Ways to the same output: each checked against the first on the first cache copy (rel. error <
     1e-2), then each graph-timed over every copy -> (rows, failures)."""
-    (name_a, run_a), (name_b, run_b) = runs.items()
-    a, b = run_a(caches[0]).float().flatten(), run_b(caches[0]).float().flatten()
-    err = ((a - b).norm() / b.norm()).item()
-    failures = [] if err < 1e-2 else [f"{name_b} {case}: rel err {err:.3g} to {name_a}"]
+    (name_a, run_a), *others = runs.items()
+    a = run_a(caches[0]).float().flatten()
+    failures = []
+    for name_b, run_b in others:
+        b = run_b(caches[0]).float().flatten()
+        err = ((a - b).norm() / b.norm()).item()
+        failures += [] if err < 1e-2 else [f"{name_b} {case}: rel err {err:.3g} to {name_a}"]
     rows = []
     for name, run in runs.items():
         sec = time_calls([lambda c=c, run=run: run(c) for c in caches])
@@ -225,7 +230,8 @@ def compare_and_time(runs: dict, caches: list, case: dict, n_bytes: float) -> tu
 
 
 def measure_fold(batch: int, context: int, heads: int, queries: int, kv: str = "bf16") -> tuple[list[dict], list[str]]:
-    """B sequences of R query tokens each: B x R separate rows against the rows folded into the heads."""
+    """B sequences of R query tokens each: B x R separate rows against the rows folded into the heads (on
+    Hopper by the Gluon kernel where R x H fit one program, and by the Triton kernel)."""
     n_bytes = batch * context * row_bytes(kv)
     copies = max(1, min(128, -(-(512 << 20) // n_bytes)))
     _, _, caches, tables, _ = make_case(batch, context, heads, copies, kv=kv)
@@ -236,10 +242,20 @@ def measure_fold(batch: int, context: int, heads: int, queries: int, kv: str = "
     tables = tables.repeat_interleave(queries, dim=0)
     lens = torch.tensor([context - queries + 1 + r for _ in range(batch) for r in range(queries)], dtype=torch.int32,
                         device="cuda")
+
+    def gluon_folded(c):  # the Gluon kernel's fold, whatever its switch says (R x H within one program)
+        saved, mla_decode_gluon.FOLDS = mla_decode_gluon.FOLDS, True
+        try:
+            return mla_decode_attention(q, q_pe, c, tables, lens, 0.1, queries_per_seq=queries)
+        finally:
+            mla_decode_gluon.FOLDS = saved
+
     runs = {
         f"{queries} rows apart": lambda c: mla_decode_attention(q, q_pe, c, tables, lens, 0.1),
-        f"{queries} rows folded": lambda c: mla_decode_attention(q, q_pe, c, tables, lens, 0.1,
-                                                                 queries_per_seq=queries),
+        f"{queries} rows folded": gluon_folded,
+        f"{queries} rows folded, Triton": lambda c: mla_decode_attention(q, q_pe, c, tables, lens, 0.1,
+                                                                         queries_per_seq=queries,
+                                                                         tiles=dict(gluon=False)),
     }
     return compare_and_time(runs, caches, dict(batch=batch, context=context, heads=heads, kv=kv), n_bytes)
 

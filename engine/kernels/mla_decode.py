@@ -16,9 +16,10 @@ last R query tokens (a verification's k + 1 rows) can be folded into the heads (
 one program's products then take R x H rows, each masked to the rows its token sees, and the
 sequence's cache is read once for all R instead of once a row.
 
-On Hopper, where `GLUON` is on, the split programs are `mla_decode_gluon`'s (up to 32 heads a program):
-the same slices and outputs, each tile loaded by warps of its own (TMA, or the FP8 rows decoded into
-shared memory) while a consumer warpgroup runs both products on wgmma.
+On Hopper, where `GLUON` is on, the split programs are `mla_decode_gluon`'s (up to 32 heads a program;
+folded query tokens' heads too, where its `FOLDS` is on): the same slices and outputs, each tile loaded
+by warps of its own (TMA, or the FP8 rows decoded into shared memory) while a consumer warpgroup runs both
+products on wgmma.
 
 Two regimes (measured on an H200, benchmarks/mla_decode.py): with a few sequences, one program per
 SM on eight warps, each streaming its tiles through a five-stage pipeline; from batch 5, two programs
@@ -437,7 +438,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: t
         mla_decode_gluon.split(q_latent, q_pe, kv_cache, (cache, cache_r, cache_s) if fp8 else None, block_tables,
                                last_lens, mid_o, mid_lse, out, num_splits, softmax_scale, direct, pdl=on,
                                fp8_loaders=cfg.get("gluon_loaders"), fp8_codes=cfg.get("gluon_codes"),
-                               l2_tiles=cfg.get("l2_tiles"))
+                               l2_tiles=cfg.get("l2_tiles"), queries_per_seq=queries_per_seq)
     else:
         _split_kernel[grid](q_latent, q_pe, cache, cache_r, cache_s, block_tables, last_lens, mid_o, mid_lse, out,
                             q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),

@@ -75,6 +75,11 @@ CODES_FROM_BATCH = 8
 # serves; staging codes (a tile's four chunks in flight), one 208, two 152, which leaves the consumer (two
 # score accumulators) 184.
 TMA_REGS, FP8_REGS = 40, {(False, 1): 208, (False, 2): 168, (True, 1): 208, (True, 2): 152}
+# a sequence's query tokens folded into one program's heads where all R x H fit (`applies`): two tokens of
+# 16 heads, one verified draft or a two-token chunk, read the cache once instead of as two rows. Off until
+# run on a card: compiled for sm_90 on the CPU only (the Triton kernel folds them meanwhile); the GPU test
+# and the timings that would switch it on are in docs/perf.md ("Two query tokens in one Gluon program")
+FOLDS = False
 # the queries' largest |value| in float16 once scaled by a power of two: 2^14, below 65504
 Q_RANGE = gl.constexpr(16384.0)
 
@@ -102,7 +107,7 @@ def _prefetch_l2(Base, nbytes, LINES: gl.constexpr):
 @gluon.jit
 def _ask_l2(Lens, Tables, C, R, b, s, num_splits, stride_tb, table_width, num_pages, stride_cb, stride_ct, stride_rb,
             stride_rt, C_BYTES: gl.constexpr, R_BYTES: gl.constexpr, TILES: gl.constexpr, PAGE: gl.constexpr,
-            LINES_C: gl.constexpr, LINES_R: gl.constexpr):
+            LINES_C: gl.constexpr, LINES_R: gl.constexpr, QROWS: gl.constexpr):
     """The slice's first TILES tiles asked of L2 before the program waits for the kernel ahead (the new
     token's latent write), as the Triton kernel does (`mla_decode._split_kernel`): in a decode graph the
     lengths, the tables and every cache row but the new token's were written launches back, and L2 is where
@@ -112,7 +117,7 @@ def _ask_l2(Lens, Tables, C, R, b, s, num_splits, stride_tb, table_width, num_pa
     work is sliced by the length read after the wait. A tile's rows a page at a time (C's: c_kv, or bf16
     rows whole; R's: an FP8 cache's k_pe, R_BYTES 0 where none)."""
     ROWS: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # a tile's rows within one page
-    start, end, n_tiles = _slice(gl.load(Lens + b), s, num_splits, BLOCK_N, MIN_CHUNK)
+    start, end, n_tiles = _slice(gl.load(Lens + b * QROWS), s, num_splits, BLOCK_N, MIN_CHUNK)
     for i in gl.static_range(TILES * (BLOCK_N // ROWS)):
         n0 = start + i * ROWS
         page = gl.load(Tables + b * stride_tb + n0 // PAGE, mask=(n0 < end) & (n0 // PAGE < table_width), other=0)
@@ -322,13 +327,19 @@ def _fp8_codes(ops, PAGE: gl.constexpr, STAGES: gl.constexpr, W: gl.constexpr, L
 # the consumer warpgroup
 # ---------------------------------------------------------------------------------------------------------
 @gluon.jit
-def _softmax(s, m_i, l_i, valid, scale_log2):
-    """Scores S^T [BLOCK_N, H] of one tile, `valid` its rows before the slice's end -> (P^T float32,
-    m, l, alpha), down each head's column. A slice's first tile has a valid row, so m is finite from it on."""
-    s = gl.where(valid[:, None], s * scale_log2, float("-inf"))
+def _softmax(s, m_i, l_i, valid, scale_log2, FOLD: gl.constexpr):
+    """Scores S^T [BLOCK_N, H] of one tile, `valid` its rows before the slice's end ([BLOCK_N, 1]; folded
+    query tokens: [BLOCK_N, H], each head's row seeing its own length) -> (P^T float32, m, l, alpha), down
+    each head's column. A slice's first tile has a valid row, so m is finite from it on; folded, a head
+    may see no row of a tile while m is still -inf (its token ends before the slice starts): then the max
+    subtracted is 0, so P and alpha are 0, not NaN."""
+    s = gl.where(valid, s * scale_log2, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=0))
-    p = gl.exp2(s - m_new[None, :])
-    alpha = gl.exp2(m_i - m_new)
+    m_use = m_new
+    if FOLD:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - m_use[None, :])
+    alpha = gl.exp2(m_i - m_use)
     return p, m_new, l_i * alpha + gl.sum(p, axis=0), alpha
 
 
@@ -380,8 +391,9 @@ def _load_queries(QL, QP, q_s, qp_s, b, hb, num_heads, stride_qlb, stride_qlh, s
 
 
 @gluon.jit
-def _consume(q_s, qp_s, kv_s, kp_s, p_s, sc_s, full, empty, start, n_tiles, end, scale_log2, q_mult, H: gl.constexpr,
-             STAGES: gl.constexpr, CODES: gl.constexpr):
+def _consume(q_s, qp_s, kv_s, kp_s, p_s, sc_s, full, empty, start, n_tiles, end, ctx, hb, scale_log2, q_mult,
+             H: gl.constexpr, STAGES: gl.constexpr, CODES: gl.constexpr, QROWS: gl.constexpr,
+             ROW_HEADS: gl.constexpr):
     """Every tile of the slice -> (O^T [512, H] unnormalized, m, l, the factor O is in units of),
     FlashAttention's online softmax over the transposed products. Per tile: wait for it, its scores, their
     softmax, O rescaled, P^T staged, its values product, then the stage released at once. Decode is bound
@@ -395,13 +407,19 @@ def _consume(q_s, qp_s, kv_s, kp_s, p_s, sc_s, full, empty, start, n_tiles, end,
     q) and its values' share of O is (p_n d_n) c_n: the latent product over the codes and the k_pe product
     (bf16) in two accumulators, the first scaled by d_n / q_mult, and P^T times d_n / d_ref in float16
     (d_ref the slice's first tile's largest scale, so the factors stay near 1 where float16 is exact to
-    11 bits; O comes out in units of d_ref)."""
+    11 bits; O comes out in units of d_ref).
+
+    QROWS > 1: a sequence's last QROWS query tokens folded into the heads (head m is token m // ROW_HEADS's
+    head m % ROW_HEADS; ctx the last token's length): token r sees QROWS - 1 - r rows fewer."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
     m_i = gl.full([H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
     l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(0, s_layout))
     s0 = gl.zeros([BLOCK_N, H], gl.float32, layout=s_layout)
     o = gl.zeros([KV_LORA, H], gl.float32, layout=s_layout)
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    if QROWS > 1:  # the rows each head's token sees in the slice, [1, H]
+        heads = hb * H + gl.arange(0, H, layout=gl.SliceLayout(0, s_layout))
+        seen = gl.minimum(ctx - (QROWS - 1 - heads // ROW_HEADS), end)[None, :]
     q_t, qp_t = q_s.permute((1, 0)), qp_s.permute((1, 0))  # [512, H], [64, H]
     d_ref = scale_log2 * 0.0 + 1.0  # a float32 scalar
     if CODES:
@@ -420,7 +438,12 @@ def _consume(q_s, qp_s, kv_s, kp_s, p_s, sc_s, full, empty, start, n_tiles, end,
         else:
             s = _issue_scores(kv_s, kp_s, stage, q_t, qp_t, s0)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start + j * BLOCK_N + rows < end, scale_log2)
+        n = start + j * BLOCK_N + rows
+        if QROWS > 1:
+            valid = n[:, None] < seen
+        else:
+            valid = (n < end)[:, None]
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, valid, scale_log2, QROWS > 1)
         o = o * alpha[None, :]  # the first tile's alpha is 0 (m was -inf), O still zeros
         if CODES:  # rows past the end: p = 0 and d = 0 (their loads masked)
             p = p * (d / d_ref)[:, None]
@@ -432,16 +455,17 @@ def _consume(q_s, qp_s, kv_s, kp_s, p_s, sc_s, full, empty, start, n_tiles, end,
 
 
 @gluon.jit
-def _consumer(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
-              LOADERS: gl.constexpr, CODES: gl.constexpr):
-    """The default partition (four warps): the queries, every tile, then the slice's output."""
+def _consumer(ops, ctx, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+              LOADERS: gl.constexpr, CODES: gl.constexpr, QROWS: gl.constexpr, ROW_HEADS: gl.constexpr):
+    """The default partition (four warps): the queries, every tile, then the slice's output (ctx: the
+    sequence's length, its last token's where QROWS tokens are folded into the heads)."""
     q_s, qp_s, kv_s, kp_s, p_s, sc_s, full, empty = ops[0]
     (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh, stride_qpb,
      stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits, scale_log2) = ops[2]
     q_mult = _load_queries(QL, QP, q_s, qp_s, b, hb, num_heads, stride_qlb, stride_qlh, stride_qpb, stride_qph, H,
                            CODES)
-    o, m_i, l_i, d_ref = _consume(q_s, qp_s, kv_s, kp_s, p_s, sc_s, full, empty, start, n_tiles, end, scale_log2,
-                                  q_mult, H, STAGES, CODES)
+    o, m_i, l_i, d_ref = _consume(q_s, qp_s, kv_s, kp_s, p_s, sc_s, full, empty, start, n_tiles, end, ctx, hb,
+                                  scale_log2, q_mult, H, STAGES, CODES, QROWS, ROW_HEADS)
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
     has = l_i > 0
     out = o * (d_ref / gl.where(has, l_i, 1.0))[None, :]
@@ -464,10 +488,13 @@ def _consumer(ops, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DI
 # the kernels: one program a (head block, slice, sequence), as `mla_decode._split_kernel`'s grid
 # ---------------------------------------------------------------------------------------------------------
 @gluon.jit
-def _program(Lens, num_splits):
+def _program(Lens, num_splits, QROWS: gl.constexpr):
+    """(head block, slice, sequence, the slice's start, end and tiles, the context); folded query tokens:
+    the lengths are each token's, the context its last's."""
     hb, s, b = gl.program_id(0), gl.program_id(1), gl.program_id(2)
-    start, end, n_tiles = _slice(gl.load(Lens + b), s, num_splits, BLOCK_N, MIN_CHUNK)
-    return hb, s, b, start, end, n_tiles
+    ctx = gl.load(Lens + b * QROWS)
+    start, end, n_tiles = _slice(ctx, s, num_splits, BLOCK_N, MIN_CHUNK)
+    return hb, s, b, start, end, n_tiles, ctx
 
 
 @gluon.jit
@@ -500,24 +527,27 @@ def _tma_decode_kernel(ckv_desc, kpe_desc, Rows, QL, QP, Tables, Lens, MidO, Mid
                        stride_qpb, stride_qph, stride_tb, table_width, num_pages, stride_mb, stride_mh, stride_ms,
                        stride_ob, stride_oh, num_heads, num_splits, scale_log2, H: gl.constexpr, PAGE: gl.constexpr,
                        STAGES: gl.constexpr, DIRECT: gl.constexpr, LOADER_REGS: gl.constexpr, PDL: gl.constexpr,
-                       L2_TILES: gl.constexpr, LINES_C: gl.constexpr):
+                       L2_TILES: gl.constexpr, LINES_C: gl.constexpr, QROWS: gl.constexpr = 1,
+                       ROW_HEADS: gl.constexpr = 1):
     """bf16 rows: the consumer warpgroup (the default partition) + the TMA warp. Rows: the cache's rows
-    [pages x PAGE, 576], which the descriptors describe (the prefetch's addresses)."""
+    [pages x PAGE, 576], which the descriptors describe (the prefetch's addresses). QROWS > 1: each
+    sequence's last QROWS query tokens folded into the heads, ROW_HEADS heads a token, the lengths a
+    token's (`mla_decode._split_kernel`'s fold)."""
     if L2_TILES > 0:
         W: gl.constexpr = KV_LORA + ROPE
         _ask_l2(Lens, Tables, Rows, Rows, gl.program_id(2), gl.program_id(1), num_splits, stride_tb, table_width,
-                num_pages, PAGE * W, W, 0, 0, 2, 0, L2_TILES, PAGE, LINES_C, 1)
+                num_pages, PAGE * W, W, 0, 0, 2, 0, L2_TILES, PAGE, LINES_C, 1, QROWS)
     wait_for_inputs(PDL)  # the lengths and queries are the kernel ahead's
-    hb, s, b, start, end, n_tiles = _program(Lens, num_splits)
+    hb, s, b, start, end, n_tiles, ctx = _program(Lens, num_splits, QROWS)
     ops = (_buffers(H, STAGES, 1, False), (ckv_desc, kpe_desc),
            (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh,
             stride_qpb, stride_qph, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits,
             scale_log2))
     if WS_LIST_FORM:
-        gl.warp_specialize([(_consumer, (ops, H, PAGE, STAGES, DIRECT, 1, False)),
+        gl.warp_specialize([(_consumer, (ops, ctx, H, PAGE, STAGES, DIRECT, 1, False, QROWS, ROW_HEADS)),
                             (_tma_loader, (ops, H, PAGE, STAGES, DIRECT, 1, False))], [1], [LOADER_REGS])
     else:
-        gl.warp_specialize((ops, H, PAGE, STAGES, DIRECT, 1, False), _consumer,
+        gl.warp_specialize((ops, ctx, H, PAGE, STAGES, DIRECT, 1, False, QROWS, ROW_HEADS), _consumer,
                            (ops, H, PAGE, STAGES, DIRECT, 1, False),
                            [_tma_loader], [1], [LOADER_REGS])
 
@@ -528,14 +558,15 @@ def _fp8_decode_kernel(Cache, CacheR, CacheS, QL, QP, Tables, Lens, MidO, MidLse
                        num_pages, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, num_heads, num_splits,
                        scale_log2, H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
                        LOADER_REGS: gl.constexpr, PDL: gl.constexpr, LOADERS: gl.constexpr, CODES: gl.constexpr,
-                       L2_TILES: gl.constexpr, LINES_C: gl.constexpr, LINES_R: gl.constexpr):
+                       L2_TILES: gl.constexpr, LINES_C: gl.constexpr, LINES_R: gl.constexpr,
+                       QROWS: gl.constexpr = 1, ROW_HEADS: gl.constexpr = 1):
     """FP8 rows: the consumer warpgroup (the default partition) + one or two loader warpgroups (staging the
-    codes with CODES, else decoded rows)."""
+    codes with CODES, else decoded rows); QROWS and ROW_HEADS as `_tma_decode_kernel`'s."""
     if L2_TILES > 0:
         _ask_l2(Lens, Tables, Cache, CacheR, gl.program_id(2), gl.program_id(1), num_splits, stride_tb, table_width,
-                num_pages, stride_cb, stride_ct, stride_rb, stride_rt, 1, 2, L2_TILES, PAGE, LINES_C, LINES_R)
+                num_pages, stride_cb, stride_ct, stride_rb, stride_rt, 1, 2, L2_TILES, PAGE, LINES_C, LINES_R, QROWS)
     wait_for_inputs(PDL)
-    hb, s, b, start, end, n_tiles = _program(Lens, num_splits)
+    hb, s, b, start, end, n_tiles, ctx = _program(Lens, num_splits, QROWS)
     ops = (_buffers(H, STAGES, LOADERS, CODES),
            (Cache, CacheR, CacheS, stride_cb, stride_ct, stride_rb, stride_rt, stride_sb),
            (QL, QP, Tables, MidO, MidLse, Out, b, hb, s, start, n_tiles, end, stride_tb, stride_qlb, stride_qlh,
@@ -543,20 +574,20 @@ def _fp8_decode_kernel(Cache, CacheR, CacheS, QL, QP, Tables, Lens, MidO, MidLse
             scale_log2))
     if LOADERS == 2:
         if WS_LIST_FORM:
-            gl.warp_specialize([(_consumer, (ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES)),
+            gl.warp_specialize([(_consumer, (ops, ctx, H, PAGE, STAGES, DIRECT, LOADERS, CODES, QROWS, ROW_HEADS)),
                                 (_fp8_loader0, (ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES)),
                                 (_fp8_loader1, (ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES))], [4, 4],
                                [LOADER_REGS, LOADER_REGS])
         else:
-            gl.warp_specialize((ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES), _consumer,
+            gl.warp_specialize((ops, ctx, H, PAGE, STAGES, DIRECT, LOADERS, CODES, QROWS, ROW_HEADS), _consumer,
                                (ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES), [_fp8_loader0, _fp8_loader1], [4, 4],
                                [LOADER_REGS, LOADER_REGS])
     else:
         if WS_LIST_FORM:
-            gl.warp_specialize([(_consumer, (ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES)),
+            gl.warp_specialize([(_consumer, (ops, ctx, H, PAGE, STAGES, DIRECT, LOADERS, CODES, QROWS, ROW_HEADS)),
                                 (_fp8_loader0, (ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES))], [4], [LOADER_REGS])
         else:
-            gl.warp_specialize((ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES), _consumer,
+            gl.warp_specialize((ops, ctx, H, PAGE, STAGES, DIRECT, LOADERS, CODES, QROWS, ROW_HEADS), _consumer,
                                (ops, H, PAGE, STAGES, DIRECT, LOADERS, CODES), [_fp8_loader0], [4], [LOADER_REGS])
 
 
@@ -588,10 +619,14 @@ def applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     """Whether the Gluon split kernel takes these operands: a Hopper GPU, bf16 queries, DeepSeek's latent
     widths, up to 32 heads a program (64 heads and more: the Triton kernel's 64-head tiles), pages of
     whole tiles or of 16 or 32 tokens, a cache TMA can describe (bf16 rows: contiguous, 16-byte aligned) or
-    an FP8 one, and one query token a sequence. A bf16 cache's rows past a context must be finite (TMA
-    reads them, a zero probability multiplies them): the engine's pool starts zeroed and holds latents."""
+    an FP8 one. Query tokens folded into the heads (q_latent [B, R x H, 512] as `mla_decode` folds them)
+    only where all R x H fit one program (R = 2 at 16 heads: one verified draft), so that the cache is
+    read once a sequence. A bf16 cache's rows past a context must be finite (TMA reads them, a zero
+    probability multiplies them): the engine's pool starts zeroed and holds latents."""
     t = q_latent
-    if not (t.is_cuda and _capability(t.device) == 9 and queries_per_seq == 1):  # cached: asked every decode call
+    if not (t.is_cuda and _capability(t.device) == 9):  # cached: asked every decode call
+        return False
+    if queries_per_seq > 1 and not (FOLDS and t.shape[1] <= MAX_HEADS):
         return False
     fp8 = kv_cache.dtype == torch.uint8
     return (t.dtype == torch.bfloat16 and q_pe.dtype == torch.bfloat16 and t.shape[2] == int(KV_LORA)
@@ -602,10 +637,12 @@ def applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
 
 def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mid_lse, out, num_splits,
           softmax_scale, direct: bool, pdl: bool = False, fp8_loaders: int | None = None,
-          fp8_codes: bool | None = None, l2_tiles: int | None = None):
+          fp8_codes: bool | None = None, l2_tiles: int | None = None, queries_per_seq: int = 1):
     """Launch the split kernel over [B, H, 512] / [B, H, 64] queries: the slices' partial outputs into mid_o
     [B, H, S, 512] and log-sum-exps into mid_lse [B, H, S] (base 2), or with `direct` (one slice) the
-    output into out [B, H, 512]. `views`: the FP8 cache's (c_kv, k_pe, scale) views, else None; pdl:
+    output into out [B, H, 512]. queries_per_seq R > 1: the H heads are R tokens' H / R each (folded as
+    `mla_decode_attention` folds them), context_lens each token's (a sequence's last at a stride of R).
+    `views`: the FP8 cache's (c_kv, k_pe, scale) views, else None; pdl:
     launched with programmatic dependent launch (the kernel waits for the one ahead before any read);
     fp8_loaders: the FP8 loader warpgroups (default FP8_LOADERS); fp8_codes: the FP8 rows staged as their
     codes or decoded (default: codes at 32 heads a program or from CODES_FROM_BATCH sequences); l2_tiles:
@@ -621,13 +658,14 @@ def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mi
                out.stride(0), out.stride(1), num_heads, num_splits, softmax_scale * 1.4426950408889634)
     piece = min(page, int(BLOCK_N))  # a tile's rows within one page (a TMA box, a prefetch)
     l2 = (mla_decode.L2_PREFETCH_TILES if l2_tiles is None else l2_tiles) if pdl else 0
+    fold = dict(QROWS=queries_per_seq, ROW_HEADS=num_heads // queries_per_seq) if queries_per_seq > 1 else {}
     if views is None:
         rows = kv_cache.view(-1, kv_cache.shape[2])  # [pages * page, 576]
         descs = (descriptor(rows, [piece, int(KV_LORA)]), descriptor(rows, [piece, int(ROPE)]))
         _tma_decode_kernel[grid](*descs, rows, *common, *strides, H=heads, PAGE=page, STAGES=STAGES, DIRECT=direct,
                                  LOADER_REGS=TMA_REGS, PDL=pdl, L2_TILES=l2,
-                                 LINES_C=prefetch_lines(page, rows.stride(0) * rows.element_size()), launch_pdl=pdl,
-                                 num_warps=4)
+                                 LINES_C=prefetch_lines(page, rows.stride(0) * rows.element_size()), **fold,
+                                 launch_pdl=pdl, num_warps=4)
     else:
         c_kv, k_pe, scale = views
         loaders = 1 if heads > 16 else fp8_loaders or FP8_LOADERS
@@ -636,5 +674,5 @@ def split(q_latent, q_pe, kv_cache, views, block_tables, context_lens, mid_o, mi
                                  k_pe.stride(1), scale.stride(0), *strides, H=heads, PAGE=page, STAGES=STAGES,
                                  DIRECT=direct, LOADER_REGS=FP8_REGS[codes, loaders], PDL=pdl, LOADERS=loaders,
                                  CODES=codes, L2_TILES=l2, LINES_C=prefetch_lines(page, c_kv.stride(1)),
-                                 LINES_R=prefetch_lines(page, k_pe.stride(1) * k_pe.element_size()), launch_pdl=pdl,
-                                 num_warps=4)
+                                 LINES_R=prefetch_lines(page, k_pe.stride(1) * k_pe.element_size()), **fold,
+                                 launch_pdl=pdl, num_warps=4)

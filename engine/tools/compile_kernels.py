@@ -349,21 +349,25 @@ def compile_gluon() -> list[dict]:
                   scale_log2="fp32")
     fp8 = dict(Cache="*fp8e4nv", CacheR="*bf16", CacheS="*fp32", **common,
                **dict.fromkeys(["stride_cb", "stride_ct", "stride_rb", "stride_rt", "stride_sb"], "i32"))
-    for heads, direct, page in ((16, False, 64), (16, True, 64), (32, False, 64), (16, False, 16)):
+    # (heads a program, one slice, page, query tokens folded: two tokens of 16 heads, one verified draft)
+    for heads, direct, page, qrows in ((16, False, 64, 1), (16, True, 64, 1), (32, False, 64, 1), (16, False, 16, 1),
+                                       (32, False, 16, 2)):
+        fold = dict(QROWS=qrows, ROW_HEADS=heads // qrows if qrows > 1 else 1)  # the launcher's defaults unfolded
         rows = min(page, int(d.BLOCK_N))
         tma = dict(ckv_desc=signature_of(descriptor(_empty(256, lora + rope), [rows, lora])),
                    kpe_desc=signature_of(descriptor(_empty(256, lora + rope), [rows, rope])), Rows="*bf16", **common)
         # in the decode chain: launched with programmatic dependent launch, as the engine does on Hopper, the
         # slice's first tiles asked of L2 before the wait (a piece's 128-byte lines: bf16 rows, c_kv, k_pe)
         l2 = dict(L2_TILES=L2_PREFETCH_TILES, LINES_C=d.prefetch_lines(page, 2 * (lora + rope)))
-        constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct, LOADER_REGS=d.TMA_REGS, PDL=True, **l2)
+        constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct, LOADER_REGS=d.TMA_REGS, PDL=True, **l2,
+                          **fold)
         builds.append((d._tma_decode_kernel, dict(tma, **dict.fromkeys(constexprs, "constexpr")), constexprs))
         # the FP8 rows by one loader warpgroup or two (at 16 heads), staged as codes or decoded
         for codes, loaders in itertools.product((True, False), (1, 2) if heads == 16 else (1,)):
             constexprs = dict(H=heads, PAGE=page, STAGES=d.STAGES, DIRECT=direct,
                               LOADER_REGS=d.FP8_REGS[codes, loaders], PDL=True, LOADERS=loaders, CODES=codes,
                               L2_TILES=L2_PREFETCH_TILES, LINES_C=d.prefetch_lines(page, lora),
-                              LINES_R=d.prefetch_lines(page, 2 * rope))
+                              LINES_R=d.prefetch_lines(page, 2 * rope), **fold)
             builds.append((d._fp8_decode_kernel, dict(fp8, **dict.fromkeys(constexprs, "constexpr")), constexprs))
     results = []
     for kernel, sig, constexprs in builds:

@@ -679,10 +679,11 @@ def test_gluon_expert_gemms_are_the_triton_kernels_math(monkeypatch):
     assert calls and rel_err(got, want) < 1e-3
 
 
-def test_gluon_decode_takes_only_what_it_is_built_for():
-    """Hopper, bf16 queries, DeepSeek's latent widths (512 + 64), up to 32 heads, pages of whole 64-token
-    tiles or of 16 or 32 tokens, bf16 rows or the FP8 cache, one query token a sequence; else the
-    Triton kernel."""
+def test_gluon_decode_takes_only_what_it_is_built_for(monkeypatch):
+    """Hopper, bf16 queries, DeepSeek's latent widths (512 + 64), up to 32 heads (folded query tokens'
+    heads counted), pages of whole 64-token tiles or of 16 or 32 tokens, bf16 rows or the FP8 cache; else
+    the Triton kernel."""
+    from engine.kernels import mla_decode_gluon
     from engine.kernels.mla_decode_gluon import applies
     from engine.layers.fp8_latent import FP8LatentLayout
 
@@ -692,7 +693,11 @@ def test_gluon_decode_takes_only_what_it_is_built_for():
     for page in (16, 32, 64, 128):
         assert applies(q(16, 512), q(16, 64), cache(page)) == hopper
     assert applies(q(32, 512), q(32, 64), FP8LatentLayout(512, 64, torch.bfloat16).quantize(cache(64))) == hopper
-    assert not applies(q(16, 512), q(16, 64), cache(64), queries_per_seq=2)
+    monkeypatch.setattr(mla_decode_gluon, "FOLDS", True)
+    assert applies(q(32, 512), q(32, 64), cache(16), queries_per_seq=2) == hopper  # two tokens' 16 heads
+    monkeypatch.setattr(mla_decode_gluon, "FOLDS", False)
+    assert not applies(q(32, 512), q(32, 64), cache(16), queries_per_seq=2)
+    assert not applies(q(48, 512), q(48, 64), cache(16), queries_per_seq=3)  # three tokens': over one program
     assert not applies(q(64, 512), q(64, 64), cache(64))  # 64 heads: the Triton kernel's 64-head tiles
     assert not applies(q(16, 512), q(16, 64), cache(8)) and not applies(q(16, 512), q(16, 64), cache(48))
     assert not applies(q(16, 512, torch.float32), q(16, 64, torch.float32), cache(64).float())
@@ -747,6 +752,47 @@ def test_gluon_decode_is_the_reference_and_the_triton_kernels_math(cache, heads,
         assert calls and rel_err(out, ref) < 1e-2 and rel_err(out, want) < 2e-3
     empty = torch.tensor(lens, device=DEV) == 0
     assert not out[empty].any()
+
+
+# contexts whose last slice holds only the last token (65, 129: the first token's heads see no row of that
+# slice), a sequence of two tokens, long ones over many slices; the engine's 16-token pages and 64-token ones;
+# one slice (the output written directly)
+@gpu
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("contexts,page,num_splits", [([2, 700, 4097, 20000], 16, None), ([65, 129, 3000], 64, 3),
+                                                      ([5000, 64], 64, 1)])
+def test_gluon_decode_folds_two_query_tokens_into_one_program(cache, contexts, page, num_splits, monkeypatch):
+    """A verified draft's two rows a sequence, 16 heads each, folded into one 32-head Gluon program a slice
+    (`queries_per_seq=2`: the cache read once for both): the Gluon kernel taken, each row within bf16 rounding
+    of the float32 reference (FP8: of the exact rows' attention, as its 32-head programs stage the codes) and
+    within 2e-3 of the rows unfolded; every element written."""
+    from engine.kernels import mla_decode_gluon
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is built for Hopper")
+    fp8 = cache == "fp8"
+    if fp8:
+        (_, _, kv, tables, lens), _ = _fp8_decode_case(contexts, heads=16, kv_lora=512, rope=64, page=page,
+                                                       dtype=torch.bfloat16, seed=51)
+    else:
+        _, _, kv, tables, lens = _decode_case(contexts, heads=16, kv_lora=512, rope=64, page=page, dtype=torch.bfloat16,
+                                              seed=51)
+    tables = tables.repeat_interleave(2, dim=0)
+    lens = torch.stack([lens - 1, lens], dim=1).flatten().int()  # each sequence's last two tokens
+    g = torch.Generator().manual_seed(52)
+    q = torch.randn(len(lens), 16, 512, generator=g).to(DEV, torch.bfloat16)
+    q_pe = torch.randn(len(lens), 16, 64, generator=g).to(DEV, torch.bfloat16)
+    args, scale = (q, q_pe, kv, tables, lens), 192**-0.5
+    ref = _exact_fp8_reference(*args, scale) if fp8 else reference_mla_decode_attention(*args, scale)
+    tiles = dict(gluon=True, gluon_codes=True) if fp8 else dict(gluon=True)  # unfolded rows staged as codes too
+    apart = mla_decode_attention(*args, scale, num_splits=num_splits, tiles=tiles)
+    calls, split = [], mla_decode_gluon.split
+    monkeypatch.setattr(mla_decode_gluon, "split", lambda *a, **k: calls.append(k["queries_per_seq"]) or split(*a, **k))
+    monkeypatch.setattr(mla_decode_gluon, "FOLDS", True)
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    mla_decode_attention(*args, scale, num_splits=num_splits, out=out, tiles=dict(gluon=True), queries_per_seq=2)
+    assert calls == [2]
+    assert rel_err(out, ref) < (2e-3 if fp8 else 1e-2) and rel_err(out, apart) < 2e-3
 
 
 def _mla_layer_case(monkeypatch, g, cache, meta, tokens, fold, heads, nope, vdim, lora, rope, switch="FOLD_CHUNKS"):
