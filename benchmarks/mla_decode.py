@@ -31,6 +31,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -219,7 +220,8 @@ def compare_and_time(runs: dict, caches: list, case: dict, n_bytes: float) -> tu
     for name_b, run_b in others:
         b = run_b(caches[0]).float().flatten()
         err = ((a - b).norm() / b.norm()).item()
-        failures += [] if err < 1e-2 else [f"{name_b} {case}: rel err {err:.3g} to {name_a}"]
+        if err >= 1e-2:
+            failures.append(f"{name_b} {case}: rel err {err:.3g} to {name_a}")
     rows = []
     for name, run in runs.items():
         sec = time_calls([lambda c=c, run=run: run(c) for c in caches])
@@ -244,11 +246,8 @@ def measure_fold(batch: int, context: int, heads: int, queries: int, kv: str = "
                         device="cuda")
 
     def gluon_folded(c):  # the Gluon kernel's fold, whatever its switch says (R x H within one program)
-        saved, mla_decode_gluon.FOLDS = mla_decode_gluon.FOLDS, True
-        try:
+        with mock.patch.object(mla_decode_gluon, "FOLDS", True):
             return mla_decode_attention(q, q_pe, c, tables, lens, 0.1, queries_per_seq=queries)
-        finally:
-            mla_decode_gluon.FOLDS = saved
 
     runs = {
         f"{queries} rows apart": lambda c: mla_decode_attention(q, q_pe, c, tables, lens, 0.1),

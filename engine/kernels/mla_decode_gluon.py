@@ -626,7 +626,7 @@ def applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     t = q_latent
     if not (t.is_cuda and _capability(t.device) == 9):  # cached: asked every decode call
         return False
-    if queries_per_seq > 1 and not (FOLDS and t.shape[1] <= MAX_HEADS):
+    if queries_per_seq > 1 and not FOLDS:  # folded heads count against MAX_HEADS below
         return False
     fp8 = kv_cache.dtype == torch.uint8
     return (t.dtype == torch.bfloat16 and q_pe.dtype == torch.bfloat16 and t.shape[2] == int(KV_LORA)
