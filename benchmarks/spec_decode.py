@@ -1,7 +1,8 @@
 """Speculative decoding with the MTP layer: what it buys a stream, and what verifying k drafts costs.
 
     python benchmarks/spec_decode.py [--model deepseek-tiny] [--k 1,2,3] [--streams 1,4,16]
-                                     [--presets v2-lite,v3-slice] [--no-projection-dot] [--no-grouped-dot]
+                                     [--presets v2-lite,v3-slice] [--context N] [--kv-cache-dtype auto|fp8]
+                                     [--no-projection-dot] [--no-grouped-dot]
                                      [--out results.json]
 
 1. A real checkpoint with a trained MTP layer (deepseek-tiny by default): greedy chat answers, or
@@ -11,8 +12,9 @@
    tokens equal the plain run's (in bf16 a verification's rows and a decode row can round apart).
 2. Random-weight shapes (`--presets`): the target's step over k + 1 consecutive rows of one sequence
    (a verification, replayed from the decode graphs; and run eagerly, as a chunk) against a one-row
-   decode step at `--context` tokens, and the MTP draft after it (its CUDA graph) -> the single-stream
-   speedup each number of tokens gained per step would buy: gained * t(decode) / (t(verify) + t(draft)).
+   decode step at `--context` tokens (the latent cache in `--kv-cache-dtype`), and the MTP draft after it
+   (its CUDA graph) -> the single-stream speedup each number of tokens gained per step would buy:
+   gained * t(decode) / (t(verify) + t(draft)).
    Then the fused step (`SpecGraphs`: verify, accept and draft in one replay) of one sequence, captured
    with the verification's rows folded into the decode kernel's heads and not
    (`attention.FOLD_VERIFICATIONS`): the device time of a replay at that context, either way.
@@ -54,6 +56,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="batches of `streams` requests per setting")
     p.add_argument("--presets", default="", help="random-weight shapes for the verify-step costs, e.g. v2-lite,v3-slice")
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the presets' latent cache")
     p.add_argument("--always-draft", action="store_true",
                    help="draft at every batch size (by default a GPU measures where drafting pays at start)")
     p.add_argument("--no-projection-dot", dest="projection_dot", action="store_false",
@@ -152,7 +155,7 @@ def real_model(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def verify_costs(preset: str, ks: list[int], context: int) -> dict:
+def verify_costs(preset: str, ks: list[int], context: int, kv_cache_dtype: str = "auto") -> dict:
     """Step times of one sequence at `context`: 1 row, k + 1 rows (a verification, replayed and eager), the
     MTP draft of k."""
     hf = preset_config(preset)
@@ -162,6 +165,7 @@ def verify_costs(preset: str, ks: list[int], context: int) -> dict:
     # room for the fused steps' replays, each moving the rows on by up to k + 1 positions
     blocks = -(-(context + FUSED_REPLAYS * (max(ks) + 1) + 8) // bs)
     config = EngineConfig(model=preset, dtype="bfloat16", max_num_seqs=8, block_size=bs, num_kv_blocks=blocks + 1,
+                          kv_cache_dtype=kv_cache_dtype,
                           show_progress=False, speculative_config={"num_speculative_tokens": max(ks)},
                           extra={"capture_graphs_at_start": False})
     runner = ModelRunner(config, model_config, None, blocks * bs)
@@ -173,8 +177,8 @@ def verify_costs(preset: str, ks: list[int], context: int) -> dict:
         plan = StepPlan([0], [context], [n], 1 if n > 1 else 0, [7] * n, list(range(n)), use_graph=graph)
         return time_fn(lambda: runner.run(plan), dev, repeats=20, warmup=3)
 
-    out = {"preset": preset, "context": context, "decode_s": step(1), "verify_s": {}, "verify_eager_s": {},
-           "draft_s": {}}
+    out = {"preset": preset, "context": context, "kv_cache_dtype": kv_cache_dtype, "decode_s": step(1),
+           "verify_s": {}, "verify_eager_s": {}, "draft_s": {}}
     for k in ks:
         n = k + 1
         out["verify_eager_s"][k] = step(n, graph=False)
@@ -191,7 +195,7 @@ def verify_costs(preset: str, ks: list[int], context: int) -> dict:
         out.setdefault("speedup_if_gained", {})[k] = {g: g * out["decode_s"] / t for g in range(1, k + 2)}
         if runner.graphs.max_batch >= n:
             out.setdefault("fused_s", {})[k] = {fold: fused_step(runner, k, context, fold) for fold in (False, True)}
-        print(json.dumps({"preset": preset, "k": k, "decode_ms": out["decode_s"] * 1e3,
+        print(json.dumps({"preset": preset, "kv": kv_cache_dtype, "k": k, "decode_ms": out["decode_s"] * 1e3,
                           "verify_ms": out["verify_s"][k] * 1e3, "verify_eager_ms": out["verify_eager_s"][k] * 1e3,
                           "draft_ms": out["draft_s"][k] * 1e3,
                           **{f"fused_{'folded' if fold else 'unfolded'}_ms": t * 1e3
@@ -232,7 +236,8 @@ def main() -> None:
               "real_model": real_model(args) if args.model else []}
     if args.presets:
         ks = [int(x) for x in args.k.split(",")]
-        result["verify_costs"] = [verify_costs(p, ks, args.context) for p in args.presets.split(",")]
+        result["verify_costs"] = [verify_costs(p, ks, args.context, args.kv_cache_dtype)
+                                  for p in args.presets.split(",")]
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
