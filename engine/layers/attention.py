@@ -203,10 +203,10 @@ ABSORBED_MAX_TOKENS = 256
 # tokens/s; `bench --no-fold-chunks` without)
 FOLD_CHUNKS = True
 # the same for a fused speculative step's verifications (k + 1 rows a sequence, as its graphs tell the
-# metadata: `AttentionMetadata.queries_per_seq`); measured slower, so off: the fold runs on the Triton
-# kernel, and the Gluon one over k + 1 unfolded rows (which share their cache reads through L2) is faster
-# (one stream of V2-Lite on an H200, k = 1 and 3: folded, a fused step took 2.5-3.9 % longer at 1k and
-# 4.7-7.3 % at 32k; `benchmarks/spec_decode.py --presets`)
+# metadata: `AttentionMetadata.queries_per_seq`); off: on the Triton kernel the fold measured slower (one
+# stream of V2-Lite on an H200, k = 1 and 3: a fused step 2.5-3.9 % longer at 1k, 4.7-7.3 % at 32k), and
+# on the Gluon kernel (k = 1 at 16 heads) no faster over bf16 rows (H100, 32k: 4.42 -> 4.45 ms; the second
+# row's cost is its experts' weights, not attention); `benchmarks/spec_decode.py --presets`
 FOLD_VERIFICATIONS = False
 
 
