@@ -2,6 +2,7 @@
 a card, where a script that no longer matches the engine (a renamed argument, a graph's new key) costs
 the card's time to find. What they measure is the card's; here only that they run and report."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,14 @@ def test_spec_decode_times_the_fused_step_folded_and_not(monkeypatch):
     assert all(s > 0 for s in seconds)
     # the replays moved the sequence's rows on from the context, by at least one position a replay
     assert runner.graphs.positions[0].item() >= context + spec_decode.FUSED_REPLAYS - 1
+
+
+def test_kv_cache_drift_reports_each_cache_against_the_float32_one(tmp_path):
+    """`benchmarks/kv_cache_drift.py` on the embedded trained checkpoint: the bf16 and FP8 caches each
+    drift from the float32 one, FP8's more (e4m3 keeps 3 mantissa bits to bf16's 7), and teacher-forced
+    argmaxes mostly agree."""
+    out = tmp_path / "drift.json"
+    run_script("benchmarks/kv_cache_drift.py", "--prompts", "2", "--max-tokens", "12", "--out", str(out))
+    rows = {r["cache"]: r for r in json.loads(out.read_text())["rows"]}
+    assert 0 < rows["bf16"]["mean_abs_logit_drift"] < rows["fp8"]["mean_abs_logit_drift"]
+    assert all(r["argmax_agreement"] > 0.9 and 0 <= r["greedy_tokens_alike"] <= 12 for r in rows.values())
