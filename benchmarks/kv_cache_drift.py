@@ -1,9 +1,10 @@
 """The FP8 latent cache's accuracy on a trained checkpoint: logit drift and greedy agreement.
 
     python benchmarks/kv_cache_drift.py [--model deepseek-tiny] [--prompts 32] [--max-tokens 128]
-                                        [--chunk 16] [--device cpu] [--out results.json]
+                                        [--chunk 16] [--out results.json]
 
-Three engines on one checkpoint, float32 activations: the latent cache in float32 (the truth), in bf16,
+Three engines on one checkpoint, on the CPU with float32 activations (the reference path; the kernels'
+FP8 reads are held to it by tests/engine/test_kernels.py): the latent cache in float32 (the truth), in bf16,
 and as FP8 (`kv_cache_dtype="fp8"`: e4m3 with a scale a token). Each prompt is a chat question whose
 answer the truth writes greedily (`--max-tokens`, EOS ignored); then
 - teacher-forced: every engine scores prompt + the truth's answer in chunks of `--chunk` tokens over
@@ -42,7 +43,6 @@ def parse_args() -> argparse.Namespace:
                    metavar=f"1..{len(QUESTIONS)}", help="distinct chat questions")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--chunk", type=int, default=16, help="prefill chunk, tokens (pages hold 4)")
-    p.add_argument("--device", default="cpu")
     p.add_argument("--out")
     return p.parse_args()
 
@@ -53,7 +53,7 @@ def alike(a: list[int], b: list[int]) -> int:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    llms = {name: LLM(args.model, dtype="float32", device=args.device, kv_cache_dtype=kv, block_size=4,
+    llms = {name: LLM(args.model, dtype="float32", device="cpu", kv_cache_dtype=kv, block_size=4,
                       max_num_batched_tokens=args.chunk, enable_prefix_caching=False)
             for name, kv in CACHES.items()}
     tok = llms["float32"].tokenizer
@@ -81,7 +81,7 @@ def measure(args: argparse.Namespace) -> dict:
                      "replies_identical": sum(a == b for a, b in zip(replies[name], replies["float32"])) / len(same)})
     for llm in llms.values():
         llm.engine.shutdown()
-    return {"model": args.model, "device": args.device, "prompts": args.prompts, "max_tokens": args.max_tokens,
+    return {"model": args.model, "device": "cpu", "prompts": args.prompts, "max_tokens": args.max_tokens,
             "chunk": args.chunk, "logit_std": std, "rows": rows}
 
 
