@@ -18,16 +18,17 @@ answer the truth writes greedily (`--max-tokens`, EOS ignored); then
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
-from engine import LLM, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark's questions
+import spec_decode  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
 
-QUESTIONS = [
-    "What does json.dumps do?", "Define the word harbor.", "What is 17 plus 25?", "Hello! Who are you?",
-    "What does os.path.join do?", "Define the word lantern.", "What is 9 times 7?", "What does re.sub do?",
-    "What does itertools.chain do?", "Define the word meadow.", "What is 40 minus 13?", "Good morning!",
-    "Define the word quarrel.", "What does collections.Counter do?", "What is 12 times 12?", "Tell me a fact.",
+# 32 distinct chat questions: the speculative-decoding benchmark's 16, then 16 more
+QUESTIONS = spec_decode.QUESTIONS + [
     "What does str.split do?", "Define the word orchard.", "What is 81 divided by 9?", "How are you today?",
     "What does sorted do?", "Define the word glacier.", "What is 6 plus 15?", "What is a list in Python?",
     "What does dict.get do?", "Define the word compass.", "What is 100 minus 37?", "Thank you!",
@@ -56,13 +57,12 @@ def measure(args: argparse.Namespace) -> dict:
     llms = {name: LLM(args.model, dtype="float32", device="cpu", kv_cache_dtype=kv, block_size=4,
                       max_num_batched_tokens=args.chunk, enable_prefix_caching=False)
             for name, kv in CACHES.items()}
-    tok = llms["float32"].tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i]}]),
-                          add_bos=False) for i in range(args.prompts)]
+    prompts = spec_decode.chat_prompts(llms["float32"].engine, args.prompts, 0, QUESTIONS)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     answers = {name: [o.token_ids for o in llm.generate(prompts, greedy)] for name, llm in llms.items()}
-    to_eos = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)  # the answers as a user reads them
-    replies = {name: [o.token_ids for o in llm.generate(prompts, to_eos)] for name, llm in llms.items()}
+    eos = llms["float32"].tokenizer.eos_token_id
+    # the replies as a user reads them: each answer to its first EOS (greedy, so the same tokens)
+    replies = {name: [a[: a.index(eos) + 1] if eos in a else a for a in ans] for name, ans in answers.items()}
     forced = [p + a for p, a in zip(prompts, answers["float32"])]
     # the logits that predict each answer token: positions len(prompt) - 1 .. len(prompt + answer) - 2
     spans = [slice(len(p) - 1, len(f) - 1) for p, f in zip(prompts, forced)]

@@ -68,9 +68,9 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def chat_prompts(engine: LLMEngine, n: int, offset: int) -> list[list[int]]:
+def chat_prompts(engine: LLMEngine, n: int, offset: int, questions: list[str] = QUESTIONS) -> list[list[int]]:
     tok = engine.tokenizer
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTIONS[(offset + i) % len(QUESTIONS)]}]),
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": questions[(offset + i) % len(questions)]}]),
                        add_bos=False) for i in range(n)]
 
 
